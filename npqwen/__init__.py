@@ -1,0 +1,8 @@
+"""npqwen: Qwen3 inference in plain NumPy (CPU) or CuPy (CUDA), numerically matching HF transformers."""
+from .config import Qwen3Config
+from .errors import NpqwenError
+from .llm import LLM, load
+from .model import KVCache, Qwen3
+
+__version__ = "0.1.0"
+__all__ = ["load", "LLM", "Qwen3", "Qwen3Config", "KVCache", "NpqwenError", "__version__"]

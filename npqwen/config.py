@@ -1,0 +1,173 @@
+"""Qwen3 hyper-parameters, read from a checkpoint's config.json.
+
+Field names are the keys of Hugging Face's config.json, so `config.hidden_size` here is
+`"hidden_size"` there. Unknown keys are ignored; a missing required key or a value of the
+wrong type is an NpqwenError that names the key.
+"""
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import NpqwenError
+
+ROPE_TYPES = ("default", "linear", "yarn")
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    hidden_size: int                # D: width of the residual stream (1024 in Qwen3-0.6B)
+    intermediate_size: int          # F: width of the SwiGLU MLP (3072)
+    num_hidden_layers: int          # number of decoder layers (28)
+    num_attention_heads: int        # H: query heads (16)
+    vocab_size: int                 # V: rows of the embedding and of lm_head (151936)
+    num_key_value_heads: int | None = None   # K: key/value heads, shared by H/K query heads (8); default H
+    head_dim: int | None = None     # Dh: width of one head (128); default hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6      # epsilon inside every RMSNorm
+    rope_theta: float = 10000.0     # RoPE base; Qwen3 uses 1e6
+    rope_scaling: dict | None = None  # None, or {"rope_type": "linear" | "yarn", "factor": ..., ...}
+    max_position_embeddings: int = 32768  # context length: positions 0 .. this - 1 (40960)
+    tie_word_embeddings: bool = False     # lm_head.weight is model.embed_tokens.weight (True in 0.6B)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None  # 151645 (<|im_end|>) in Qwen3-0.6B
+
+    def __post_init__(self):
+        # Derived values, computed in this one place.
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise NpqwenError(f"config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise NpqwenError(f"config: num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                              f"of num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise NpqwenError(f"config: head_dim must be even for RoPE, got {self.head_dim}")
+        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
+            raise NpqwenError("config: rms_norm_eps and rope_theta must be positive")
+        object.__setattr__(self, "rope_scaling",
+                           _check_rope_scaling(self.rope_scaling, self.max_position_embeddings))
+
+    @property
+    def num_key_value_groups(self) -> int:
+        """G = H / K: how many query heads read the same key/value head (2 in Qwen3-0.6B)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope_scaling["rope_type"] if self.rope_scaling else "default"
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        e = self.eos_token_id
+        return () if e is None else (e,) if isinstance(e, int) else tuple(e)
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config") -> "Qwen3Config":
+        """Build from a parsed config.json; `source` names the file in error messages."""
+        if not isinstance(raw, dict):
+            raise NpqwenError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        model_type = raw.get("model_type")
+        if model_type != "qwen3":
+            raise NpqwenError(f"{source}: model_type is {model_type!r}, but npqwen runs dense Qwen3 "
+                              f"checkpoints (model_type 'qwen3', e.g. Qwen/Qwen3-0.6B)")
+        raw = dict(raw)
+        _check_unsupported(raw, source)
+        # Newer transformers (>= 5) store rope_theta and the scaling inside "rope_parameters".
+        rope_parameters = raw.get("rope_parameters")
+        if isinstance(rope_parameters, dict):
+            rope_parameters = dict(rope_parameters)
+            if "rope_theta" in rope_parameters and "rope_theta" not in raw:
+                raw["rope_theta"] = rope_parameters.pop("rope_theta")
+            rope_parameters.pop("rope_theta", None)
+            rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
+            if rope_type != "default" and raw.get("rope_scaling") is None:
+                raw["rope_scaling"] = rope_parameters
+        values = {}
+        for field in dataclasses.fields(cls):
+            if field.name not in raw or (raw[field.name] is None and field.default is dataclasses.MISSING):
+                if field.default is dataclasses.MISSING:
+                    raise NpqwenError(f"{source}: required field {field.name!r} is missing")
+                continue
+            values[field.name] = _check_type(field.name, raw[field.name], field.type, source)
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, path) -> "Qwen3Config":
+        path = Path(path)
+        if not path.is_file():
+            raise NpqwenError(f"{path} not found: a Qwen3 checkpoint directory holds config.json, "
+                              f"model.safetensors (or shards) and tokenizer.json")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise NpqwenError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_dict(raw, source=str(path))
+
+
+def _check_type(name, value, annotation, source):
+    """Return `value` if it fits the field's annotation (int, float, bool, dict, list[int], None)."""
+    allowed = str(annotation).replace("<class '", "").replace("'>", "")  # e.g. "int | None", "bool"
+    kinds = set(allowed.replace(" ", "").split("|"))
+    ok = False
+    if value is None:
+        ok = "None" in kinds
+    elif isinstance(value, bool):
+        ok = "bool" in kinds
+    elif isinstance(value, int):
+        ok = "int" in kinds or "float" in kinds
+        value = value if "int" in kinds or not ok else float(value)
+    elif isinstance(value, float):
+        ok = "float" in kinds and math.isfinite(value)
+    elif isinstance(value, dict):
+        ok = "dict" in kinds
+    elif isinstance(value, list):
+        ok = "list[int]" in kinds and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    if not ok:
+        raise NpqwenError(f"{source}: field {name!r} should be {allowed}, got {value!r}")
+    return value
+
+
+def _check_unsupported(raw: dict, source: str):
+    """Qwen3 options that change the math and that npqwen does not implement."""
+    if raw.get("hidden_act", "silu") != "silu":
+        raise NpqwenError(f"{source}: hidden_act {raw['hidden_act']!r} is unsupported (Qwen3 uses 'silu')")
+    if raw.get("attention_bias"):
+        raise NpqwenError(f"{source}: attention_bias true is unsupported (Qwen3 checkpoints have none)")
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+        raise NpqwenError(f"{source}: partial_rotary_factor is unsupported (Qwen3 rotates the whole head)")
+    layer_types = raw.get("layer_types") or []
+    if raw.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+        raise NpqwenError(f"{source}: sliding-window attention is unsupported (Qwen3 checkpoints use "
+                          f"full attention: set use_sliding_window false)")
+
+
+def _check_rope_scaling(scaling, max_position_embeddings):
+    """Normalise rope_scaling to {"rope_type": ..., ...} and reject what npqwen cannot compute."""
+    if scaling is None:
+        return None
+    scaling = dict(scaling)
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    if rope_type not in ROPE_TYPES:
+        raise NpqwenError(f"config: rope_scaling type {rope_type!r} is unsupported; npqwen computes "
+                          f"{', '.join(ROPE_TYPES)} RoPE as transformers does")
+    if rope_type == "default":
+        return None
+    if rope_type == "yarn":
+        # As transformers: the pre-training length defaults to the context length, and a
+        # missing factor is the ratio of the two.
+        original = scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
+        if not isinstance(original, int) or original <= 0:
+            raise NpqwenError(f"config: rope_scaling original_max_position_embeddings must be a positive "
+                              f"integer, got {original!r}")
+        if scaling.get("factor") is None:
+            scaling["factor"] = max_position_embeddings / original
+    factor = scaling.get("factor")
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
+        raise NpqwenError(f"config: rope_scaling type {rope_type!r} needs a positive 'factor', got {factor!r}")
+    return {"rope_type": rope_type, **scaling}

