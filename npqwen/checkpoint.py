@@ -179,6 +179,15 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype) -> tuple[dict,
         if found[name].shape != shape:
             raise NpqwenError(f"{directory}: tensor {name!r} has shape {list(found[name].shape)}, expected "
                               f"{list(shape)} from config.json")
+    weights, fused = allocate_weights(config, xp, dtype)
+    for name, array in weights.items():
+        read_tensor(found[name], array)
+    return tie_lm_head(config, weights), fused
+
+
+def allocate_weights(config: Qwen3Config, xp, dtype) -> tuple[dict, dict]:
+    """Empty arrays for every HF tensor (in checkpoint order), q/k/v and gate/up as views of stacked matrices."""
+    shapes = expected_shapes(config)
     fused, views = {}, {}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
@@ -190,13 +199,16 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype) -> tuple[dict,
             fused[stacked] = xp.empty((sum(rows), config.hidden_size), dtype=dtype)
             for n, start, r in zip(names, np.cumsum([0] + rows), rows):
                 views[n] = fused[stacked][start:start + r]   # a view into the stacked matrix
-    weights = {}
-    for name, shape in shapes.items():   # in checkpoint order: embed, layers, norm, lm_head
-        weights[name] = views[name] if name in views else xp.empty(shape, dtype=dtype)
-        read_tensor(found[name], weights[name])
-    if config.tie_word_embeddings:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]   # the same array, not a copy
+    weights = {name: views[name] if name in views else xp.empty(shape, dtype=dtype)
+               for name, shape in shapes.items()}
     return weights, fused
+
+
+def tie_lm_head(config: Qwen3Config, weights: dict) -> dict:
+    """With tie_word_embeddings, lm_head.weight is the embedding itself (the same array, not a copy)."""
+    if config.tie_word_embeddings:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return weights
 
 
 def float32_to_bf16_bits(a: np.ndarray) -> np.ndarray:

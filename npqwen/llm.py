@@ -1,4 +1,10 @@
-"""`npqwen.load`: a checkpoint directory -> an LLM (model + tokenizer)."""
+"""`npqwen.load`: a checkpoint directory -> an LLM (model + tokenizer + sampling defaults).
+
+    llm = npqwen.load("Qwen3-0.6B")
+    llm.generate("The capital of France is", max_new_tokens=20).text
+    for piece in llm.stream("Tell me a story"): print(piece, end="")
+    llm.chat([{"role": "user", "content": "Why is the sky blue?"}]).content
+"""
 from pathlib import Path
 
 import numpy as np
@@ -7,19 +13,27 @@ from .backend import array_module
 from .checkpoint import load_weights
 from .config import Qwen3Config
 from .errors import NpqwenError
+from .hub import resolve_model
+from .generate import ChatResult, GenerationResult, generate_tokens
 from .model import Qwen3
+from .sampling import read_generation_config, sampling_params
+from .tokenizer import Tokenizer
 
 DTYPES = {"cpu": ("float32", "float64"), "cuda": ("float32", "float16", "float64")}
+DEFAULT_MAX_NEW_TOKENS = 512
 
 
 class LLM:
-    """A loaded Qwen3: `.config`, `.weights` (HF name -> array), `.tokenizer`, `.forward(ids)`."""
+    """A loaded Qwen3: `.config`, `.weights` (HF name -> array), `.tokenizer`, `.forward(ids)`,
+    `.generate`, `.stream`, `.chat`."""
 
-    def __init__(self, model: Qwen3, tokenizer=None, path: Path | None = None):
+    def __init__(self, model: Qwen3, tokenizer: Tokenizer | None = None, generation_defaults: dict | None = None,
+                 path: Path | None = None):
         self.model = model
         self.config = model.config
         self.weights = model.weights
         self.tokenizer = tokenizer
+        self.generation_defaults = generation_defaults or {}   # from generation_config.json
         self.path = path
 
     def forward(self, token_ids, cache=None, last_only=False, recorder=None):
@@ -29,23 +43,122 @@ class LLM:
     def new_cache(self, capacity: int):
         return self.model.new_cache(capacity)
 
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.generation_defaults.get("eos_token_id") or list(self.config.eos_token_ids)
+
+    def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None, top_k=None,
+                 top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, seed=None,
+                 stop=None) -> GenerationResult:
+        """Complete `prompt` (text, used as is, or token ids). Sampling defaults come from
+        generation_config.json; arguments given here override them; temperature=0 is greedy."""
+        result = GenerationResult("", [], "length")
+        for _ in self._run(prompt, result, max_new_tokens, stop, temperature=temperature, top_k=top_k,
+                           top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                           presence_penalty=presence_penalty, seed=seed):
+            pass
+        return result
+
+    def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None, top_k=None,
+               top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None,
+               result: GenerationResult | None = None):
+        """Like generate, but yields text pieces as they come; `result`, if given, is filled in."""
+        result = result if result is not None else GenerationResult("", [], "length")
+        return self._run(prompt, result, max_new_tokens, stop, temperature=temperature, top_k=top_k,
+                             top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                             presence_penalty=presence_penalty, seed=seed)
+
+    def chat_prompt(self, messages, enable_thinking: bool = True, tools=None) -> str:
+        """The chat template applied to `messages` (a str is one user message), ready for generation."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        return self._tokenizer().apply_chat_template(messages, add_generation_prompt=True,
+                                                     enable_thinking=enable_thinking, tools=tools)
+
+    def chat(self, messages, enable_thinking: bool = True, tools=None, stream_to=None, **kwargs) -> ChatResult:
+        """Answer the conversation; the <think> reasoning comes back apart from the final content.
+
+        `stream_to`, if given, is called with each text piece as it is generated.
+        """
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        prompt = self.chat_prompt(messages, enable_thinking, tools)
+        result = ChatResult("", [], "length")
+        for piece in self.stream(prompt, result=result, **kwargs):
+            if stream_to is not None:
+                stream_to(piece)
+        result.reasoning, result.content = split_reasoning(result.text)
+        result.messages = list(messages) + [{"role": "assistant", "content": result.content}]
+        return result
+
+    def save(self, directory, dtype: str = "F32"):
+        """Write a Hugging Face checkpoint directory (config, weights, tokenizer, generation defaults)."""
+        import dataclasses
+        import json
+
+        from .backend import to_numpy
+        from .checkpoint import save_safetensors
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                  **dataclasses.asdict(self.config)}
+        (directory / "config.json").write_text(json.dumps(config, indent=2))
+        tensors = {name: to_numpy(a) for name, a in self.weights.items()
+                   if not (name == "lm_head.weight" and self.config.tie_word_embeddings)}
+        save_safetensors(directory / "model.safetensors", tensors, dtype)
+        defaults = self.generation_defaults
+        sampling = {k: defaults[k] for k in ("temperature", "top_k", "top_p", "min_p") if k in defaults}
+        generation = {**({"do_sample": True} if sampling else {}), **sampling,
+                      **({"eos_token_id": self.eos_token_ids} if self.eos_token_ids else {})}
+        (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        if self.tokenizer is not None:
+            self.tokenizer.save(directory)
+        return directory
+
+    def _tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise NpqwenError(f"{self.path}: no tokenizer.json, so text prompts cannot be encoded; "
+                              f"pass token ids or add the checkpoint's tokenizer files")
+        return self.tokenizer
+
+    def _run(self, prompt, result, max_new_tokens, stop, **sampling):
+        params = sampling_params(self.generation_defaults, **sampling)
+        if isinstance(prompt, str):
+            ids = self._tokenizer().encode(prompt)
+        else:
+            ids = [int(i) for i in np.asarray(prompt).reshape(-1)]
+        return generate_tokens(self.model, self.tokenizer, ids, params, max_new_tokens,
+                               eos_ids=self.eos_token_ids, stop=stop, result=result)
+
+
+def split_reasoning(text: str) -> tuple[str, str]:
+    """(reasoning, content) of a Qwen3 answer "<think>\\n...\\n</think>\\n\\ncontent"."""
+    if "</think>" not in text:
+        return "", text
+    reasoning, content = text.split("</think>", 1)   # split as Qwen3's chat template does
+    return reasoning.rstrip("\n").split("<think>")[-1].lstrip("\n"), content.lstrip("\n")
+
 
 def load(path, device: str = "cpu", dtype: str = "float32") -> LLM:
-    """Load a Hugging Face Qwen3 checkpoint directory onto `device` ("cpu" or "cuda") in `dtype`."""
+    """Load a Qwen3 checkpoint onto `device` ("cpu" or "cuda") in `dtype`.
+
+    `path` is a Hugging Face checkpoint directory, a hub id such as "Qwen/Qwen3-0.6B" found in
+    the HF cache (or downloaded when huggingface_hub is installed and online), or "tiny" for the
+    built-in tiny model with random weights (see npqwen/tiny.py).
+    """
     if device not in DTYPES:
         raise NpqwenError(f"unknown device {device!r}: use 'cpu' or 'cuda'")
     if dtype not in DTYPES[device]:
         hint = " (NumPy float16 matmuls are ~100x slower than float32)" if dtype == "float16" else ""
         raise NpqwenError(f"dtype {dtype!r} is not supported on {device}{hint}; use one of "
                           f"{', '.join(DTYPES[device])}")
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        raise NpqwenError(f"model directory {str(path)!r} does not exist")
+    if str(path) == "tiny":
+        from .tiny import TINY_GENERATION, tiny_model, tiny_tokenizer
+        return LLM(tiny_model(device, dtype), tiny_tokenizer(), dict(TINY_GENERATION), None)
+    path = resolve_model(path)
     xp = array_module(device)
     config = Qwen3Config.from_json(path / "config.json")
     weights, fused = load_weights(path, config, xp, np.dtype(dtype))
-    tokenizer = None
-    if (path / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    return LLM(Qwen3(config, weights, fused), tokenizer, path)
+    tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+    return LLM(Qwen3(config, weights, fused), tokenizer, read_generation_config(path), path)

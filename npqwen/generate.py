@@ -1,0 +1,152 @@
+"""Generation: prefill the prompt into a KV cache, then decode one token at a time.
+
+    prefill(model, prompt_ids, cache)    -> logits of the last prompt token
+    decode_one_token(model, token, cache) -> logits of the next position
+    generate_tokens(...)                  -> yields (token id, text piece) until a stop condition
+
+The stop conditions are an eos id, a user stop string (excluded from the text), and
+max_new_tokens (finish_reason "length"); the KV cache is sized for prompt + max_new_tokens.
+"""
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .backend import to_numpy
+from .errors import NpqwenError
+from .sampling import SamplingParams, choose
+
+PREFILL_CHUNK = 512   # prompt tokens per forward call: bounds the (T, S) attention scores
+
+
+@dataclass
+class GenerationResult:
+    text: str                           # generated text, without the eos token or a stop string
+    token_ids: list[int]                # generated tokens only (an eos token included, as HF returns it)
+    finish_reason: str                  # "stop" (eos or stop string) or "length" (max_new_tokens)
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0        # prompt -> first token's logits (time to first token)
+    decode_seconds: float = 0.0         # the remaining tokens
+    stop: str | None = None             # the stop string or eos token that ended generation
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def generation_tokens_per_second(self) -> float:
+        n = len(self.token_ids) - 1    # the first token came from the prefill
+        return n / self.decode_seconds if n > 0 and self.decode_seconds else 0.0
+
+
+@dataclass
+class ChatResult(GenerationResult):
+    reasoning: str = ""                 # what the model wrote inside <think> ... </think>
+    content: str = ""                   # the answer after </think>
+    messages: list = field(default_factory=list)   # the conversation including this answer
+
+
+def prefill(model, prompt_ids, cache, chunk: int = PREFILL_CHUNK):
+    """Run the prompt through the model in chunks, filling the cache; logits of the last token (V,)."""
+    for start in range(0, len(prompt_ids), chunk):
+        logits = model.forward(prompt_ids[start:start + chunk], cache=cache, last_only=True)
+    return logits[0]
+
+
+def decode_one_token(model, token_id: int, cache):
+    """One step: the new token's keys/values join the cache; logits of the next position (V,)."""
+    return model.forward([token_id], cache=cache)[0]
+
+
+class StopStrings:
+    """Holds back streamed text that could still turn into a stop string."""
+
+    def __init__(self, stops):
+        self.stops = [s for s in (stops or []) if s]
+        self.pending = ""
+
+    def feed(self, piece: str) -> tuple[str, str | None]:
+        """(text safe to emit, the stop string if one completed)."""
+        self.pending += piece
+        hits = [(self.pending.find(s), s) for s in self.stops if s in self.pending]
+        if hits:
+            at, stop = min(hits)
+            out, self.pending = self.pending[:at], ""
+            return out, stop
+        hold = max((n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
+        out = self.pending[:len(self.pending) - hold]
+        self.pending = self.pending[len(out):]
+        return out, None
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def generate_tokens(model, tokenizer, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
+                    eos_ids=(), stop=None, result: GenerationResult | None = None):
+    """A generator of text pieces, filling `result` (ids, text, timings) as tokens are generated.
+
+    The arguments are checked at once, before the first token.
+    """
+    config = model.config
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise NpqwenError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not all(isinstance(s, str) for s in stop):
+        raise NpqwenError(f"stop must be a string or a list of strings, got {stop!r}")
+    if len(prompt_ids) == 0:
+        raise NpqwenError("the prompt is empty")
+    room = config.max_position_embeddings - len(prompt_ids)
+    if room < 1:
+        raise NpqwenError(f"the prompt has {len(prompt_ids)} tokens but the context holds "
+                          f"{config.max_position_embeddings} (max_position_embeddings): no room to generate; "
+                          f"shorten the prompt")
+    result = result if result is not None else GenerationResult("", [], "length")
+    result.prompt_tokens = len(prompt_ids)
+    # Everything above is checked now; the generator below runs when iterated.
+    return _generate(model, tokenizer, list(prompt_ids), params, min(max_new_tokens, room), eos_ids, stop, result)
+
+
+def _generate(model, tokenizer, prompt_ids, params, max_new_tokens, eos_ids, stop, result):
+    rng = np.random.default_rng(params.seed)
+    decoder = tokenizer.stream_decoder() if tokenizer is not None else None
+    stops = StopStrings(stop)
+    eos_ids = set(eos_ids)
+
+    started = time.perf_counter()
+    cache = model.new_cache(len(prompt_ids) + max_new_tokens)
+    logits = prefill(model, prompt_ids, cache)
+    stopped_by_string = False
+    for step in range(max_new_tokens):
+        token = choose(to_numpy(logits), params, rng, prompt_ids, result.token_ids)
+        if step == 0:
+            result.prefill_seconds = time.perf_counter() - started
+            started = time.perf_counter()
+        result.token_ids.append(token)
+        if token in eos_ids:
+            result.finish_reason = "stop"
+            result.stop = tokenizer.decode([token]) if tokenizer is not None else str(token)
+            break
+        if decoder is not None:
+            piece, hit = stops.feed(decoder.push(token))
+            result.text += piece
+            if piece:
+                yield piece
+            if hit is not None:
+                result.finish_reason, result.stop, stopped_by_string = "stop", hit, True
+                break
+        if step + 1 < max_new_tokens:
+            logits = decode_one_token(model, token, cache)
+    result.decode_seconds = time.perf_counter() - started
+    if decoder is not None and not stopped_by_string:
+        # Release what was held back: an unfinished character, or text that might have begun a stop string.
+        piece, hit = stops.feed(decoder.finish())
+        if hit is not None:
+            result.finish_reason, result.stop = "stop", hit
+        else:
+            piece += stops.flush()
+        result.text += piece
+        if piece:
+            yield piece

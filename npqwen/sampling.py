@@ -1,0 +1,168 @@
+"""Choosing the next token from logits: one small pure function per step, on host NumPy arrays.
+
+Order, as transformers' generate: repetition penalty -> presence penalty -> temperature ->
+top-k -> top-p -> min-p -> draw. A filtered-out token gets logit -inf. Temperature 0 means
+greedy: the argmax of the penalised logits.
+"""
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import NpqwenError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0          # 0: greedy; else logits / temperature
+    top_k: int = 0                    # keep the k largest logits (ties at the k-th kept); 0: off
+    top_p: float = 1.0                # keep the smallest set whose probability reaches top_p; 1: off
+    min_p: float = 0.0                # drop tokens below min_p * p(most likely); 0: off
+    repetition_penalty: float = 1.0   # divide (multiply if negative) logits of tokens already seen; 1: off
+    presence_penalty: float = 0.0     # subtract from logits of tokens already generated; 0: off
+    seed: int | None = None           # for a reproducible draw
+
+    def __post_init__(self):
+        def number(name, value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise NpqwenError(f"{name} must be a finite number, got {value!r}")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
+            number(name, getattr(self, name))
+        if self.temperature < 0:
+            raise NpqwenError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise NpqwenError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise NpqwenError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise NpqwenError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise NpqwenError(f"repetition_penalty must be > 0 (1 turns it off), got {self.repetition_penalty}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or self.seed < 0):
+            raise NpqwenError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def read_generation_config(directory) -> dict:
+    """Sampling defaults and eos ids from generation_config.json, as transformers reads them.
+
+    Without do_sample true, transformers decodes greedily, and so do we (temperature 0).
+    """
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise NpqwenError(f"{path}: not valid JSON ({e})") from e
+    out = {}
+    if raw.get("do_sample"):
+        out["temperature"] = raw.get("temperature", 1.0)
+        out["top_k"] = raw.get("top_k", 50)          # transformers' default when the file has none
+        out["top_p"] = raw.get("top_p", 1.0)
+        if raw.get("min_p") is not None:
+            out["min_p"] = raw["min_p"]
+    if raw.get("repetition_penalty") is not None:
+        out["repetition_penalty"] = raw["repetition_penalty"]
+    eos = raw.get("eos_token_id")
+    if eos is not None:
+        out["eos_token_id"] = [eos] if isinstance(eos, int) else list(eos)
+    return out
+
+
+def sampling_params(defaults: dict, **overrides) -> SamplingParams:
+    """Checkpoint defaults, overridden by every argument that is not None."""
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    values = {k: v for k, v in defaults.items() if k in fields}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return SamplingParams(**values)
+
+
+def repetition_penalty(logits, seen_ids, penalty: float):
+    """Tokens already in the sequence (prompt included): logit / penalty if > 0, else * penalty."""
+    if penalty == 1.0 or len(seen_ids) == 0:
+        return logits
+    idx = np.unique(np.asarray(seen_ids))
+    out = logits.copy()
+    picked = out[idx]
+    out[idx] = np.where(picked < 0, picked * penalty, picked / penalty)
+    return out
+
+
+def presence_penalty(logits, generated_ids, penalty: float):
+    """Tokens generated so far (not the prompt) lose `penalty`, once however often they appeared (OpenAI's rule)."""
+    if penalty == 0.0 or len(generated_ids) == 0:
+        return logits
+    out = logits.copy()
+    out[np.unique(np.asarray(generated_ids))] -= penalty
+    return out
+
+
+def temperature(logits, t: float):
+    return logits / t
+
+
+def top_k(logits, k: int):
+    """Keep the k largest logits and any tied with the k-th."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = np.partition(logits, -k)[-k]
+    return np.where(logits < kth, -np.inf, logits)
+
+
+def top_p(logits, p: float):
+    """Nucleus: keep the most likely tokens up to and including the one whose cumulative probability crosses p."""
+    if p >= 1.0:
+        return logits
+    order = np.argsort(logits, kind="stable")                   # ascending, as transformers sorts
+    cumulative = np.cumsum(softmax(logits[order]))
+    remove = cumulative <= 1 - p
+    remove[-1] = False                                          # always keep the most likely token
+    out = logits.copy()
+    out[order[remove]] = -np.inf
+    return out
+
+
+def min_p(logits, p: float):
+    """Drop tokens whose probability is below p times the top token's."""
+    if p <= 0.0:
+        return logits
+    probs = softmax(logits)
+    keep = probs >= p * probs.max()
+    keep[np.argmax(probs)] = True
+    return np.where(keep, logits, -np.inf)
+
+
+def softmax(logits):
+    e = np.exp(logits - logits.max())
+    return e / e.sum()
+
+
+def choose(logits, params: SamplingParams, rng, prompt_ids=(), generated_ids=()) -> int:
+    """The next token id from one position's logits (V,)."""
+    logits = np.asarray(logits, dtype=np.float32)
+    logits = repetition_penalty(logits, list(prompt_ids) + list(generated_ids), params.repetition_penalty)
+    logits = presence_penalty(logits, generated_ids, params.presence_penalty)
+    if params.greedy:
+        return int(np.argmax(logits))
+    logits = temperature(logits, params.temperature)
+    ids = np.arange(logits.shape[-1])
+    if 0 < params.top_k < logits.shape[-1]:
+        # Work on the k survivors only: the filters below give the same result on them as on
+        # the full vocabulary with -inf elsewhere, and sorting 20 values beats sorting 151936.
+        ids = np.argpartition(logits, -params.top_k)[-params.top_k:]
+        kth = logits[ids].min()
+        ids = np.flatnonzero(logits >= kth)                     # ties with the k-th stay, as in top_k()
+        logits = logits[ids]
+    logits = min_p(top_p(logits, params.top_p), params.min_p)
+    probs = softmax(logits.astype(np.float64))
+    return int(ids[min(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"),
+                       len(ids) - 1)])

@@ -1,0 +1,75 @@
+"""A built-in tiny Qwen3 (`--model tiny`): random weights from a fixed seed, no file, no download.
+
+Same code path as a real checkpoint, with dimensions small enough to print whole arrays:
+D=16, H=4, K=2, Dh=8, F=48, 2 layers. Its tokenizer is byte-level (one token per UTF-8
+byte) plus Qwen3's special tokens, and it uses Qwen3's chat template. Its weights are
+random, so the text it generates is meaningless: it is for stepping through the code.
+"""
+from importlib import resources
+
+import numpy as np
+
+from .backend import array_module
+from .checkpoint import allocate_weights, tie_lm_head
+from .config import Qwen3Config
+from .model import Qwen3
+from .tokenizer import Tokenizer
+
+# Qwen3's special tokens, in Qwen3's order; (text, special) as in its tokenizer_config.json.
+SPECIAL_TOKENS = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
+                  ("<tool_call>", False), ("</tool_call>", False), ("<tool_response>", False),
+                  ("</tool_response>", False), ("<think>", False), ("</think>", False)]
+IM_END, ENDOFTEXT = 256 + 2, 256 + 0
+
+TINY_CONFIG = dict(model_type="qwen3", hidden_size=16, intermediate_size=48, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=256 + len(SPECIAL_TOKENS),
+                   max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                   tie_word_embeddings=True, bos_token_id=ENDOFTEXT, eos_token_id=IM_END)
+# Qwen3-0.6B's generation_config.json
+TINY_GENERATION = dict(temperature=0.6, top_k=20, top_p=0.95, eos_token_id=[IM_END, ENDOFTEXT])
+SEED = 0
+
+
+def qwen3_chat_template() -> str:
+    """Qwen3's chat template (from Qwen3's tokenizer_config.json), shipped with npqwen."""
+    return resources.files("npqwen").joinpath("qwen3_chat_template.jinja").read_text(encoding="utf-8")
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """Byte-level BPE without merges: token i < 256 is byte i; then Qwen3's special tokens."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    byte_to_char = _bytes_to_unicode()
+    backend = Backend(models.BPE(vocab={byte_to_char[b]: b for b in range(256)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    for text, special in SPECIAL_TOKENS:   # one at a time, so ids follow the list order
+        backend.add_tokens([AddedToken(text, special=special, normalized=False)])
+    return Tokenizer(backend, qwen3_chat_template(), {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+
+
+def tiny_model(device: str = "cpu", dtype: str = "float32") -> Qwen3:
+    """The tiny Qwen3 with its seeded random weights (std 0.3; norm weights 1 + 0.1 noise)."""
+    xp = array_module(device)
+    config = Qwen3Config.from_dict(TINY_CONFIG, source="tiny model")
+    weights, fused = allocate_weights(config, xp, np.dtype(dtype))
+    rng = np.random.default_rng(SEED)
+    for name, array in weights.items():   # checkpoint order, so the values never depend on the device
+        noise = rng.standard_normal(array.shape)
+        array[...] = xp.asarray(1 + 0.1 * noise if name.endswith("norm.weight") else 0.3 * noise)
+    return Qwen3(config, tie_lm_head(config, weights), fused)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table that byte-level BPE vocabularies are written in."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table

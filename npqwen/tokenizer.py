@@ -1,0 +1,162 @@
+"""Qwen3's tokenizer: byte-level BPE from tokenizer.json (the `tokenizers` library) and the
+checkpoint's own jinja chat template from tokenizer_config.json, rendered as transformers does.
+"""
+import json
+from datetime import datetime
+from pathlib import Path
+
+from .errors import NpqwenError
+
+
+class Tokenizer:
+    """encode / decode / apply_chat_template / stream_decoder over a `tokenizers.Tokenizer`."""
+
+    def __init__(self, backend, chat_template: str | None = None, special_tokens: dict | None = None):
+        self.backend = backend                    # tokenizers.Tokenizer
+        self.chat_template = chat_template        # jinja source, or None
+        self.special_tokens = special_tokens or {}   # e.g. {"eos_token": "<|im_end|>", "pad_token": ...}
+        self._template = None
+
+    @classmethod
+    def from_dir(cls, directory) -> "Tokenizer":
+        """Read tokenizer.json (required) and tokenizer_config.json (chat template, optional)."""
+        from tokenizers import Tokenizer as Backend
+
+        directory = Path(directory)
+        try:
+            backend = Backend.from_file(str(directory / "tokenizer.json"))
+        except Exception as e:   # tokenizers raises a bare Exception on malformed files
+            raise NpqwenError(f"{directory / 'tokenizer.json'}: cannot be read as a tokenizer ({e})") from e
+        config_file = directory / "tokenizer_config.json"
+        config = {}
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise NpqwenError(f"{config_file}: not valid JSON ({e})") from e
+        template = config.get("chat_template")
+        if template is None and (directory / "chat_template.jinja").is_file():
+            template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+        special = {k: _token_text(v) for k, v in config.items()
+                   if k.endswith("_token") and _token_text(v) is not None}
+        return cls(backend, template, special)
+
+    def save(self, directory):
+        """Write tokenizer.json and tokenizer_config.json (with the chat template)."""
+        directory = Path(directory)
+        self.backend.save(str(directory / "tokenizer.json"))
+        config = {**self.special_tokens, "chat_template": self.chat_template}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size()
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (<|im_start|>) become their ids."""
+        if not isinstance(text, str):
+            raise NpqwenError(f"encode expects a str, got {type(text).__name__}")
+        try:
+            return self.backend.encode(text, add_special_tokens=False).ids
+        except Exception as e:   # e.g. lone surrogates, which are not valid UTF-8
+            raise NpqwenError(f"cannot tokenize the text: it is not valid Unicode ({e})") from e
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; bytes that do not form complete UTF-8 characters become U+FFFD."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            enable_thinking: bool = True, tools: list[dict] | None = None, **kwargs) -> str:
+        """The prompt string, exactly as transformers' apply_chat_template(..., tokenize=False)."""
+        if self.chat_template is None:
+            raise NpqwenError("this tokenizer has no chat template (tokenizer_config.json 'chat_template'); "
+                              "use a raw prompt instead")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise NpqwenError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        if self._template is None:
+            self._template = _compile(self.chat_template)
+        import jinja2
+
+        try:
+            return self._template.render(messages=_with_reasoning_aliases(messages), tools=tools,
+                                         documents=None, add_generation_prompt=add_generation_prompt,
+                                         enable_thinking=enable_thinking, **self.special_tokens, **kwargs)
+        except jinja2.TemplateError as e:
+            raise NpqwenError(f"the chat template rejected these messages: {e}") from e
+
+
+class StreamDecoder:
+    """Token ids in, text pieces out; a piece never ends inside a multi-byte UTF-8 character.
+
+    Chinese characters and emoji often span several byte-level tokens; the `tokenizers`
+    DecodeStream holds their bytes back until the character is complete. `finish()` returns
+    what is left, so the pieces always concatenate to decode(all ids).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        from tokenizers.decoders import DecodeStream
+
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.ids: list[int] = []
+        self.text = ""   # emitted so far
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        piece = self._stream.step(self.tokenizer.backend, int(token_id)) or ""
+        self.text += piece
+        return piece
+
+    def finish(self) -> str:
+        full = self.tokenizer.decode(self.ids, self.skip)
+        rest = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text += rest
+        return rest
+
+
+def _token_text(value):
+    """tokenizer_config.json writes special tokens as "<|im_end|>" or {"content": "<|im_end|>", ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _with_reasoning_aliases(messages):
+    """As transformers: a message's reasoning given as `thinking` or `reasoning` is also `reasoning_content`."""
+    out = []
+    for m in messages:
+        reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if m.get(k) is not None),
+                         None)
+        out.append({"thinking": reasoning, **m, "reasoning_content": reasoning} if reasoning is not None else m)
+    return out
+
+
+def _compile(source: str):
+    """A sandboxed jinja environment configured like transformers' chat-template renderer."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Not jinja's own tojson, which escapes HTML characters.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise NpqwenError(f"the chat template in tokenizer_config.json does not parse: {e}") from e
