@@ -219,18 +219,21 @@ def float32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
 
 
 def save_safetensors(path: Path, tensors: dict, dtype: str = "F32"):
-    """Write float arrays as one .safetensors file in `dtype` ("F32", "F16" or "BF16")."""
-    header, blobs, offset = {}, [], 0
+    """Write float arrays as one .safetensors file in `dtype` ("F32", "F16" or "BF16"), a tensor at a time."""
+    if dtype not in STORED_DTYPES:
+        raise NpqwenError(f"cannot write dtype {dtype}; use one of {', '.join(STORED_DTYPES)}")
+    itemsize = STORED_DTYPES[dtype][1]
+    header, offset = {}, 0
     for name, a in tensors.items():
-        a = np.asarray(a, dtype=np.float32)
-        data = (float32_to_bf16_bits(a) if dtype == "BF16" else a.astype(STORED_DTYPES[dtype][0])).tobytes()
-        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
+        nbytes = math.prod(a.shape) * itemsize
+        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)   # pad so the data starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
-        for data in blobs:
-            f.write(data)
+        for a in tensors.values():
+            a = np.asarray(a, dtype=np.float32)
+            bits = float32_to_bf16_bits(a) if dtype == "BF16" else a.astype(STORED_DTYPES[dtype][0])
+            f.write(np.ascontiguousarray(bits).data)

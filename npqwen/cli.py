@@ -60,6 +60,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("chat", parents=[model, sampling], help="interactive multi-turn chat")
     p.set_defaults(run=cmd_chat)
+
+    p = commands.add_parser("inspect", parents=[model], help="the config and every weight, with parameter counts")
+    p.set_defaults(run=cmd_inspect)
+
+    one_pass = argparse.ArgumentParser(add_help=False)
+    one_pass.add_argument("--prompt", "-p", required=True)
+    one_pass.add_argument("--chat", action="store_true", help="apply the chat template to the prompt first")
+
+    p = commands.add_parser("trace", parents=[model, one_pass],
+                            help="one forward pass: every step's shape, dtype and statistics")
+    p.add_argument("--layers", help="only these layers, e.g. 0,3,5-7")
+    p.add_argument("--save", metavar="FILE.npz", help="keep every intermediate array, under its name")
+    p.add_argument("--plot-attention", metavar="FILE.png", help="heatmap of one layer's attention probabilities")
+    p.add_argument("--layer", type=int, help="the layer to plot")
+    p.add_argument("--head", type=int, help="the head to plot (default: the mean over heads)")
+    p.set_defaults(run=cmd_trace)
+
+    p = commands.add_parser("compare", parents=[model, one_pass],
+                            help="module-by-module difference from HF transformers (needs torch)")
+    p.add_argument("--tol", type=float, default=1e-3, help="tolerance, relative to max |HF| (at least 1)")
+    p.set_defaults(run=cmd_compare)
     return parser
 
 
@@ -169,3 +190,63 @@ def peak_rss_bytes() -> int:
     """Peak resident memory of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def prompt_ids(llm, args) -> list[int]:
+    prompt = checked_text(args.prompt, "prompt")
+    if args.chat:
+        prompt = llm.chat_prompt(prompt)
+    if llm.tokenizer is None:
+        raise NpqwenError(f"{llm.path}: no tokenizer.json, so the prompt cannot be tokenized")
+    ids = llm.tokenizer.encode(prompt)
+    if not ids:
+        raise NpqwenError("the prompt is empty")
+    return ids
+
+
+def cmd_inspect(args) -> int:
+    from .describe import describe
+
+    print(describe(args.model, device=args.device, dtype=args.dtype))
+    return 0
+
+
+def cmd_trace(args) -> int:
+    from .trace import Trace, parse_layers, plot_attention
+
+    llm, _ = load_model(args)
+    L = llm.config.num_hidden_layers
+    layers = parse_layers(args.layers, L) if args.layers else None
+    if args.plot_attention:
+        if args.layer is None or not 0 <= args.layer < L:
+            raise NpqwenError(f"--plot-attention needs --layer between 0 and {L - 1}")
+        if args.head is not None and not 0 <= args.head < llm.config.num_attention_heads:
+            raise NpqwenError(f"--head must be between 0 and {llm.config.num_attention_heads - 1}")
+    ids = prompt_ids(llm, args)
+    trace = Trace(None if layers is None else set(layers) | ({args.layer} if args.plot_attention else set()))
+    llm.forward(ids, recorder=trace)
+    tokens = [llm.tokenizer.decode([i]) for i in ids]
+    print(f"{len(ids)} tokens: " + " ".join(f"{i}:{t!r}" for i, t in zip(ids, tokens)))
+    shown = Trace(layers)
+    for name, array in trace.items():
+        shown(name, array)
+    print(shown.table())
+    if args.save:
+        shown.save(args.save)
+        print(f"saved {len(shown)} arrays to {args.save}", file=sys.stderr)
+    if args.plot_attention:
+        probs = trace[f"model.layers.{args.layer}.self_attn.attn_probs"]            # (H, T, T)
+        picture = probs[args.head] if args.head is not None else probs.mean(axis=0)
+        which = f"head {args.head}" if args.head is not None else f"mean of {probs.shape[0]} heads"
+        plot_attention(picture, tokens, args.plot_attention, f"layer {args.layer}, {which}")
+        print(f"attention of layer {args.layer} ({which}) drawn in {args.plot_attention}", file=sys.stderr)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from .compare import compare, report
+
+    llm, _ = load_model(args)
+    rows = compare(llm, prompt_ids(llm, args), tol=args.tol)
+    print(report(rows, args.tol))
+    return 0 if all(r["ok"] for r in rows) else 1

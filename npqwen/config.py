@@ -14,6 +14,19 @@ from .errors import NpqwenError
 
 ROPE_TYPES = ("default", "linear", "yarn")
 
+# Qwen/Qwen3-0.6B's config.json, the reference shape: 28 layers, D=1024, 16/8 heads of 128, F=3072.
+QWEN3_0_6B_CONFIG = dict(
+    architectures=["Qwen3ForCausalLM"], attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
+    eos_token_id=151645, head_dim=128, hidden_act="silu", hidden_size=1024, initializer_range=0.02,
+    intermediate_size=3072, max_position_embeddings=40960, max_window_layers=28, model_type="qwen3",
+    num_attention_heads=16, num_hidden_layers=28, num_key_value_heads=8, rms_norm_eps=1e-06,
+    rope_scaling=None, rope_theta=1000000, sliding_window=None, tie_word_embeddings=True,
+    torch_dtype="bfloat16", use_cache=True, use_sliding_window=False, vocab_size=151936,
+)
+# Qwen/Qwen3-0.6B's generation_config.json
+QWEN3_0_6B_GENERATION_CONFIG = dict(bos_token_id=151643, do_sample=True, eos_token_id=[151645, 151643],
+                                    pad_token_id=151643, temperature=0.6, top_k=20, top_p=0.95)
+
 
 @dataclass(frozen=True)
 class Qwen3Config:

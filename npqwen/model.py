@@ -20,17 +20,33 @@ from .errors import NpqwenError
 
 
 class KVCache:
-    """Keys and values of every layer for positions 0 .. length-1, preallocated for `capacity` positions."""
+    """Keys and values of every layer for positions 0 .. length-1, preallocated for `capacity` positions.
+
+    Both are stored transposed, (Dh, positions): a decode step then reads each head's keys and
+    values as Dh contiguous rows of positions, which BLAS streams fastest (scores = q @ keys,
+    output = values @ probs^T).
+    """
 
     def __init__(self, config: Qwen3Config, capacity: int, xp, dtype):
         if capacity > config.max_position_embeddings:
             raise NpqwenError(f"a KV cache of {capacity} positions exceeds the model's context of "
                               f"{config.max_position_embeddings} (max_position_embeddings)")
-        shape = (config.num_hidden_layers, config.num_key_value_heads, capacity, config.head_dim)
-        self.keys = xp.zeros(shape, dtype=dtype)       # (layers, K, capacity, Dh)
-        self.values = xp.zeros(shape, dtype=dtype)     # (layers, K, capacity, Dh)
+        L, K, Dh = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+        self.keys = xp.zeros((L, K, Dh, capacity), dtype=dtype)     # (layers, K, Dh, capacity)
+        self.values = xp.zeros((L, K, Dh, capacity), dtype=dtype)   # (layers, K, Dh, capacity)
         self.capacity = capacity
         self.length = 0                                # positions filled so far
+
+    def write(self, layer: int, start: int, k, v, tile: int = 32):
+        """Store k, v (T, K, Dh) at positions start .. start + T - 1 of `layer`, transposing them.
+
+        A tile of positions at a time: the transposed copy then stays in the CPU cache.
+        """
+        for t in range(0, k.shape[0], tile):
+            part_k, part_v = k[t:t + tile], v[t:t + tile]                          # (n, K, Dh)
+            s, n = start + t, part_k.shape[0]
+            self.keys[layer][:, :, s:s + n] = part_k.transpose(1, 2, 0)             # (K, Dh, n)
+            self.values[layer][:, :, s:s + n] = part_v.transpose(1, 2, 0)
 
     @property
     def nbytes(self) -> int:
@@ -65,11 +81,11 @@ class Qwen3:
 
         # 1. embedding lookup
         x = ops.embed(W["model.embed_tokens.weight"], xp.asarray(ids))       # (T, D)
-        if recorder: recorder("model.embed_tokens", x)
+        if recorder is not None: recorder("model.embed_tokens", x)
         # 2. RoPE tables for positions start .. start+T-1, shared by every layer
         positions = xp.arange(start, start + T)
         cos, sin = ops.rope_cos_sin(self.inv_freq, positions, self.rope_scale, self.dtype)   # (T, Dh) each
-        if recorder: recorder("model.rotary_emb.cos", cos); recorder("model.rotary_emb.sin", sin)
+        if recorder is not None: recorder("model.rotary_emb.cos", cos); recorder("model.rotary_emb.sin", sin)
         # 3. the decoder layers, each two residual updates
         for i in range(cfg.num_hidden_layers):
             x = self.decoder_layer(i, x, cos, sin, cache, start, recorder)
@@ -79,23 +95,23 @@ class Qwen3:
         if last_only:
             x = x[-1:]                                                           # (1, D)
         x = ops.rms_norm(x, W["model.norm.weight"], cfg.rms_norm_eps)          # (T, D)
-        if recorder: recorder("model.norm", x)
+        if recorder is not None: recorder("model.norm", x)
         # 5. lm_head (tied to the embedding in small Qwen3s)
         logits = x @ W["lm_head.weight"].T                                     # (T, D) @ (D, V) -> (T, V)
-        if recorder: recorder("lm_head", logits)
+        if recorder is not None: recorder("lm_head", logits)
         return logits
 
     def decoder_layer(self, i: int, x, cos, sin, cache, start: int, recorder=None):
         """Pre-norm residual block: x + attention(norm(x)), then h + mlp(norm(h))."""
         p, W, eps = f"model.layers.{i}", self.weights, self.config.rms_norm_eps
         a = ops.rms_norm(x, W[f"{p}.input_layernorm.weight"], eps)
-        if recorder: recorder(f"{p}.input_layernorm", a)
+        if recorder is not None: recorder(f"{p}.input_layernorm", a)
         h = x + self.self_attn(i, a, cos, sin, cache, start, recorder)         # (T, D)
-        if recorder: recorder(f"{p}.attn_residual", h)
+        if recorder is not None: recorder(f"{p}.attn_residual", h)
         m = ops.rms_norm(h, W[f"{p}.post_attention_layernorm.weight"], eps)
-        if recorder: recorder(f"{p}.post_attention_layernorm", m)
+        if recorder is not None: recorder(f"{p}.post_attention_layernorm", m)
         out = h + self.mlp(i, m, recorder)                                     # (T, D)
-        if recorder: recorder(p, out)
+        if recorder is not None: recorder(p, out)
         return out
 
     def self_attn(self, i: int, x, cos, sin, cache, start: int, recorder=None):
@@ -105,24 +121,23 @@ class Qwen3:
         # q_proj, k_proj, v_proj in one matmul: qkv_proj stacks their rows
         qkv = x @ self.fused[f"{p}.qkv_proj.weight"].T                         # (T, (H + 2K) * Dh)
         q, k, v = qkv[:, :H * Dh], qkv[:, H * Dh:(H + K) * Dh], qkv[:, (H + K) * Dh:]
-        if recorder: recorder(f"{p}.q_proj", q); recorder(f"{p}.k_proj", k); recorder(f"{p}.v_proj", v)
+        if recorder is not None: recorder(f"{p}.q_proj", q); recorder(f"{p}.k_proj", k); recorder(f"{p}.v_proj", v)
         # QK-norm: RMSNorm over each head's Dh values, before RoPE
         q = ops.rms_norm(q.reshape(T, H, Dh), W[f"{p}.q_norm.weight"], cfg.rms_norm_eps)   # (T, H, Dh)
         k = ops.rms_norm(k.reshape(T, K, Dh), W[f"{p}.k_norm.weight"], cfg.rms_norm_eps)   # (T, K, Dh)
-        if recorder: recorder(f"{p}.q_norm", q); recorder(f"{p}.k_norm", k)
+        if recorder is not None: recorder(f"{p}.q_norm", q); recorder(f"{p}.k_norm", k)
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
-        if recorder: recorder(f"{p}.q_rope", q); recorder(f"{p}.k_rope", k)
+        if recorder is not None: recorder(f"{p}.q_rope", q); recorder(f"{p}.k_rope", k)
         v = v.reshape(T, K, Dh)
         if cache is not None:   # append this call's keys/values, then attend to every cached position
-            cache.keys[i][:, start:start + T] = k.transpose(1, 0, 2)
-            cache.values[i][:, start:start + T] = v.transpose(1, 0, 2)
-            keys, values = cache.keys[i][:, :start + T], cache.values[i][:, :start + T]   # (K, S, Dh)
+            cache.write(i, start, k, v)
+            keys, values = cache.keys[i][:, :, :start + T], cache.values[i][:, :, :start + T]  # (K, Dh, S) each
         else:
-            keys, values = k.transpose(1, 0, 2), v.transpose(1, 0, 2)          # (K, T, Dh)
-        out, probs = ops.attention(q, keys, values, start)                      # (T, H*Dh), (H, T, S)
-        if recorder: recorder(f"{p}.attn_probs", probs); recorder(f"{p}.attn_output", out)
+            keys, values = k.transpose(1, 2, 0), v.transpose(1, 2, 0)          # (K, Dh, T) each
+        out, probs = ops.attention(q, keys, values, start, want_probs=recorder is not None)   # (T, H*Dh), (H, T, S)
+        if recorder is not None: recorder(f"{p}.attn_probs", probs); recorder(f"{p}.attn_output", out)
         out = out @ W[f"{p}.o_proj.weight"].T                                   # (T, H*Dh) -> (T, D)
-        if recorder: recorder(f"{p}.o_proj", out)
+        if recorder is not None: recorder(f"{p}.o_proj", out)
         return out
 
     def mlp(self, i: int, x, recorder=None):
@@ -130,11 +145,11 @@ class Qwen3:
         p, F = f"model.layers.{i}.mlp", self.config.intermediate_size
         gate_up = x @ self.fused[f"{p}.gate_up_proj.weight"].T                  # (T, 2F): gate_proj | up_proj
         gate, up = gate_up[:, :F], gate_up[:, F:]                               # (T, F) each
-        if recorder: recorder(f"{p}.gate_proj", gate); recorder(f"{p}.up_proj", up)
-        act = ops.silu(gate)
-        if recorder: recorder(f"{p}.act_fn", act)
+        if recorder is not None: recorder(f"{p}.gate_proj", gate); recorder(f"{p}.up_proj", up)
+        act = ops.silu(gate)                                                    # (T, F)
+        if recorder is not None: recorder(f"{p}.act_fn", act)
         out = (act * up) @ self.weights[f"{p}.down_proj.weight"].T              # (T, F) -> (T, D)
-        if recorder: recorder(f"{p}.down_proj", out)
+        if recorder is not None: recorder(f"{p}.down_proj", out)
         return out
 
     def _check_ids(self, token_ids, cache) -> np.ndarray:

@@ -13,6 +13,8 @@ import numpy as np
 from .backend import xp_of
 
 
+
+
 def embed(weight, token_ids):
     """Row lookup: one D-vector per token."""
     return weight[token_ids]                          # (V, D)[(T,)] -> (T, D)
@@ -22,27 +24,45 @@ def rms_norm(x, weight, eps: float):
     """x / sqrt(mean(x^2) + eps) * weight over the last axis, in (at least) float32 as HF does."""
     xp = xp_of(x)
     xf = x.astype(np.promote_types(x.dtype, np.float32), copy=False)
-    inv_rms = 1.0 / xp.sqrt((xf * xf).mean(axis=-1, keepdims=True) + eps)   # (..., 1)
-    return weight * (xf * inv_rms).astype(x.dtype, copy=False)               # (..., D)
+    mean_square = xp.einsum("...d,...d->...", xf, xf)[..., None] / x.shape[-1]   # (..., 1)
+    inv_rms = 1.0 / xp.sqrt(mean_square + eps)
+    y = (xf * inv_rms).astype(x.dtype, copy=False)                           # (..., D)
+    y *= weight
+    return y
 
 
 def silu(x):
-    """x * sigmoid(x); the tanh form never overflows: sigmoid(x) = (1 + tanh(x/2)) / 2."""
+    """x * sigmoid(x), with sigmoid(x) = (1 + tanh(x/2)) / 2, which never overflows."""
     xp = xp_of(x)
-    return x * (0.5 + 0.5 * xp.tanh(0.5 * x))
+    s = x * 0.5
+    xp.tanh(s, out=s)      # in place: these temporaries are as large as the MLP's activations
+    s *= 0.5
+    s += 0.5
+    s *= x
+    return s
 
 
 def swiglu(gate, up):
     """Qwen3's MLP nonlinearity: silu(gate) * up."""
-    return silu(gate) * up                            # (T, F), (T, F) -> (T, F)
+    h = silu(gate)                                    # (T, F)
+    h *= up
+    return h
 
 
-def softmax(x):
-    """exp(x - max) / sum(...) over the last axis, in (at least) float32; subtracting the max keeps exp finite."""
+def softmax(x, out=None):
+    """exp(x - max) / sum(...) over the last axis, in (at least) float32; subtracting the max keeps exp finite.
+
+    With out=x it works in place, which saves a pass over memory for large score matrices.
+    """
     xp = xp_of(x)
     xf = x.astype(np.promote_types(x.dtype, np.float32), copy=False)
-    e = xp.exp(xf - xf.max(axis=-1, keepdims=True))
-    return (e / e.sum(axis=-1, keepdims=True)).astype(x.dtype, copy=False)
+    if out is None or out.dtype != xf.dtype:
+        e = xf - xf.max(axis=-1, keepdims=True)
+    else:
+        e = xp.subtract(xf, xf.max(axis=-1, keepdims=True), out=out)
+    xp.exp(e, out=e)
+    e /= e.sum(axis=-1, keepdims=True)
+    return e.astype(x.dtype, copy=False)
 
 
 def rope_frequencies(config) -> tuple[np.ndarray, float]:
@@ -99,15 +119,17 @@ def rope_cos_sin(inv_freq, positions, scale: float, dtype):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate each pair (x[j], x[j + Dh/2]) by its position's angle: the half-split convention.
-
-    Not llama's interleaved pairs (x[2j], x[2j+1]): HF Qwen3 rotates split halves.
-    """
-    xp = xp_of(x)
+    """x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]: each pair (x[j], x[j + Dh/2]) turns
+    by its position's angle. Qwen3 (HF) rotates split halves, not llama's interleaved (x[2j], x[2j+1])."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]                 # (T, n_heads, Dh/2) each
-    c, s = cos[:, None, :half], sin[:, None, :half]       # (T, 1, Dh/2), broadcast over heads
-    return xp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)   # (T, n_heads, Dh)
+    s = sin[:, None, :half]                               # (T, 1, Dh/2): both halves of sin are equal
+    out = x * cos[:, None, :]                             # (T, n_heads, Dh)
+    rotated = x2 * s
+    out[..., :half] -= rotated                            # x1 cos - x2 sin
+    xp_of(x).multiply(x1, s, out=rotated)
+    out[..., half:] += rotated                            # x2 cos + x1 sin
+    return out
 
 
 def causal_mask(T: int, S: int, start: int, dtype, xp):
@@ -116,24 +138,43 @@ def causal_mask(T: int, S: int, start: int, dtype, xp):
     return xp.where(future, -np.inf, 0.0).astype(dtype)                     # (T, S)
 
 
-def attention(q, k, v, start: int):
-    """Causal grouped-query attention without copying K/V per query head.
+def attention(q, k, v, start: int, block: int = 64, want_probs: bool = False):
+    """Causal grouped-query attention: softmax(q k^T / sqrt(Dh) + mask) v.
 
-    q: (T, H, Dh) queries at positions start .. start + T - 1; k, v: (K, S, Dh) for positions
-    0 .. S - 1 with S = start + T. Query head h reads key/value head h // G (HF's repeat_kv
-    order 0,0,1,1,...), so grouping the H query heads as (K, G) lets one batched matmul per
-    K-head serve its G query heads. Returns the output (T, H*Dh) and the probabilities (H, T, S).
+    q: (T, H, Dh) queries at positions start .. start + T - 1; keys k and values v: (K, Dh, S),
+    transposed as the KV cache stores them, for positions 0 .. S - 1, S = start + T.
+    Query head h reads key/value head h // G (HF's repeat_kv order 0,0,1,1,...): K/V are never
+    copied per query head. Returns the output (T, H*Dh), and with want_probs the probabilities
+    (H, T, S) too (zero where the mask hides the future).
+
+    Queries go in blocks of `block`: a block needs keys only up to its own last position, so
+    the masked upper triangle of the scores is mostly never computed, and a block's scores
+    stay small enough for the CPU cache.
     """
     xp = xp_of(q)
     T, H, Dh = q.shape
-    K, S, _ = k.shape
+    K = k.shape[0]
     G = H // K
-    qg = q.transpose(1, 0, 2).reshape(K, G * T, Dh)                 # (K, G*T, Dh): rows (g, t)
-    scores = (qg @ k.transpose(0, 2, 1)) * (1.0 / math.sqrt(Dh))    # (K, G*T, S)
-    scores = scores.reshape(K, G, T, S)
-    if T > 1:
-        scores = scores + causal_mask(T, S, start, scores.dtype, xp)   # (T, S) broadcast over (K, G)
-    probs = softmax(scores)                                         # (K, G, T, S)
-    out = probs.reshape(K, G * T, S) @ v                            # (K, G*T, Dh)
-    out = out.reshape(H, T, Dh).transpose(1, 0, 2).reshape(T, H * Dh)
-    return out, probs.reshape(H, T, S)
+    q = q * (1.0 / math.sqrt(Dh))                                        # scale once, before q k^T
+    out = xp.empty((H, T, Dh), dtype=q.dtype)                            # head-major until the end
+    probs = xp.zeros((H, T, k.shape[2]), dtype=q.dtype) if want_probs else None
+    for b in range(0, T, block):
+        end = min(b + block, T)
+        n, S = end - b, start + end                                      # queries in this block, keys they see
+        scores = xp.empty((H, n, S), dtype=q.dtype)                      # (H, Tb, S)
+        for h in range(H):   # one matrix product per query head: BLAS streams its K/V head fastest
+            xp.matmul(q[b:end, h], k[h // G, :, :S], out=scores[h])      # (Tb, Dh) @ (Dh, S) -> (Tb, S)
+        if n > 1:            # only the last Tb keys can be in a query's future: mask those
+            scores[:, :, S - n:] += causal_mask(n, n, 0, scores.dtype, xp)
+        # softmax(scores) @ v, normalised after the product: (w @ v) / sum(w) with
+        # w = exp(scores - max) saves a pass over the scores, the largest array here.
+        scores -= scores.max(axis=-1, keepdims=True)
+        w = xp.exp(scores, out=scores)                                   # (H, Tb, S), unnormalised
+        total = w.sum(axis=-1, keepdims=True)                            # (H, Tb, 1)
+        if want_probs:
+            probs[:, b:end, :S] = w / total
+        for j in range(K):   # key/value head j serves query heads j*G .. j*G + G - 1
+            heads = slice(j * G, (j + 1) * G)
+            o = w[heads].reshape(G * n, S) @ v[j, :, :S].T              # (G*Tb, S) @ (S, Dh)
+            out[heads, b:end] = o.reshape(G, n, Dh) / total[heads]
+    return out.transpose(1, 0, 2).reshape(T, H * Dh), probs

@@ -17,15 +17,7 @@ QWEN3_TOKENIZER_DIR = Path(os.environ.get("NPQWEN_QWEN3_TOKENIZER", ROOT / ".cac
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not cuda_available(), reason="CuPy with a CUDA GPU is not available here"))]
 
-# Qwen3-0.6B's config.json, verbatim in every value that matters.
-QWEN3_0_6B = dict(
-    architectures=["Qwen3ForCausalLM"], attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
-    eos_token_id=151645, head_dim=128, hidden_act="silu", hidden_size=1024, initializer_range=0.02,
-    intermediate_size=3072, max_position_embeddings=40960, max_window_layers=28, model_type="qwen3",
-    num_attention_heads=16, num_hidden_layers=28, num_key_value_heads=8, rms_norm_eps=1e-06,
-    rope_scaling=None, rope_theta=1000000, sliding_window=None, tie_word_embeddings=True,
-    torch_dtype="bfloat16", use_cache=True, use_sliding_window=False, vocab_size=151936,
-)
+from npqwen.config import QWEN3_0_6B_CONFIG as QWEN3_0_6B  # noqa: E402  Qwen3-0.6B's config.json
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512,

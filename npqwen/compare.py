@@ -1,0 +1,107 @@
+"""npqwen vs HF transformers, module by module, on the same input (`npqwen compare`).
+
+Needs torch and transformers (the test extra); npqwen itself never imports them. HF runs in
+float32 with eager attention and forward hooks on every module; npqwen runs with a Trace
+recorder; each step's max |difference| is reported, and the first one past the tolerance
+(relative to the size of HF's values, at least 1) is the place to look.
+"""
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .errors import NpqwenError
+from .trace import Trace
+
+
+def hf_reference(llm, ids) -> dict:
+    """HF transformers' intermediate arrays for `ids`, under npqwen's trace names."""
+    try:
+        import torch
+        from transformers import Qwen3ForCausalLM
+        from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+    except ImportError:
+        raise NpqwenError("npqwen compare needs torch and transformers: pip install torch transformers "
+                          "(or pip install 'npqwen[test]')") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = llm.path if llm.path is not None else llm.save(Path(tmp) / "model")
+        hf = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    refs, hooks = {}, []
+
+    def keep(name, pick):
+        def hook(module, args, kwargs, output):
+            refs[name] = pick(args, kwargs, output)
+        return hook
+
+    def out(args, kwargs, output):
+        return output[0] if isinstance(output, tuple) else output
+
+    def on(module, name, pick=out):
+        hooks.append(module.register_forward_hook(keep(name, pick), with_kwargs=True))
+
+    m = hf.model
+    on(m.embed_tokens, "model.embed_tokens")
+    on(m.rotary_emb, "model.rotary_emb.cos", lambda a, k, o: o[0])
+    on(m.rotary_emb, "model.rotary_emb.sin", lambda a, k, o: o[1])
+    for i, layer in enumerate(m.layers):
+        p = f"model.layers.{i}"
+        on(layer, f"{p}.input", lambda a, k, o: a[0] if a else k["hidden_states"])
+        on(layer, p)
+        on(layer.input_layernorm, f"{p}.input_layernorm")
+        attn = layer.self_attn
+        for part in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "o_proj"):
+            on(getattr(attn, part), f"{p}.self_attn.{part}")
+        on(attn.o_proj, f"{p}.self_attn.attn_output", lambda a, k, o: a[0])
+        on(attn, f"{p}.self_attn", lambda a, k, o: o[0])
+        on(attn, f"{p}.self_attn.attn_probs", lambda a, k, o: o[1])
+        on(layer.post_attention_layernorm, f"{p}.post_attention_layernorm")
+        for part in ("gate_proj", "up_proj", "act_fn", "down_proj"):
+            on(getattr(layer.mlp, part), f"{p}.mlp.{part}")
+    on(m.norm, "model.norm")
+    on(hf.lm_head, "lm_head")
+    with torch.no_grad():
+        hf(torch.tensor([list(ids)]))
+        for i in range(len(m.layers)):
+            p = f"model.layers.{i}"
+            # Steps HF has no module for, computed from what the hooks saw with HF's own functions.
+            q, k = apply_rotary_pos_emb(refs[f"{p}.self_attn.q_norm"].transpose(1, 2),
+                                        refs[f"{p}.self_attn.k_norm"].transpose(1, 2),
+                                        refs["model.rotary_emb.cos"], refs["model.rotary_emb.sin"])
+            refs[f"{p}.self_attn.q_rope"], refs[f"{p}.self_attn.k_rope"] = q.transpose(1, 2), k.transpose(1, 2)
+            refs[f"{p}.attn_residual"] = refs.pop(f"{p}.input") + refs.pop(f"{p}.self_attn")
+    for h in hooks:
+        h.remove()
+    return {name: t[0].detach().numpy() if t.dim() > 1 else t.detach().numpy() for name, t in refs.items()}
+
+
+def compare(llm, ids, tol: float = 1e-3) -> list[dict]:
+    """One row per traced step: name, max |npqwen - HF|, max |HF|, and whether it is within tol."""
+    trace = Trace()
+    llm.forward(ids, recorder=trace)
+    refs = hf_reference(llm, ids)
+    rows = []
+    for name, ours in trace.items():
+        if name not in refs:
+            continue
+        want = refs[name].reshape(ours.shape)
+        diff = float(np.abs(ours.astype(np.float64) - want).max())
+        scale = float(np.abs(want).max())
+        rows.append({"name": name, "max_abs_diff": diff, "max_abs_hf": scale,
+                     "ok": diff <= tol * max(1.0, scale)})
+    return rows
+
+
+def report(rows, tol: float) -> str:
+    width = max(len(r["name"]) for r in rows)
+    lines = [f"{'module':<{width}}  {'max |diff|':>11}  {'max |HF|':>10}"]
+    first = next((r for r in rows if not r["ok"]), None)
+    for r in rows:
+        mark = "   <-- first past the tolerance" if r is first else ("   past" if not r["ok"] else "")
+        lines.append(f"{r['name']:<{width}}  {r['max_abs_diff']:>11.3e}  {r['max_abs_hf']:>10.3e}{mark}")
+    worst = max(rows, key=lambda r: r["max_abs_diff"] / max(1.0, r["max_abs_hf"]))
+    if first is None:
+        lines.append(f"\nall {len(rows)} steps within {tol:g} (relative to max |HF|, at least 1); largest "
+                     f"difference {worst['max_abs_diff']:.3e} at {worst['name']}")
+    else:
+        lines.append(f"\nfirst step past {tol:g}: {first['name']} (max |diff| {first['max_abs_diff']:.3e})")
+    return "\n".join(lines)

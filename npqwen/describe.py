@@ -1,0 +1,75 @@
+"""`npqwen inspect`: a checkpoint's config and every weight, without loading the weights.
+
+For a checkpoint directory only the safetensors headers are read (names, shapes, stored
+dtypes), so it is instant even for large models; the built-in tiny model lists its arrays.
+"""
+import dataclasses
+import math
+
+from .checkpoint import expected_shapes, index_checkpoint
+from .config import Qwen3Config
+from .hub import resolve_model
+
+GROUPS = ("embed", "layers", "norm", "lm_head")
+
+
+def group_of(name: str) -> str:
+    if name.startswith("model.embed_tokens"):
+        return "embed"
+    if name.startswith("model.layers."):
+        return "layers"
+    if name.startswith("model.norm"):
+        return "norm"
+    return "lm_head"
+
+
+def describe(model: str, device: str = "cpu", dtype: str = "float32") -> str:
+    if str(model) == "tiny":
+        from .tiny import tiny_model
+
+        m = tiny_model(device, dtype)
+        config, source = m.config, "built-in tiny model (random weights, seed 0)"
+        tensors = {n: (tuple(a.shape), str(a.dtype)) for n, a in m.weights.items()
+                   if not (n == "lm_head.weight" and config.tie_word_embeddings)}
+    else:
+        path = resolve_model(model)
+        config, source = Qwen3Config.from_json(path / "config.json"), str(path)
+        tensors = {n: (t.shape, t.dtype) for n, t in index_checkpoint(path).items()}
+    return render(config, tensors, source)
+
+
+def render(config: Qwen3Config, tensors: dict, source: str) -> str:
+    """`tensors`: name -> (shape, dtype) as stored; the config says which are used and which are tied."""
+    lines = [f"{source}", "", "config"]
+    for field in dataclasses.fields(config):
+        lines.append(f"  {field.name:<26} {getattr(config, field.name)}")
+    lines.append(f"  {'(derived) kv groups G':<26} {config.num_key_value_groups}")
+    expected = expected_shapes(config)
+    names = list(expected) + (["lm_head.weight"] if config.tie_word_embeddings else [])
+    width = max(len(n) for n in names) + 2
+    total = unique = 0
+    lines += ["", f"weights ({len(tensors)} tensors stored)"]
+    for group in GROUPS:
+        lines.append(f"  {group}")
+        subtotal = 0
+        for name in (n for n in names if group_of(n) == group):
+            count = math.prod(expected.get(name, expected["model.embed_tokens.weight"]))
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                where = "stored, unused" if name in tensors else "not stored"
+                lines.append(f"    {name:<{width}} tied to model.embed_tokens.weight ({where})")
+                total += count
+                continue
+            shape, dtype = tensors[name]
+            lines.append(f"    {name:<{width}} {str(list(shape)):<16} {dtype:<8} {count:>14,}")
+            subtotal += count
+        total += subtotal
+        unique += subtotal
+        if subtotal:
+            lines.append(f"    {'subtotal':<{width}} {'':<16} {'':<8} {subtotal:>14,}")
+    extra = sorted(set(tensors) - set(names))
+    if extra:
+        lines.append(f"  not used by npqwen: {', '.join(extra)}")
+    lines += ["", f"total parameters:  {total:,}",
+              f"unique parameters: {unique:,}" + ("  (tied lm_head counted once)" if config.tie_word_embeddings
+                                                  else "")]
+    return "\n".join(lines)
