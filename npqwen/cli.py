@@ -108,8 +108,6 @@ def checked_text(text: str, what: str) -> str:
 
 
 def cmd_generate(args) -> int:
-    from .generate import GenerationResult
-
     if args.prompt == "-":
         try:
             args.prompt = sys.stdin.buffer.read().decode("utf-8")
@@ -119,25 +117,34 @@ def cmd_generate(args) -> int:
     llm, load_seconds = load_model(args)
     kwargs = sampling_kwargs(args)   # checked before the (slow) generation starts
     if not args.raw:
-        messages = ([{"role": "system", "content": checked_text(args.system, "system message")}]
-                    if args.system else []) + [{"role": "user", "content": prompt}]
+        messages = system_messages(args) + [{"role": "user", "content": prompt}]
         prompt = llm.chat_prompt(messages, enable_thinking=not args.no_think)
+    print_stats(stream_to_stdout(llm, prompt, kwargs), load_seconds)
+    return 0
+
+
+def system_messages(args) -> list[dict]:
+    return [{"role": "system", "content": checked_text(args.system, "system message")}] if args.system else []
+
+
+def stream_to_stdout(llm, prompt, kwargs):
+    """Generate, writing each text piece as it comes; the GenerationResult at the end."""
+    from .generate import GenerationResult
+
     result = GenerationResult("", [], "length")
     for piece in llm.stream(prompt, result=result, **kwargs):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    print_stats(result, load_seconds)
-    return 0
+    return result
 
 
 def cmd_chat(args) -> int:
     from .llm import split_reasoning
-    from .generate import GenerationResult
 
     llm, _ = load_model(args)
     kwargs = sampling_kwargs(args)
-    system = [{"role": "system", "content": checked_text(args.system, "system message")}] if args.system else []
+    system = system_messages(args)
     history = list(system)
     print(f"npqwen chat with {args.model}. /reset clears the history, /exit quits.", file=sys.stderr)
     while True:
@@ -161,12 +168,7 @@ def cmd_chat(args) -> int:
         try:
             checked_text(line, "message")
             messages = history + [{"role": "user", "content": line}]
-            prompt = llm.chat_prompt(messages, enable_thinking=not args.no_think)
-            result = GenerationResult("", [], "length")
-            for piece in llm.stream(prompt, result=result, **kwargs):
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-            sys.stdout.write("\n")
+            result = stream_to_stdout(llm, llm.chat_prompt(messages, enable_thinking=not args.no_think), kwargs)
         except NpqwenError as e:   # e.g. the conversation outgrew the context: say so and keep going
             print(f"npqwen: error: {e}", file=sys.stderr)
             continue

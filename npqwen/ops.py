@@ -13,8 +13,6 @@ import numpy as np
 from .backend import xp_of
 
 
-
-
 def embed(weight, token_ids):
     """Row lookup: one D-vector per token."""
     return weight[token_ids]                          # (V, D)[(T,)] -> (T, D)
@@ -42,24 +40,11 @@ def silu(x):
     return s
 
 
-def swiglu(gate, up):
-    """Qwen3's MLP nonlinearity: silu(gate) * up."""
-    h = silu(gate)                                    # (T, F)
-    h *= up
-    return h
-
-
-def softmax(x, out=None):
-    """exp(x - max) / sum(...) over the last axis, in (at least) float32; subtracting the max keeps exp finite.
-
-    With out=x it works in place, which saves a pass over memory for large score matrices.
-    """
+def softmax(x):
+    """exp(x - max) / sum(...) over the last axis, in (at least) float32; subtracting the max keeps exp finite."""
     xp = xp_of(x)
     xf = x.astype(np.promote_types(x.dtype, np.float32), copy=False)
-    if out is None or out.dtype != xf.dtype:
-        e = xf - xf.max(axis=-1, keepdims=True)
-    else:
-        e = xp.subtract(xf, xf.max(axis=-1, keepdims=True), out=out)
+    e = xf - xf.max(axis=-1, keepdims=True)
     xp.exp(e, out=e)
     e /= e.sum(axis=-1, keepdims=True)
     return e.astype(x.dtype, copy=False)
@@ -164,6 +149,7 @@ def attention(q, k, v, start: int, block: int = 64, want_probs: bool = False):
         scores = xp.empty((H, n, S), dtype=q.dtype)                      # (H, Tb, S)
         for h in range(H):   # one matrix product per query head: BLAS streams its K/V head fastest
             xp.matmul(q[b:end, h], k[h // G, :, :S], out=scores[h])      # (Tb, Dh) @ (Dh, S) -> (Tb, S)
+        scores = scores.astype(np.promote_types(q.dtype, np.float32), copy=False)   # softmax in float32
         if n > 1:            # only the last Tb keys can be in a query's future: mask those
             scores[:, :, S - n:] += causal_mask(n, n, 0, scores.dtype, xp)
         # softmax(scores) @ v, normalised after the product: (w @ v) / sum(w) with
@@ -173,8 +159,8 @@ def attention(q, k, v, start: int, block: int = 64, want_probs: bool = False):
         total = w.sum(axis=-1, keepdims=True)                            # (H, Tb, 1)
         if want_probs:
             probs[:, b:end, :S] = w / total
-        for j in range(K):   # key/value head j serves query heads j*G .. j*G + G - 1
-            heads = slice(j * G, (j + 1) * G)
-            o = w[heads].reshape(G * n, S) @ v[j, :, :S].T              # (G*Tb, S) @ (S, Dh)
-            out[heads, b:end] = o.reshape(G, n, Dh) / total[heads]
+        # key/value head j serves query heads j*G .. j*G + G - 1: rows (g, t) of its weights
+        w_g = w.astype(q.dtype, copy=False).reshape(K, G * n, S)
+        o = v[:, :, :S] @ w_g.transpose(0, 2, 1)                        # (K, Dh, S) @ (K, S, G*Tb)
+        out[:, b:end] = o.reshape(K, Dh, G, n).transpose(0, 2, 3, 1).reshape(H, n, Dh) / total
     return out.transpose(1, 0, 2).reshape(T, H * Dh), probs

@@ -125,7 +125,7 @@ def test_unsupported_dtype(tmp_path, npqwen_tiny_dir):
 
 
 def test_nan_weights(tmp_path):
-    from npqwen.checkpoint import save_safetensors, read_safetensors_header
+    from npqwen.checkpoint import read_safetensors_header
 
     write_npqwen_checkpoint(tmp_path, tiny_config())
     f = tmp_path / "model.safetensors"
@@ -199,3 +199,17 @@ def test_every_activation_keeps_the_compute_dtype(npqwen_tiny_dir, dtype):
     wrong = {name: dtypes for name, dtypes in seen.items() if dtypes != {np.dtype(dtype)}}
     assert not wrong, f"activations not in {dtype}: {wrong}"
     assert all(w.dtype == np.dtype(dtype) for w in llm.weights.values())
+
+
+def test_float16_compute_path_runs_on_numpy():
+    """The float16 path CuPy uses (norms and softmax in float32, activations in float16), run with NumPy."""
+    from npqwen.tiny import tiny_model
+
+    half, full = tiny_model(dtype="float16"), tiny_model(dtype="float32")
+    ids = list(range(60, 90))
+    seen = set()
+    logits = half.forward(ids, recorder=lambda name, a: seen.add(a.dtype))
+    assert seen == {np.dtype(np.float16)} and logits.dtype == np.float16
+    err = np.abs(logits.astype(np.float32) - full.forward(ids)).max()
+    print("float16 vs float32 max |logit diff|", err)
+    assert err < 0.05
