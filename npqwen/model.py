@@ -37,7 +37,7 @@ class KVCache:
         self.capacity = capacity
         self.length = 0                                # positions filled so far
 
-    def write(self, layer: int, start: int, k, v, tile: int = 32):
+    def write(self, layer: int, start: int, k, v, tile: int = 16):
         """Store k, v (T, K, Dh) at positions start .. start + T - 1 of `layer`, transposing them.
 
         A tile of positions at a time: the transposed copy then stays in the CPU cache.
