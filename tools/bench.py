@@ -6,9 +6,12 @@
     python tools/bench.py --markdown            # the table for the README
 
 Each engine (npqwen, HF float32, HF bfloat16) runs in its own worker process, so load time and
-peak RSS are its own; the machine's streaming bandwidth and float32 matmul throughput are
-measured on the spot, and the figures are reported as ratios, which survive a noisy machine
-better than absolute times. Prompts are random token ids; decoding is greedy with a KV cache.
+peak RSS are its own; the machine's streaming bandwidth (sampled every 8 decode steps, with a
+BLAS read of lm_head.weight) and float32 matmul throughput are measured on the spot, and the
+figures are reported as ratios, which survive a noisy machine better than absolute times.
+Prompts are random token ids; decoding is greedy with a KV cache; a decode figure is
+1 / the median step time; a prefill figure is the best of --repeats runs; with --rounds the
+engines take turns and each figure's best round counts.
 """
 import argparse
 import json
@@ -108,23 +111,33 @@ def machine(args) -> dict:
             "numpy": np.__version__}
 
 
-def measure_machine(weights: dict) -> dict:
-    """Streaming read bandwidth and float32 matmul throughput, measured with the model's own arrays
-    (so nothing large is allocated beside them): the sustained rate (mean over 4 runs) of the
-    better of a one-thread sum and a BLAS matrix-vector product over lm_head.weight; and the best
-    of 3 runs of x @ W.T, x of 1024 rows, for layer 0's four matmul shapes."""
+def measure_matmul(weights: dict) -> float:
+    """float32 matmul throughput (GFLOP/s): the best of 3 runs of x @ W.T, x of 1024 rows, for
+    layer 0's four matmul shapes, using the model's own weights (nothing large is allocated)."""
     import numpy as np
 
-    big = weights["lm_head.weight"]                                            # (V, D): 622 MB in Qwen3-0.6B
-    x = np.ones(big.shape[1], big.dtype)
-    read = max(big.nbytes / _mean(lambda: big.sum(), 4), big.nbytes / _mean(lambda: big @ x, 4))
     flops, seconds = 0, 0.0
     for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"):
         w = weights[f"model.layers.0.{name}.weight"]
         a = np.ones((1024, w.shape[1]), w.dtype)
         seconds += _best(lambda: a @ w.T, 3)
         flops += 2 * 1024 * w.shape[0] * w.shape[1]
-    return {"bandwidth_GBps": read / 1e9, "matmul_GFLOPs": flops / seconds / 1e9}
+    return flops / seconds / 1e9
+
+
+def bandwidth_probe(weights: dict):
+    """A function that streams lm_head.weight (622 MB in Qwen3-0.6B) through a BLAS matrix-vector
+    product, the fastest read NumPy does here, and returns the GB/s it achieved."""
+    import numpy as np
+
+    big = weights["lm_head.weight"]
+    x = np.ones(big.shape[1], big.dtype)
+
+    def probe() -> float:
+        started = time.perf_counter()
+        big @ x
+        return big.nbytes / (time.perf_counter() - started) / 1e9
+    return probe
 
 
 def peak_rss_bytes() -> int:
@@ -136,14 +149,6 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-
-
-def _mean(fn, n) -> float:
-    fn()
-    started = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - started) / n
 
 
 def _best(fn, n) -> float:
@@ -208,9 +213,10 @@ def run_worker(args) -> dict:
     started = time.perf_counter()
     engine = NpqwenEngine(args) if args.worker == "npqwen" else HFEngine(args)
     out = {"load_s": time.perf_counter() - started, **engine.sizes}
-    measured = []   # machine figures, taken between the runs, when this engine is npqwen on the CPU
-    if args.worker == "npqwen" and args.device == "cpu":
-        measured.append(measure_machine(engine.llm.weights))
+    on_cpu = args.worker == "npqwen" and args.device == "cpu"
+    if on_cpu:   # the machine's figures, measured with npqwen's own arrays, during its own runs
+        engine.probe = bandwidth_probe(engine.llm.weights)
+        matmul = measure_matmul(engine.llm.weights)
     vocab = engine.vocab_size
     engine.prefill(rng.integers(0, vocab, 16).tolist(), capacity=16)   # warm-up
     for n in args.prefill:
@@ -219,13 +225,18 @@ def run_worker(args) -> dict:
     for n in args.decode_prompts:
         ids = rng.integers(0, vocab, n).tolist()
         out[f"decode_{n}_tps"] = engine.decode(ids, args.new_tokens)
-        if measured:
-            measured.append(measure_machine(engine.llm.weights))
-    if measured:
-        out["machine"] = {k: max(m[k] for m in measured) for k in measured[0]}
+    if on_cpu:
+        out["machine"] = {"bandwidth_GBps": sorted(engine.bandwidth)[len(engine.bandwidth) // 2],
+                          "matmul_GFLOPs": max(matmul, measure_matmul(engine.llm.weights))}
     out["peak_rss_bytes"] = peak_rss_bytes()
     out["kv_cache_bytes"] = engine.kv_bytes(max(args.decode_prompts) + args.new_tokens)
     return out
+
+
+def decode_rate(steps: list[float]) -> float:
+    """Tokens/s of a typical decode step: 1 / the median step time, which a burst of noise from
+    other tenants of a shared machine moves far less than the mean."""
+    return 1.0 / sorted(steps)[len(steps) // 2]
 
 
 class NpqwenEngine:
@@ -236,6 +247,7 @@ class NpqwenEngine:
         self.llm = npqwen.load(args.model, device=args.device, dtype=args.dtype)
         self.model, self._prefill, self._decode = self.llm.model, prefill, decode_one_token
         self.vocab_size = self.llm.config.vocab_size
+        self.probe, self.bandwidth = None, []   # a bandwidth probe runs every 8 decode steps, if set
         unique = {id(a): a for a in self.llm.weights.values()}.values()
         self.sizes = {"weight_bytes": sum(a.nbytes for a in unique), "params": sum(a.size for a in unique)}
 
@@ -246,10 +258,14 @@ class NpqwenEngine:
     def decode(self, ids, new_tokens) -> float:
         cache = self.model.new_cache(len(ids) + new_tokens)
         token = int(self._prefill(self.model, ids, cache).argmax())
-        started = time.perf_counter()
-        for _ in range(new_tokens - 1):
+        steps = []
+        for step in range(new_tokens - 1):
+            if self.probe is not None and step % 8 == 0:   # streaming bandwidth, under the same conditions
+                self.bandwidth.append(self.probe())
+            started = time.perf_counter()
             token = int(self._decode(self.model, token, cache).argmax())
-        return (new_tokens - 1) / (time.perf_counter() - started)
+            steps.append(time.perf_counter() - started)
+        return decode_rate(steps)
 
     def kv_bytes(self, capacity) -> int:
         c = self.model.config
@@ -281,14 +297,16 @@ class HFEngine:
     def decode(self, ids, new_tokens) -> float:
         token, out = self.prefill(ids, len(ids) + new_tokens)
         cache = getattr(out, "cache", None) or out.past_key_values
-        started = time.perf_counter()
+        steps = []
         with self.torch.inference_mode():
             for _ in range(new_tokens - 1):
+                started = time.perf_counter()
                 out = self.model(self.torch.tensor([[token]], device=self.device), past_key_values=cache,
                                  use_cache=True)
                 cache = getattr(out, "cache", None) or out.past_key_values
                 token = int(out.logits[0, -1].argmax())
-        return (new_tokens - 1) / (time.perf_counter() - started)
+                steps.append(time.perf_counter() - started)
+        return decode_rate(steps)
 
     def kv_bytes(self, capacity) -> int:
         c = self.model.config
