@@ -40,16 +40,6 @@ def silu(x):
     return s
 
 
-def softmax(x):
-    """exp(x - max) / sum(...) over the last axis, in (at least) float32; subtracting the max keeps exp finite."""
-    xp = xp_of(x)
-    xf = x.astype(np.promote_types(x.dtype, np.float32), copy=False)
-    e = xf - xf.max(axis=-1, keepdims=True)
-    xp.exp(e, out=e)
-    e /= e.sum(axis=-1, keepdims=True)
-    return e.astype(x.dtype, copy=False)
-
-
 def rope_frequencies(config) -> tuple[np.ndarray, float]:
     """Inverse frequencies theta^(-2i/Dh), i < Dh/2, and the cos/sin scale, as transformers computes them.
 
@@ -117,10 +107,13 @@ def apply_rope(x, cos, sin):
     return out
 
 
-def causal_mask(T: int, S: int, start: int, dtype, xp):
-    """Additive mask: token t (at position start + t) sees positions 0 .. start + t; -inf elsewhere."""
-    future = xp.arange(S)[None, :] > (start + xp.arange(T))[:, None]        # (T, S) bool
-    return xp.where(future, -np.inf, 0.0).astype(dtype)                     # (T, S)
+def causal_mask(T: int, dtype, xp):
+    """Additive mask among T consecutive tokens: token t sees tokens 0 .. t, -inf above the diagonal.
+
+    With a KV cache the earlier positions are visible to all T new tokens, so only the scores
+    against these last T keys need it (see attention)."""
+    future = xp.arange(T)[None, :] > xp.arange(T)[:, None]                  # (T, T) bool
+    return xp.where(future, -np.inf, 0.0).astype(dtype)                     # (T, T)
 
 
 def attention(q, k, v, start: int, block: int = 64, want_probs: bool = False):
@@ -151,9 +144,9 @@ def attention(q, k, v, start: int, block: int = 64, want_probs: bool = False):
             xp.matmul(q[b:end, h], k[h // G, :, :S], out=scores[h])      # (Tb, Dh) @ (Dh, S) -> (Tb, S)
         scores = scores.astype(np.promote_types(q.dtype, np.float32), copy=False)   # softmax in float32
         if n > 1:            # only the last Tb keys can be in a query's future: mask those
-            scores[:, :, S - n:] += causal_mask(n, n, 0, scores.dtype, xp)
-        # softmax(scores) @ v, normalised after the product: (w @ v) / sum(w) with
-        # w = exp(scores - max) saves a pass over the scores, the largest array here.
+            scores[:, :, S - n:] += causal_mask(n, scores.dtype, xp)
+        # softmax(scores) @ v, normalised after the product: (w @ v) / sum(w) with w = exp(scores - max)
+        # (subtracting the row max keeps exp finite) saves a pass over the scores, the largest array here.
         scores -= scores.max(axis=-1, keepdims=True)
         w = xp.exp(scores, out=scores)                                   # (H, Tb, S), unnormalised
         total = w.sum(axis=-1, keepdims=True)                            # (H, Tb, 1)
