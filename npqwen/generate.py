@@ -2,7 +2,7 @@
 
     prefill(model, prompt_ids, cache)    -> logits of the last prompt token
     decode_one_token(model, token, cache) -> logits of the next position
-    generate_tokens(...)                  -> yields (token id, text piece) until a stop condition
+    generate_tokens(...)                  -> yields text pieces until a stop condition
 
 The stop conditions are an eos id, a user stop string (excluded from the text), and
 max_new_tokens (finish_reason "length"); the KV cache is sized for prompt + max_new_tokens.
@@ -16,7 +16,7 @@ from .backend import to_numpy
 from .errors import NpqwenError
 from .sampling import SamplingParams, choose
 
-PREFILL_CHUNK = 512   # prompt tokens per forward call: bounds the (T, S) attention scores
+PREFILL_CHUNK = 512   # prompt tokens per forward call: bounds the activations of a long prompt
 
 
 @dataclass

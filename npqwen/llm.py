@@ -13,8 +13,8 @@ from .backend import array_module
 from .checkpoint import load_weights
 from .config import Qwen3Config
 from .errors import NpqwenError
-from .hub import resolve_model
 from .generate import ChatResult, GenerationResult, generate_tokens
+from .hub import resolve_model
 from .model import Qwen3
 from .sampling import read_generation_config, sampling_params
 from .tokenizer import Tokenizer
@@ -53,9 +53,8 @@ class LLM:
         """Complete `prompt` (text, used as is, or token ids). Sampling defaults come from
         generation_config.json; arguments given here override them; temperature=0 is greedy."""
         result = GenerationResult("", [], "length")
-        for _ in self._run(prompt, result, max_new_tokens, stop, temperature=temperature, top_k=top_k,
-                           top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                           presence_penalty=presence_penalty, seed=seed):
+        for _ in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
+                             presence_penalty, seed, stop, result=result):
             pass
         return result
 
@@ -65,8 +64,8 @@ class LLM:
         """Like generate, but yields text pieces as they come; `result`, if given, is filled in."""
         result = result if result is not None else GenerationResult("", [], "length")
         return self._run(prompt, result, max_new_tokens, stop, temperature=temperature, top_k=top_k,
-                             top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                             presence_penalty=presence_penalty, seed=seed)
+                         top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                         presence_penalty=presence_penalty, seed=seed)
 
     def chat_prompt(self, messages, enable_thinking: bool = True, tools=None) -> str:
         """The chat template applied to `messages` (a str is one user message), ready for generation."""

@@ -110,12 +110,16 @@ def temperature(logits, t: float):
     return logits / t
 
 
+def kth_largest(logits, k: int):
+    """The k-th largest logit: top-k keeps every logit >= it (ties with the k-th included)."""
+    return np.partition(logits, -k)[-k]
+
+
 def top_k(logits, k: int):
     """Keep the k largest logits and any tied with the k-th."""
     if k <= 0 or k >= logits.shape[-1]:
         return logits
-    kth = np.partition(logits, -k)[-k]
-    return np.where(logits < kth, -np.inf, logits)
+    return np.where(logits < kth_largest(logits, k), -np.inf, logits)
 
 
 def top_p(logits, p: float):
@@ -149,7 +153,9 @@ def softmax(logits):
 def choose(logits, params: SamplingParams, rng, prompt_ids=(), generated_ids=()) -> int:
     """The next token id from one position's logits (V,)."""
     logits = np.asarray(logits, dtype=np.float32)
-    logits = repetition_penalty(logits, list(prompt_ids) + list(generated_ids), params.repetition_penalty)
+    # Only build the list of seen tokens (prompt included) when a penalty will read it.
+    seen = list(prompt_ids) + list(generated_ids) if params.repetition_penalty != 1.0 else ()
+    logits = repetition_penalty(logits, seen, params.repetition_penalty)
     logits = presence_penalty(logits, generated_ids, params.presence_penalty)
     if params.greedy:
         return int(np.argmax(logits))
@@ -158,9 +164,7 @@ def choose(logits, params: SamplingParams, rng, prompt_ids=(), generated_ids=())
     if 0 < params.top_k < logits.shape[-1]:
         # Work on the k survivors only: the filters below give the same result on them as on
         # the full vocabulary with -inf elsewhere, and sorting 20 values beats sorting 151936.
-        ids = np.argpartition(logits, -params.top_k)[-params.top_k:]
-        kth = logits[ids].min()
-        ids = np.flatnonzero(logits >= kth)                     # ties with the k-th stay, as in top_k()
+        ids = np.flatnonzero(logits >= kth_largest(logits, params.top_k))   # the top_k() survivors
         logits = logits[ids]
     logits = min_p(top_p(logits, params.top_p), params.min_p)
     probs = softmax(logits.astype(np.float64))

@@ -233,6 +233,11 @@ def run_worker(args) -> dict:
     return out
 
 
+def kv_cache_bytes(config, capacity: int, itemsize: int) -> int:
+    """Keys and values of every layer for `capacity` positions (HF's config or npqwen's: same field names)."""
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * capacity * itemsize
+
+
 def decode_rate(steps: list[float]) -> float:
     """Tokens/s of a typical decode step: 1 / the median step time, which a burst of noise from
     other tenants of a shared machine moves far less than the mean."""
@@ -268,8 +273,7 @@ class NpqwenEngine:
         return decode_rate(steps)
 
     def kv_bytes(self, capacity) -> int:
-        c = self.model.config
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * capacity * self.llm.model.dtype.itemsize
+        return kv_cache_bytes(self.model.config, capacity, self.model.dtype.itemsize)
 
 
 class HFEngine:
@@ -288,7 +292,7 @@ class HFEngine:
                       "params": sum(p.numel() for p in params)}
         self.itemsize = torch.finfo(dtype).bits // 8
 
-    def prefill(self, ids, capacity, cache=None):
+    def prefill(self, ids, capacity):
         with self.torch.inference_mode():
             x = self.torch.tensor([ids], device=self.device)
             out = self.model(x, use_cache=True, logits_to_keep=1)
@@ -309,8 +313,7 @@ class HFEngine:
         return decode_rate(steps)
 
     def kv_bytes(self, capacity) -> int:
-        c = self.model.config
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * capacity * self.itemsize
+        return kv_cache_bytes(self.model.config, capacity, self.itemsize)
 
 
 # ---------------------------------------------------------------------------- figures and tables
