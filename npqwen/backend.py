@@ -49,3 +49,18 @@ def xp_of(a):
 def to_numpy(a) -> np.ndarray:
     """Copy a device array to the host (no copy for a NumPy array)."""
     return a if isinstance(a, np.ndarray) else a.get()
+
+
+def free_memory_bytes(xp) -> int:
+    """Memory free for new arrays: the GPU's free memory under CuPy, else the host's MemAvailable."""
+    if xp is not np:
+        return int(xp.cuda.runtime.memGetInfo()[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")   # no /proc (macOS): free pages

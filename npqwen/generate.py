@@ -1,20 +1,16 @@
-"""Generation: prefill the prompt into a KV cache, then decode one token at a time.
+"""Generation, one sequence: prefill the prompt into a KV cache, then decode one token at a time.
 
     prefill(model, prompt_ids, cache)    -> logits of the last prompt token
     decode_one_token(model, token, cache) -> logits of the next position
-    generate_tokens(...)                  -> yields text pieces until a stop condition
 
-The stop conditions are an eos id, a user stop string (excluded from the text), and
-max_new_tokens (finish_reason "length"); the KV cache is sized for prompt + max_new_tokens.
+These two show the idea on one sequence (docs/walkthrough.md, tools/bench.py). `llm.generate`
+runs through the engine (npqwen/engine/), which does the same for many requests at once. The
+stop conditions are an eos id, a user stop string (excluded from the text, see StopStrings),
+and max_new_tokens (finish_reason "length").
 """
-import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from .backend import to_numpy
 from .errors import NpqwenError
-from .sampling import SamplingParams, choose
 
 PREFILL_CHUNK = 512   # prompt tokens per forward call: bounds the activations of a long prompt
 
@@ -83,18 +79,14 @@ class StopStrings:
         return out
 
 
-def generate_tokens(model, tokenizer, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-                    eos_ids=(), stop=None, result: GenerationResult | None = None):
-    """A generator of text pieces, filling `result` (ids, text, timings) as tokens are generated.
-
-    The arguments are checked at once, before the first token.
-    """
-    config = model.config
+def check_request(config, prompt_ids: list[int], max_new_tokens, stop) -> tuple[list[str], int]:
+    """The checks every generation gets before anything runs: (stop strings as a list, max_new_tokens
+    capped to the room left in the context)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise NpqwenError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if isinstance(stop, str):
         stop = [stop]
-    if stop is not None and not all(isinstance(s, str) for s in stop):
+    if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop)):
         raise NpqwenError(f"stop must be a string or a list of strings, got {stop!r}")
     if len(prompt_ids) == 0:
         raise NpqwenError("the prompt is empty")
@@ -103,50 +95,4 @@ def generate_tokens(model, tokenizer, prompt_ids: list[int], params: SamplingPar
         raise NpqwenError(f"the prompt has {len(prompt_ids)} tokens but the context holds "
                           f"{config.max_position_embeddings} (max_position_embeddings): no room to generate; "
                           f"shorten the prompt")
-    result = result if result is not None else GenerationResult("", [], "length")
-    result.prompt_tokens = len(prompt_ids)
-    # Everything above is checked now; the generator below runs when iterated.
-    return _generate(model, tokenizer, list(prompt_ids), params, min(max_new_tokens, room), eos_ids, stop, result)
-
-
-def _generate(model, tokenizer, prompt_ids, params, max_new_tokens, eos_ids, stop, result):
-    rng = np.random.default_rng(params.seed)
-    decoder = tokenizer.stream_decoder() if tokenizer is not None else None
-    stops = StopStrings(stop)
-    eos_ids = set(eos_ids)
-
-    started = time.perf_counter()
-    cache = model.new_cache(len(prompt_ids) + max_new_tokens)
-    logits = prefill(model, prompt_ids, cache)
-    stopped_by_string = False
-    for step in range(max_new_tokens):
-        token = choose(to_numpy(logits), params, rng, prompt_ids, result.token_ids)
-        if step == 0:
-            result.prefill_seconds = time.perf_counter() - started
-            started = time.perf_counter()
-        result.token_ids.append(token)
-        if token in eos_ids:
-            result.finish_reason = "stop"
-            result.stop = tokenizer.decode([token]) if tokenizer is not None else str(token)
-            break
-        if decoder is not None:
-            piece, hit = stops.feed(decoder.push(token))
-            result.text += piece
-            if piece:
-                yield piece
-            if hit is not None:
-                result.finish_reason, result.stop, stopped_by_string = "stop", hit, True
-                break
-        if step + 1 < max_new_tokens:
-            logits = decode_one_token(model, token, cache)
-    result.decode_seconds = time.perf_counter() - started
-    if decoder is not None and not stopped_by_string:
-        # Release what was held back: an unfinished character, or text that might have begun a stop string.
-        piece, hit = stops.feed(decoder.finish())
-        if hit is not None:
-            result.finish_reason, result.stop = "stop", hit
-        else:
-            piece += stops.flush()
-        result.text += piece
-        if piece:
-            yield piece
+    return list(stop or []), min(max_new_tokens, room)

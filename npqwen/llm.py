@@ -13,10 +13,10 @@ from .backend import array_module
 from .checkpoint import load_weights
 from .config import Qwen3Config
 from .errors import NpqwenError
-from .generate import ChatResult, GenerationResult, generate_tokens
+from .generate import ChatResult, GenerationResult
 from .hub import resolve_model
 from .model import Qwen3
-from .sampling import read_generation_config, sampling_params
+from .sampling import read_generation_config
 from .tokenizer import Tokenizer
 
 DTYPES = {"cpu": ("float32", "float64"), "cuda": ("float32", "float16", "float64")}
@@ -35,6 +35,16 @@ class LLM:
         self.tokenizer = tokenizer
         self.generation_defaults = generation_defaults or {}   # from generation_config.json
         self.path = path
+        self._engine = None       # made on first use: generate / stream / chat run through it
+        self._inbox = {}          # engine outputs that arrived for another stream than the one stepping
+
+    @property
+    def engine(self):
+        """The engine behind generate / stream / chat (default sizes; see npqwen.Engine to choose them)."""
+        if self._engine is None:
+            from .engine import Engine
+            self._engine = Engine(self)
+        return self._engine
 
     def forward(self, token_ids, cache=None, last_only=False, recorder=None):
         """Logits (T, V) in the compute dtype; see Qwen3.forward."""
@@ -49,9 +59,17 @@ class LLM:
 
     def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None, top_k=None,
                  top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, seed=None,
-                 stop=None) -> GenerationResult:
+                 stop=None) -> GenerationResult | list[GenerationResult]:
         """Complete `prompt` (text, used as is, or token ids). Sampling defaults come from
-        generation_config.json; arguments given here override them; temperature=0 is greedy."""
+        generation_config.json; arguments given here override them; temperature=0 is greedy.
+
+        A list of prompts (strings, or token-id lists) runs them all at once through the engine
+        and returns their results in the same order.
+        """
+        if is_prompt_list(prompt):
+            return self._generate_many(prompt, dict(
+                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty, seed=seed, stop=stop))
         result = GenerationResult("", [], "length")
         for _ in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
                              presence_penalty, seed, stop, result=result):
@@ -121,14 +139,68 @@ class LLM:
                               f"pass token ids or add the checkpoint's tokenizer files")
         return self.tokenizer
 
-    def _run(self, prompt, result, max_new_tokens, stop, **sampling):
-        params = sampling_params(self.generation_defaults, **sampling)
+    def prompt_ids(self, prompt) -> list[int]:
+        """A prompt as token ids: text is tokenized as is; token ids are checked against the vocabulary."""
         if isinstance(prompt, str):
-            ids = self._tokenizer().encode(prompt)
-        else:
-            ids = [int(i) for i in np.asarray(prompt).reshape(-1)]
-        return generate_tokens(self.model, self.tokenizer, ids, params, max_new_tokens,
-                               eos_ids=self.eos_token_ids, stop=stop, result=result)
+            return self._tokenizer().encode(prompt)
+        if isinstance(prompt, (list, tuple, range, np.ndarray)):
+            ids = np.asarray(prompt)
+            if ids.ndim == 1 and (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+                V = self.config.vocab_size
+                if ids.size and (ids.min() < 0 or ids.max() >= V):
+                    bad = int(ids[(ids < 0) | (ids >= V)][0])
+                    raise NpqwenError(f"token id {bad} is outside the vocabulary 0 .. {V - 1}")
+                return ids.astype(np.int64).tolist()
+        raise NpqwenError(f"a prompt is a string or a 1-D sequence of integer token ids, got "
+                          f"{type(prompt).__name__} {str(prompt)[:60]!r}")
+
+    def _run(self, prompt, result, max_new_tokens, stop, **sampling):
+        request_id = self.engine.add_request(prompt, max_new_tokens, stop=stop, **sampling)   # checks now
+        return self._follow(request_id, result)
+
+    def _follow(self, request_id, result):
+        """Step the engine until this request finishes, yielding its text pieces; other requests'
+        outputs wait in the inbox for their own streams."""
+        engine, finished = self.engine, False
+        try:
+            while not finished:
+                if not self._inbox.get(request_id):
+                    for out in engine.step():
+                        self._inbox.setdefault(out.request_id, []).append(out)
+                for out in self._inbox.pop(request_id, []):
+                    if out.text:
+                        yield out.text
+                    if out.finished:
+                        finished = True
+                        vars(result).update(vars(out.result))
+        finally:
+            if not finished and request_id in engine.requests:   # the caller stopped early: free its pages
+                engine.abort(request_id)
+
+    def _generate_many(self, prompts, kwargs) -> list[GenerationResult]:
+        engine = self.engine
+        ids = []
+        try:
+            for prompt in prompts:
+                ids.append(engine.add_request(prompt, **kwargs))
+        except NpqwenError as e:
+            for request_id in ids:
+                engine.abort(request_id)
+            raise NpqwenError(f"prompt {len(ids)}: {e}") from e
+        results = {}
+        while len(results) < len(ids):
+            for out in engine.step():
+                if out.finished and out.request_id in ids:
+                    results[out.request_id] = out.result
+                elif out.request_id not in ids:
+                    self._inbox.setdefault(out.request_id, []).append(out)
+        return [results[i] for i in ids]
+
+
+def is_prompt_list(prompt) -> bool:
+    """A list of prompts (strings or token-id sequences), as opposed to one prompt of token ids."""
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(p, (str, list, tuple, range, np.ndarray)) for p in prompt))
 
 
 def split_reasoning(text: str) -> tuple[str, str]:

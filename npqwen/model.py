@@ -1,16 +1,26 @@
-"""The Qwen3 forward pass: token ids -> logits. Read it top to bottom.
+"""The Qwen3 forward pass: a packed batch of tokens -> logits. Read it top to bottom.
 
-Shapes: T tokens in this call, S positions attended (cached + new), D hidden size,
-H query heads, K key/value heads, G = H / K, Dh head dim, F MLP width, V vocab size.
+Shapes: T tokens in this call (every sequence's new tokens, back to back), S positions one
+sequence attends (cached + new), D hidden size, H query heads, K key/value heads, G = H / K,
+Dh head dim, F MLP width, V vocab size, N pages in the KV cache, P positions per page.
 Qwen3-0.6B: D=1024, H=16, K=8, G=2, Dh=128, F=3072, V=151936, 28 layers.
 
 forward: embed -> for each layer: x += attention(norm(x)); x += mlp(norm(x)) -> norm -> lm_head.
 Attention normalises q and k per head (QK-norm) *before* RoPE, rotates split halves, and
 lets G query heads share one key/value head (GQA).
 
+The model knows nothing of requests. A `Batch` says which tokens run, at which positions, and
+which pages of the `KVCache` hold each sequence's keys and values; every matrix product runs
+once over all T tokens, and only attention looks at one sequence at a time. `Qwen3.forward`
+(a list of token ids, optionally continuing a `SequenceCache`) is the same pass for a batch of
+one sequence.
+
 `recorder`, when given, is called as recorder(name, array) with every intermediate result
-under its HF module name (see `npqwen trace`); when it is None nothing extra runs.
+under its HF module name (see `npqwen trace`); by default it is `no_recorder`, which does nothing.
 """
+import math
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from . import ops
@@ -19,38 +29,92 @@ from .config import Qwen3Config
 from .errors import NpqwenError
 
 
-class KVCache:
-    """Keys and values of every layer for positions 0 .. length-1, preallocated for `capacity` positions.
+def no_recorder(name, array):
+    """The default recorder: keeps nothing."""
 
-    Both are stored transposed, (Dh, positions): a decode step then reads each head's keys and
-    values as Dh contiguous rows of positions, which BLAS streams fastest (scores = q @ keys,
-    output = values @ probs^T).
+
+class KVCache:
+    """Keys and values of every layer, in N pages of P positions each: (layers, N, K, Dh, P).
+
+    A page stores its positions transposed, (K, Dh, P): attention then reads each key/value
+    head as Dh contiguous rows of positions, which BLAS streams fastest (scores = q @ keys,
+    output = values @ probs^T). Which page holds which positions of which sequence is the
+    page table's business (a `Batch` carries one per sequence); the cache is only storage.
+    Zero-filled memory costs nothing until written, so on the CPU a large cache only becomes
+    resident as pages are used.
     """
 
-    def __init__(self, config: Qwen3Config, capacity: int, xp, dtype):
-        if capacity > config.max_position_embeddings:
-            raise NpqwenError(f"a KV cache of {capacity} positions exceeds the model's context of "
-                              f"{config.max_position_embeddings} (max_position_embeddings)")
+    def __init__(self, config: Qwen3Config, num_pages: int, page_size: int, xp, dtype):
         L, K, Dh = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-        self.keys = xp.zeros((L, K, Dh, capacity), dtype=dtype)     # (layers, K, Dh, capacity)
-        self.values = xp.zeros((L, K, Dh, capacity), dtype=dtype)   # (layers, K, Dh, capacity)
-        self.capacity = capacity
-        self.length = 0                                # positions filled so far
+        shape = (L, num_pages, K, Dh, page_size)
+        try:
+            self.keys = xp.zeros(shape, dtype=dtype)       # (L, N, K, Dh, P)
+            self.values = xp.zeros(shape, dtype=dtype)     # (L, N, K, Dh, P)
+        except MemoryError as e:   # NumPy's _ArrayMemoryError and CuPy's OutOfMemoryError are both MemoryErrors
+            need = 2 * math.prod(shape) * np.dtype(dtype).itemsize
+            raise NpqwenError(f"a KV cache of {num_pages} pages x {page_size} positions needs "
+                              f"{need / 2**30:.2f} GiB, which cannot be allocated; use fewer pages") from e
+        self.num_pages, self.page_size = num_pages, page_size
 
-    def write(self, layer: int, start: int, k, v, tile: int = 16):
-        """Store k, v (T, K, Dh) at positions start .. start + T - 1 of `layer`, transposing them.
-
-        A tile of positions at a time: the transposed copy then stays in the CPU cache.
-        """
-        for t in range(0, k.shape[0], tile):
-            part_k, part_v = k[t:t + tile], v[t:t + tile]                          # (n, K, Dh)
-            s, n = start + t, part_k.shape[0]
-            self.keys[layer][:, :, s:s + n] = part_k.transpose(1, 2, 0)             # (K, Dh, n)
-            self.values[layer][:, :, s:s + n] = part_v.transpose(1, 2, 0)
+    def write(self, layer: int, pages, offsets, k, v):
+        """Store token t's k, v (T, K, Dh) at page pages[t], position offsets[t] within the page."""
+        self.keys[layer][pages, :, :, offsets] = k        # (N, K, Dh, P)[(T,), :, :, (T,)] is (T, K, Dh)
+        self.values[layer][pages, :, :, offsets] = v
 
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
+
+    @staticmethod
+    def bytes_per_token(config: Qwen3Config, dtype) -> int:
+        """Keys + values of one position in every layer."""
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * np.dtype(dtype).itemsize
+
+
+@dataclass
+class Batch:
+    """One packed forward pass: the new tokens of several sequences, back to back.
+
+    Sequence i contributes lengths[i] tokens at positions starts[i] .. starts[i] + lengths[i] - 1;
+    its keys and values live in the pages page_tables[i] (page j holds positions j*P .. j*P + P - 1).
+    Logits are computed only for the rows in sample_rows.
+    """
+    token_ids: np.ndarray                 # (T,) int64
+    starts: list[int]                     # per sequence: positions already in the cache
+    lengths: list[int]                    # per sequence: its new tokens in this batch
+    page_tables: list[np.ndarray]         # per sequence: page ids covering positions 0 .. start + length - 1
+    page_size: int
+    sample_rows: np.ndarray               # rows of token_ids whose logits are wanted
+    positions: np.ndarray = field(init=False)      # (T,) each token's position in its own sequence
+    write_pages: np.ndarray = field(init=False)    # (T,) the page each token's keys/values go to
+    write_offsets: np.ndarray = field(init=False)  # (T,) ... and the position within that page
+
+    def __post_init__(self):
+        self.positions = np.concatenate([np.arange(s, s + n) for s, n in zip(self.starts, self.lengths)])
+        self.write_pages = np.concatenate([np.asarray(table)[np.arange(s, s + n) // self.page_size]
+                                           for table, s, n in zip(self.page_tables, self.starts, self.lengths)])
+        self.write_offsets = self.positions % self.page_size
+
+    @property
+    def rows(self):
+        """(first row, number of rows) of each sequence."""
+        first = np.cumsum([0] + list(self.lengths[:-1]))
+        return list(zip(first.tolist(), self.lengths))
+
+
+class SequenceCache:
+    """One sequence's KV cache for the single-sequence API (`new_cache`, `prefill`, `decode_one_token`):
+    a KVCache whose pages hold positions 0 .. capacity - 1 in order."""
+
+    def __init__(self, config: Qwen3Config, capacity: int, xp, dtype, page_size: int = 256):
+        if capacity > config.max_position_embeddings:
+            raise NpqwenError(f"a KV cache of {capacity} positions exceeds the model's context of "
+                              f"{config.max_position_embeddings} (max_position_embeddings)")
+        page_size = max(1, min(page_size, capacity))
+        self.kv = KVCache(config, -(-capacity // page_size), page_size, xp, dtype)
+        self.page_table = np.arange(self.kv.num_pages)
+        self.capacity = capacity
+        self.length = 0                                # positions filled so far
 
 
 class Qwen3:
@@ -65,91 +129,99 @@ class Qwen3:
         inv_freq, self.rope_scale = ops.rope_frequencies(config)
         self.inv_freq = self.xp.asarray(inv_freq)      # (Dh/2,) float32
 
-    def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.config, capacity, self.xp, self.dtype)
+    def new_cache(self, capacity: int) -> SequenceCache:
+        return SequenceCache(self.config, capacity, self.xp, self.dtype)
 
-    def forward(self, token_ids, cache: KVCache | None = None, last_only: bool = False, recorder=None):
-        """Logits (T, V) for `token_ids` (or (1, V) for the last token when last_only).
+    def forward(self, token_ids, cache: SequenceCache | None = None, last_only: bool = False, recorder=None):
+        """Logits (T, V) for one sequence's `token_ids` (or (1, V) for the last token when last_only).
 
         With a cache, the tokens continue at position cache.length, their keys/values are
-        appended, and attention reads every cached position.
+        appended, and attention reads every cached position. A batch of one through forward_batch.
         """
-        cfg, W, xp = self.config, self.weights, self.xp
         ids = self._check_ids(token_ids, cache)
-        start = cache.length if cache is not None else 0
         T = len(ids)
-
-        # 1. embedding lookup
-        x = ops.embed(W["model.embed_tokens.weight"], xp.asarray(ids))       # (T, D)
-        if recorder is not None: recorder("model.embed_tokens", x)
-        # 2. RoPE tables for positions start .. start+T-1, shared by every layer
-        positions = xp.arange(start, start + T)
-        cos, sin = ops.rope_cos_sin(self.inv_freq, positions, self.rope_scale, self.dtype)   # (T, Dh) each
-        if recorder is not None: recorder("model.rotary_emb.cos", cos); recorder("model.rotary_emb.sin", sin)
-        # 3. the decoder layers, each two residual updates
-        for i in range(cfg.num_hidden_layers):
-            x = self.decoder_layer(i, x, cos, sin, cache, start, recorder)
-        if cache is not None:
-            cache.length = start + T
-        # 4. final norm, only where logits are wanted
-        if last_only:
-            x = x[-1:]                                                           # (1, D)
-        x = ops.rms_norm(x, W["model.norm.weight"], cfg.rms_norm_eps)          # (T, D)
-        if recorder is not None: recorder("model.norm", x)
-        # 5. lm_head (tied to the embedding in small Qwen3s)
-        logits = x @ W["lm_head.weight"].T                                     # (T, D) @ (D, V) -> (T, V)
-        if recorder is not None: recorder("lm_head", logits)
+        if cache is None:   # attention still reads keys from pages: one page that holds just these tokens
+            cache = SequenceCache(self.config, T, self.xp, self.dtype, page_size=T)
+        start = cache.length
+        batch = Batch(ids, [start], [T], [cache.page_table], cache.kv.page_size,
+                      sample_rows=np.array([T - 1]) if last_only else np.arange(T))
+        logits = self.forward_batch(batch, cache.kv, recorder)
+        cache.length = start + T
         return logits
 
-    def decoder_layer(self, i: int, x, cos, sin, cache, start: int, recorder=None):
+    def forward_batch(self, batch: Batch, kv: KVCache, recorder=no_recorder):
+        """Logits (len(batch.sample_rows), V) of a packed batch; each sequence's new keys/values go to its pages."""
+        cfg, W, xp = self.config, self.weights, self.xp
+        recorder = no_recorder if recorder is None else recorder
+        # 1. embedding lookup
+        x = ops.embed(W["model.embed_tokens.weight"], xp.asarray(batch.token_ids))   # (T, D)
+        recorder("model.embed_tokens", x)
+        # 2. RoPE tables for each token's own position, shared by every layer
+        cos, sin = ops.rope_cos_sin(self.inv_freq, xp.asarray(batch.positions), self.rope_scale, self.dtype)  # (T, Dh)
+        recorder("model.rotary_emb.cos", cos); recorder("model.rotary_emb.sin", sin)
+        pages = (xp.asarray(batch.write_pages), xp.asarray(batch.write_offsets))      # where new keys/values go
+        # 3. the decoder layers, each two residual updates
+        for i in range(cfg.num_hidden_layers):
+            x = self.decoder_layer(i, x, cos, sin, batch, kv, pages, recorder)
+        # 4. final norm, only where logits are wanted
+        if len(batch.sample_rows) < x.shape[0]:
+            x = x[xp.asarray(batch.sample_rows)]                                     # (B, D)
+        x = ops.rms_norm(x, W["model.norm.weight"], cfg.rms_norm_eps)
+        recorder("model.norm", x)
+        # 5. lm_head (tied to the embedding in small Qwen3s)
+        logits = x @ W["lm_head.weight"].T                                         # (B, D) @ (D, V) -> (B, V)
+        recorder("lm_head", logits)
+        return logits
+
+    def decoder_layer(self, i: int, x, cos, sin, batch, kv, pages, recorder=no_recorder):
         """Pre-norm residual block: x + attention(norm(x)), then h + mlp(norm(h))."""
         p, W, eps = f"model.layers.{i}", self.weights, self.config.rms_norm_eps
         a = ops.rms_norm(x, W[f"{p}.input_layernorm.weight"], eps)
-        if recorder is not None: recorder(f"{p}.input_layernorm", a)
-        h = x + self.self_attn(i, a, cos, sin, cache, start, recorder)         # (T, D)
-        if recorder is not None: recorder(f"{p}.attn_residual", h)
+        recorder(f"{p}.input_layernorm", a)
+        h = x + self.self_attn(i, a, cos, sin, batch, kv, pages, recorder)           # (T, D)
+        recorder(f"{p}.attn_residual", h)
         m = ops.rms_norm(h, W[f"{p}.post_attention_layernorm.weight"], eps)
-        if recorder is not None: recorder(f"{p}.post_attention_layernorm", m)
-        out = h + self.mlp(i, m, recorder)                                     # (T, D)
-        if recorder is not None: recorder(p, out)
+        recorder(f"{p}.post_attention_layernorm", m)
+        out = h + self.mlp(i, m, recorder)                                           # (T, D)
+        recorder(p, out)
         return out
 
-    def self_attn(self, i: int, x, cos, sin, cache, start: int, recorder=None):
-        """QK-normed, rotary, grouped-query causal attention of layer i."""
+    def self_attn(self, i: int, x, cos, sin, batch, kv, pages, recorder=no_recorder):
+        """QK-normed, rotary, grouped-query causal attention of layer i, each sequence over its own pages."""
         cfg, W, p = self.config, self.weights, f"model.layers.{i}.self_attn"
         T, H, K, Dh = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         # q_proj, k_proj, v_proj in one matmul: qkv_proj stacks their rows
         qkv = x @ self.fused[f"{p}.qkv_proj.weight"].T                         # (T, (H + 2K) * Dh)
         q, k, v = qkv[:, :H * Dh], qkv[:, H * Dh:(H + K) * Dh], qkv[:, (H + K) * Dh:]
-        if recorder is not None: recorder(f"{p}.q_proj", q); recorder(f"{p}.k_proj", k); recorder(f"{p}.v_proj", v)
+        recorder(f"{p}.q_proj", q); recorder(f"{p}.k_proj", k); recorder(f"{p}.v_proj", v)
         # QK-norm: RMSNorm over each head's Dh values, before RoPE
         q = ops.rms_norm(q.reshape(T, H, Dh), W[f"{p}.q_norm.weight"], cfg.rms_norm_eps)   # (T, H, Dh)
         k = ops.rms_norm(k.reshape(T, K, Dh), W[f"{p}.k_norm.weight"], cfg.rms_norm_eps)   # (T, K, Dh)
-        if recorder is not None: recorder(f"{p}.q_norm", q); recorder(f"{p}.k_norm", k)
+        recorder(f"{p}.q_norm", q); recorder(f"{p}.k_norm", k)
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
-        if recorder is not None: recorder(f"{p}.q_rope", q); recorder(f"{p}.k_rope", k)
-        v = v.reshape(T, K, Dh)
-        if cache is not None:   # append this call's keys/values, then attend to every cached position
-            cache.write(i, start, k, v)
-            keys, values = cache.keys[i][:, :, :start + T], cache.values[i][:, :, :start + T]  # (K, Dh, S) each
-        else:
-            keys, values = k.transpose(1, 2, 0), v.transpose(1, 2, 0)          # (K, Dh, T) each
-        out, probs = ops.attention(q, keys, values, start, want_probs=recorder is not None)   # (T, H*Dh), (H, T, S)
-        if recorder is not None: recorder(f"{p}.attn_probs", probs); recorder(f"{p}.attn_output", out)
+        recorder(f"{p}.q_rope", q); recorder(f"{p}.k_rope", k)
+        # every token's key and value go to its page first, so a sequence's attention reads them from there
+        kv.write(i, *pages, k, v.reshape(T, K, Dh))
+        out = self.xp.empty((T, H * Dh), dtype=q.dtype)                            # (T, H*Dh)
+        keys, values = kv.keys[i], kv.values[i]                                     # (N, K, Dh, P) each
+        for (row, n), start, table in zip(batch.rows, batch.starts, batch.page_tables):
+            out[row:row + n], probs = ops.paged_attention(q[row:row + n], keys, values, table, start,
+                                                          want_probs=recorder is not no_recorder)
+        recorder(f"{p}.attn_probs", probs); recorder(f"{p}.attn_output", out)  # probs: the last sequence's (H, n, S)
         out = out @ W[f"{p}.o_proj.weight"].T                                   # (T, H*Dh) -> (T, D)
-        if recorder is not None: recorder(f"{p}.o_proj", out)
+        recorder(f"{p}.o_proj", out)
         return out
 
-    def mlp(self, i: int, x, recorder=None):
+    def mlp(self, i: int, x, recorder=no_recorder):
         """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
         p, F = f"model.layers.{i}.mlp", self.config.intermediate_size
         gate_up = x @ self.fused[f"{p}.gate_up_proj.weight"].T                  # (T, 2F): gate_proj | up_proj
         gate, up = gate_up[:, :F], gate_up[:, F:]                               # (T, F) each
-        if recorder is not None: recorder(f"{p}.gate_proj", gate); recorder(f"{p}.up_proj", up)
+        recorder(f"{p}.gate_proj", gate); recorder(f"{p}.up_proj", up)
         act = ops.silu(gate)                                                    # (T, F)
-        if recorder is not None: recorder(f"{p}.act_fn", act)
+        recorder(f"{p}.act_fn", act)
         out = (act * up) @ self.weights[f"{p}.down_proj.weight"].T              # (T, F) -> (T, D)
-        if recorder is not None: recorder(f"{p}.down_proj", out)
+        recorder(f"{p}.down_proj", out)
         return out
 
     def _check_ids(self, token_ids, cache) -> np.ndarray:

@@ -107,53 +107,64 @@ def apply_rope(x, cos, sin):
     return out
 
 
-def causal_mask(T: int, dtype, xp):
-    """Additive mask among T consecutive tokens: token t sees tokens 0 .. t, -inf above the diagonal.
+def paged_attention(q, keys, values, page_table, start: int, block: int = 64, want_probs: bool = False):
+    """Causal grouped-query attention of one sequence whose keys and values live in pages:
+    softmax(q k^T / sqrt(Dh) + mask) v.
 
-    With a KV cache the earlier positions are visible to all T new tokens, so only the scores
-    against these last T keys need it (see attention)."""
-    future = xp.arange(T)[None, :] > xp.arange(T)[:, None]                  # (T, T) bool
-    return xp.where(future, -np.inf, 0.0).astype(dtype)                     # (T, T)
+    q: (T, H, Dh) queries at positions start .. start + T - 1. keys, values: (N, K, Dh, P), a
+    layer's whole page store, transposed; page_table[j] is the page that holds this sequence's
+    positions j*P .. j*P + P - 1, for every position 0 .. S - 1, S = start + T (the new tokens'
+    keys are already written). Query head h reads key/value head h // G (HF's repeat_kv order
+    0,0,1,1,...). Returns the output (T, H*Dh), and with want_probs the probabilities (H, T, S)
+    too (zero where the mask hides the future).
 
-
-def attention(q, k, v, start: int, block: int = 64, want_probs: bool = False):
-    """Causal grouped-query attention: softmax(q k^T / sqrt(Dh) + mask) v.
-
-    q: (T, H, Dh) queries at positions start .. start + T - 1; keys k and values v: (K, Dh, S),
-    transposed as the KV cache stores them, for positions 0 .. S - 1, S = start + T.
-    Query head h reads key/value head h // G (HF's repeat_kv order 0,0,1,1,...): K/V are never
-    copied per query head. Returns the output (T, H*Dh), and with want_probs the probabilities
-    (H, T, S) too (zero where the mask hides the future).
-
-    Queries go in blocks of `block`: a block needs keys only up to its own last position, so
-    the masked upper triangle of the scores is mostly never computed, and a block's scores
-    stay small enough for the CPU cache.
+    How the pages are read: one matrix product per page, straight from the store (a page is a
+    contiguous (K, Dh, P) block), into a (pages, K, G*Tb, P) score array; one softmax over it; then
+    the weighted values, again one product per page, summed. Gathering the pages into one
+    contiguous array first would copy every cached key and value at every step (more memory
+    traffic than the weights themselves once 32 sequences of 500 positions decode together);
+    an online softmax per page would add a rescaling pass per page. Pages of 256 positions keep
+    the loop short. Queries go in blocks of `block`: a block needs keys only up to its own last
+    position, so most of the masked upper triangle is never computed.
     """
     xp = xp_of(q)
     T, H, Dh = q.shape
-    K = k.shape[0]
+    K, P = keys.shape[1], keys.shape[3]
     G = H // K
-    q = q * (1.0 / math.sqrt(Dh))                                        # scale once, before q k^T
-    out = xp.empty((H, T, Dh), dtype=q.dtype)                            # head-major until the end
-    probs = xp.zeros((H, T, k.shape[2]), dtype=q.dtype) if want_probs else None
+    q = (q * (1.0 / math.sqrt(Dh))).reshape(T, K, G, Dh).transpose(1, 2, 0, 3)   # (K, G, T, Dh), scaled once
+    softmax_dtype = np.promote_types(q.dtype, np.float32)
+    out = xp.empty((T, H * Dh), dtype=q.dtype)
+    probs = xp.zeros((H, T, start + T), dtype=q.dtype) if want_probs else None
     for b in range(0, T, block):
         end = min(b + block, T)
-        n, S = end - b, start + end                                      # queries in this block, keys they see
-        scores = xp.empty((H, n, S), dtype=q.dtype)                      # (H, Tb, S)
-        for h in range(H):   # one matrix product per query head: BLAS streams its K/V head fastest
-            xp.matmul(q[b:end, h], k[h // G, :, :S], out=scores[h])      # (Tb, Dh) @ (Dh, S) -> (Tb, S)
-        scores = scores.astype(np.promote_types(q.dtype, np.float32), copy=False)   # softmax in float32
-        if n > 1:            # only the last Tb keys can be in a query's future: mask those
-            scores[:, :, S - n:] += causal_mask(n, scores.dtype, xp)
+        n, S = end - b, start + end                      # queries in this block, keys they see
+        n_pages = -(-S // P)
+        qb = q[:, :, b:end].reshape(K, G * n, Dh)       # rows (g, t) of key/value head j: query heads j*G + g
+        scores = xp.empty((n_pages, K, G * n, P), dtype=q.dtype)                       # (pages, K, G*Tb, P)
+        for j in range(n_pages):
+            w = min(P, S - j * P)                        # positions filled in this page
+            xp.matmul(qb, keys[int(page_table[j]), :, :, :w], out=scores[j, :, :, :w])  # (K, G*Tb, Dh) @ (K, Dh, w)
+        scores = scores.astype(softmax_dtype, copy=False)                               # softmax in float32
+        scores[-1, :, :, S - (n_pages - 1) * P:] = -np.inf                               # the last page's empty tail
+        if n > 1:            # a key after a query's position is in its future: only the pages from here on hold one
+            first = (start + b) // P
+            key_pos = (first + xp.arange(n_pages - first))[:, None] * P + xp.arange(P)  # (pages, P)
+            query_pos = xp.tile(xp.arange(start + b, S), G)                             # (G*Tb,) in row order (g, t)
+            future = key_pos[:, None, None, :] > query_pos[None, None, :, None]          # (pages, 1, G*Tb, P)
+            scores[first:] += xp.where(future, -np.inf, 0.0).astype(scores.dtype)
         # softmax(scores) @ v, normalised after the product: (w @ v) / sum(w) with w = exp(scores - max)
-        # (subtracting the row max keeps exp finite) saves a pass over the scores, the largest array here.
-        scores -= scores.max(axis=-1, keepdims=True)
-        w = xp.exp(scores, out=scores)                                   # (H, Tb, S), unnormalised
-        total = w.sum(axis=-1, keepdims=True)                            # (H, Tb, 1)
+        scores -= scores.max(axis=(0, 3), keepdims=True)
+        e = xp.exp(scores, out=scores)                                                  # unnormalised weights
+        total = e.sum(axis=(0, 3))                                                      # (K, G*Tb)
+        e_v = e.astype(q.dtype, copy=False)
+        o = None
+        for j in range(n_pages):
+            w = min(P, S - j * P)
+            part = values[int(page_table[j]), :, :, :w] @ e_v[j, :, :, :w].transpose(0, 2, 1)  # (K, Dh, w) @ (K, w, G*Tb)
+            o = part if o is None else xp.add(o, part, out=o)                                  # (K, Dh, G*Tb)
+        o = o / total[:, None, :].astype(q.dtype, copy=False)
+        out[b:end] = o.reshape(K, Dh, G, n).transpose(3, 0, 2, 1).reshape(n, H * Dh)
         if want_probs:
-            probs[:, b:end, :S] = w / total
-        # key/value head j serves query heads j*G .. j*G + G - 1: rows (g, t) of its weights
-        w_g = w.astype(q.dtype, copy=False).reshape(K, G * n, S)
-        o = v[:, :, :S] @ w_g.transpose(0, 2, 1)                        # (K, Dh, S) @ (K, S, G*Tb)
-        out[:, b:end] = o.reshape(K, Dh, G, n).transpose(0, 2, 3, 1).reshape(H, n, Dh) / total
-    return out.transpose(1, 0, 2).reshape(T, H * Dh), probs
+            p = (e / total[None, :, :, None]).transpose(1, 2, 0, 3).reshape(K, G, n, n_pages * P)
+            probs[:, b:end, :S] = p[..., :S].reshape(H, n, S)
+    return out, probs

@@ -1,6 +1,4 @@
 """The Python generation API: stopping, stop strings, streaming, chat reasoning, limits and bad values."""
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
@@ -11,19 +9,28 @@ from npqwen.tiny import IM_END, TINY_GENERATION, tiny_model, tiny_tokenizer
 
 
 class Scripted:
-    """A stand-in model whose logits force a scripted sequence of tokens, to test the loop around it."""
+    """A stand-in model whose logits force a scripted sequence of tokens, to test the loop around it.
+
+    It speaks the engine's packed-batch interface; a sequence's n-th sampled token is script[n]
+    (n = its position minus its prompt length), so every generation follows the script from the start.
+    """
 
     def __init__(self, script, config):
-        self.script, self.config, self.calls = list(script), config, 0
+        self.script, self.config = list(script), config
+        self.xp, self.dtype = np, np.dtype(np.float32)
+        self.prompt_lengths = {}   # first page of a sequence -> its prompt length
 
-    def new_cache(self, capacity):   # a new generation: start the script again
-        self.calls = 0
-        return SimpleNamespace(length=0, capacity=capacity)
-
-    def forward(self, ids, cache=None, last_only=False, recorder=None):
-        logits = np.full((1, self.config.vocab_size), -10.0, dtype=np.float32)
-        logits[0, self.script[min(self.calls, len(self.script) - 1)]] = 10.0
-        self.calls += 1
+    def forward_batch(self, batch, kv, recorder=None):
+        logits = np.full((len(batch.sample_rows), self.config.vocab_size), -10.0, dtype=np.float32)
+        rows = [(r, start, n, table) for (r, n), start, table in zip(batch.rows, batch.starts, batch.page_tables)]
+        sampled = 0
+        for r, start, n, table in rows:
+            if start == 0:
+                self.prompt_lengths[int(table[0])] = n   # the whole prompt in one chunk (it is short)
+            if r + n - 1 in batch.sample_rows:
+                generated = start + n - self.prompt_lengths[int(table[0])]
+                logits[sampled, self.script[min(generated, len(self.script) - 1)]] = 10.0
+                sampled += 1
         return logits
 
 

@@ -1,0 +1,12 @@
+"""Serving many requests at once: continuous batching over a paged KV cache with a prefix cache.
+
+    request.py       a request's tokens, pages, sampling state and text (Request, StepOutput)
+    pages.py         the fixed pool of KV-cache pages and its reference counts (PagePool)
+    prefix_cache.py  full pages reused by requests that share a prefix, LRU eviction (PrefixCache)
+    scheduler.py     who runs in the next step, with how many tokens, preemption (Scheduler)
+    engine.py        add_request / step / abort: one packed forward pass per step (Engine)
+"""
+from .engine import Engine
+from .request import Request, StepOutput
+
+__all__ = ["Engine", "Request", "StepOutput"]

@@ -1,0 +1,86 @@
+"""The prefix cache: full pages of keys/values that a request computed stay reusable by the
+next request whose tokens start the same way (a shared system prompt, a chat's history).
+
+A full page is known by a chain hash, hash(hash of the page before it, its P tokens), so one
+hash names the whole prefix up to the end of that page (nano-vllm's scheme). A lookup checks
+the tokens too, so a hash collision can never hand out the wrong keys. Pages whose last user
+left (ref_count 0) wait in an LRU queue and are evicted, oldest first, only when the pool has
+no free page left.
+"""
+from collections import OrderedDict
+
+from ..errors import NpqwenError
+from .pages import PagePool
+
+
+class PrefixCache:
+    def __init__(self, pool: PagePool, page_size: int, enabled: bool = True):
+        self.pool, self.page_size, self.enabled = pool, page_size, enabled
+        self.by_hash: dict[int, int] = {}                   # chain hash -> page
+        self.contents: dict[int, tuple] = {}                # page -> (parent hash, its tokens, hash)
+        self.unused: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, oldest first
+        self.hit_tokens = 0                                 # positions served from the cache, cumulative
+
+    def page_hash(self, parent: int | None, tokens) -> int:
+        return hash((parent, tuple(tokens)))
+
+    def match(self, tokens, max_pages: int) -> tuple[list[int], list[int]]:
+        """The cached pages (and their chain hashes) that hold the longest prefix of `tokens`,
+        at most max_pages of them; each page returned gains a reference."""
+        pages, hashes, parent, P = [], [], None, self.page_size
+        if not self.enabled:
+            return pages, hashes
+        for j in range(max_pages):
+            chunk = tuple(tokens[j * P:(j + 1) * P])
+            h = self.page_hash(parent, chunk)
+            page = self.by_hash.get(h)
+            if page is None or self.contents[page][:2] != (parent, chunk):
+                break
+            if self.pool.ref_count[page] == 0:
+                del self.unused[page]
+            self.pool.share(page)
+            pages.append(page)
+            hashes.append(h)
+            parent = h
+        return pages, hashes
+
+    def register(self, page: int, parent: int | None, tokens) -> int:
+        """Remember what a just-filled page holds; its chain hash (for the next page's parent)."""
+        h = self.page_hash(parent, tokens)
+        if self.enabled and h not in self.by_hash and page not in self.contents:
+            self.by_hash[h] = page
+            self.contents[page] = (parent, tuple(tokens), h)
+        return h
+
+    def take_page(self) -> int | None:
+        """A page for new keys/values: a free one, else the least recently used cached one
+        (forgotten by the cache), else None."""
+        page = self.pool.take()
+        if page is None and self.unused:
+            page, _ = self.unused.popitem(last=False)
+            del self.by_hash[self.contents.pop(page)[2]]
+            self.pool.ref_count[page] = 1
+        return page
+
+    def release(self, page: int):
+        """A request lets go of a page: with no user left, it stays cached if it holds a known prefix."""
+        if self.pool.release(page):
+            if page in self.contents:
+                self.unused[page] = None
+            else:
+                self.pool.give_back(page)
+
+    @property
+    def cached_pages(self) -> int:
+        return len(self.unused)
+
+    def check(self):
+        """The cache's own invariants: hash table and page contents agree; unused pages are unreferenced."""
+        for h, page in self.by_hash.items():
+            if self.contents.get(page, (None, None, None))[2] != h:
+                raise NpqwenError(f"prefix cache: hash {h} names page {page}, which holds something else")
+        if len(self.contents) != len(self.by_hash):
+            raise NpqwenError("prefix cache: a page is registered without its hash")
+        for page in self.unused:
+            if self.pool.ref_count[page] != 0 or page not in self.contents:
+                raise NpqwenError(f"prefix cache: unused page {page} is referenced or unknown")

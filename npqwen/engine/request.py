@@ -1,0 +1,96 @@
+"""A request's life: waiting -> running (prefill in chunks, then one token per step) -> finished.
+
+Its tokens are the prompt followed by what it generated. `cached_len` of them have their keys
+and values in the request's pages (page_table[j] holds positions j*P .. j*P + P - 1); the rest
+(the prompt's remainder, or the last sampled token) are what the next step computes. A
+preempted request loses its pages and starts again from cached_len 0, with its tokens kept.
+"""
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..generate import GenerationResult, StopStrings
+from ..sampling import SamplingParams
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one request."""
+    request_id: str
+    token_ids: list[int]                 # tokens sampled in this step (empty while the prompt is being read)
+    text: str                            # new text: never ends inside a UTF-8 character or a possible stop string
+    finished: bool = False
+    finish_reason: str | None = None     # "stop" (eos or stop string), "length" or "abort"
+    result: GenerationResult | None = None   # the whole result, once finished
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    eos_ids: frozenset
+    stops: StopStrings
+    decoder: object = None               # the tokenizer's StreamDecoder, or None without a tokenizer
+    tokens: list[int] = field(init=False)       # prompt + generated
+    output_ids: list[int] = field(default_factory=list)
+    cached_len: int = 0                  # positions whose keys/values are in the pages
+    page_table: list[int] = field(default_factory=list)
+    page_hashes: list[int] = field(default_factory=list)   # chain hash of each full page, in order
+    text: str = ""
+    finish_reason: str | None = None
+    stop: str | None = None              # the stop string or eos token that ended it
+    arrival: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list)   # when each token was sampled
+
+    def __post_init__(self):
+        self.tokens = list(self.prompt_ids)
+        self.rng = np.random.default_rng(self.params.seed)   # its own: the draw never depends on the batch
+
+    @property
+    def uncomputed(self) -> int:
+        """Tokens whose keys/values are not in the cache yet: the prompt's rest, or the last sampled token."""
+        return len(self.tokens) - self.cached_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token: int) -> StepOutput:
+        """Take a sampled token: check the stop conditions and turn it into text."""
+        self.tokens.append(token)
+        self.output_ids.append(token)
+        self.token_times.append(time.perf_counter())
+        piece = ""
+        if token in self.eos_ids:
+            self.finish_reason = "stop"
+            self.stop = self.decoder.tokenizer.decode([token]) if self.decoder is not None else str(token)
+        elif self.decoder is not None:
+            piece, hit = self.stops.feed(self.decoder.push(token))
+            if hit is not None:
+                self.finish_reason, self.stop = "stop", hit
+                self.decoder = None        # nothing held back may follow a stop string
+        if not self.finished and len(self.output_ids) >= self.max_new_tokens:
+            self.finish_reason = "length"
+        if self.finished and self.decoder is not None and self.finish_reason != "abort":
+            piece += self._release_held_back()
+        self.text += piece
+        return StepOutput(self.request_id, [token], piece, self.finished, self.finish_reason,
+                          self.result() if self.finished else None)
+
+    def _release_held_back(self) -> str:
+        """At the end: an unfinished character, or text that might have begun a stop string."""
+        piece, hit = self.stops.feed(self.decoder.finish())
+        if hit is not None:
+            self.finish_reason, self.stop = "stop", hit
+            return piece
+        return piece + self.stops.flush()
+
+    def result(self) -> GenerationResult:
+        first = self.token_times[0] if self.token_times else time.perf_counter()
+        last = self.token_times[-1] if self.token_times else first
+        return GenerationResult(self.text, list(self.output_ids), self.finish_reason, len(self.prompt_ids),
+                                prefill_seconds=first - self.arrival, decode_seconds=last - first,
+                                stop=self.stop)

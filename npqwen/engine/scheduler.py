@@ -1,0 +1,111 @@
+"""The scheduler: which requests run in the next step, with how many tokens each, and their pages.
+
+Each step has a budget of `max_batched_tokens` tokens. Running requests that are decoding come
+first, one token each, so their streams never stall; then running requests still reading
+their prompt get the next chunk of it; then waiting requests are admitted, oldest first, while
+budget, batch room (`max_batch_size`) and pages last. So a long prompt that arrives is read a
+chunk per step *beside* everyone's decode tokens (chunked prefill, as vLLM v1 and Sarathi-Serve
+do) instead of freezing them.
+"""
+from collections import deque
+
+from .prefix_cache import PrefixCache
+from .request import Request
+
+
+class Scheduler:
+    def __init__(self, cache: PrefixCache, max_batch_size: int, max_batched_tokens: int):
+        self.cache, self.page_size = cache, cache.page_size
+        self.max_batch_size, self.max_batched_tokens = max_batch_size, max_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []       # in admission order: the last one is preempted first
+        self.preemptions = 0
+
+    def add(self, req: Request):
+        self.waiting.append(req)
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """(request, number of its tokens to compute) for the next step."""
+        plan: list[tuple[Request, int]] = []
+        budget = self.max_batched_tokens
+        preempted = False
+        decoding = [r for r in self.running if r.uncomputed == 1]
+        reading = [r for r in self.running if r.uncomputed > 1]
+        for req in decoding + reading:
+            if budget == 0:
+                break
+            if req not in self.running:          # preempted a moment ago to make room for an older one
+                continue
+            n = min(req.uncomputed, budget)
+            victims = self.make_room(req, req.cached_len + n)
+            preempted |= bool(victims)
+            plan = [(r, k) for r, k in plan if r not in victims]
+            if req in victims:
+                continue
+            plan.append((req, n))
+            budget = self.max_batched_tokens - sum(k for _, k in plan)
+        # Admit waiting requests; never in a step that had to preempt (they would take the pages back).
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size and not preempted:
+            req = self.waiting[0]
+            if not self.admit(req, budget):
+                break                            # wait for pages; a newcomer never preempts anyone
+            self.waiting.popleft()
+            self.running.append(req)
+            n = min(req.uncomputed, budget)
+            plan.append((req, n))
+            budget -= n
+        return plan
+
+    def admit(self, req: Request, budget: int) -> bool:
+        """Give a waiting request its cached prefix and the pages for its first chunk, or nothing."""
+        P = self.page_size
+        # a fully cached prompt still computes its last token: that is where its logits come from
+        pages, hashes = self.cache.match(req.tokens, (len(req.tokens) - 1) // P)
+        req.page_table, req.page_hashes, req.cached_len = pages, hashes, len(pages) * P
+        if self.grow(req, req.cached_len + min(req.uncomputed, budget)):
+            self.cache.hit_tokens += len(hashes) * P
+            return True
+        self.free_pages(req)
+        return False
+
+    def make_room(self, req: Request, positions: int) -> list[Request]:
+        """Pages for req's first `positions` positions. When the pool is full, the most recently
+        admitted running request is preempted (its pages freed, itself back at the front of the
+        queue, to be recomputed later from whatever prefix is still cached), again until req
+        fits; that may be req itself. The requests preempted, in order."""
+        victims = []
+        while not self.grow(req, positions):
+            victim = self.running[-1]
+            self.preempt(victim)
+            victims.append(victim)
+            if victim is req:
+                break
+        return victims
+
+    def grow(self, req: Request, positions: int) -> bool:
+        """Add pages to req's table until it covers `positions`; False (keeping what it took) when none is left."""
+        while len(req.page_table) * self.page_size < positions:
+            page = self.cache.take_page()
+            if page is None:
+                return False
+            req.page_table.append(page)
+        return True
+
+    def preempt(self, req: Request):
+        self.running.remove(req)
+        self.free_pages(req)
+        self.waiting.appendleft(req)
+        self.preemptions += 1
+
+    def free_pages(self, req: Request):
+        """Give back every page of req at once (cached ones stay reusable by the prefix cache)."""
+        for page in req.page_table:
+            self.cache.release(page)
+        req.page_table, req.page_hashes, req.cached_len = [], [], 0
+
+    def finish(self, req: Request):
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.free_pages(req)
