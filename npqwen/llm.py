@@ -143,14 +143,16 @@ class LLM:
         """A prompt as token ids: text is tokenized as is; token ids are checked against the vocabulary."""
         if isinstance(prompt, str):
             return self._tokenizer().encode(prompt)
-        if isinstance(prompt, (list, tuple, range, np.ndarray)):
-            ids = np.asarray(prompt)
-            if ids.ndim == 1 and (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
-                V = self.config.vocab_size
-                if ids.size and (ids.min() < 0 or ids.max() >= V):
-                    bad = int(ids[(ids < 0) | (ids >= V)][0])
-                    raise NpqwenError(f"token id {bad} is outside the vocabulary 0 .. {V - 1}")
-                return ids.astype(np.int64).tolist()
+        if isinstance(prompt, (list, tuple, range)) and all(
+                isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompt):
+            prompt = np.array(prompt, dtype=np.int64)
+        if isinstance(prompt, np.ndarray) and prompt.ndim == 1 and (
+                prompt.size == 0 or np.issubdtype(prompt.dtype, np.integer)):
+            V = self.config.vocab_size
+            if prompt.size and (prompt.min() < 0 or prompt.max() >= V):
+                bad = int(prompt[(prompt < 0) | (prompt >= V)][0])
+                raise NpqwenError(f"token id {bad} is outside the vocabulary 0 .. {V - 1}")
+            return prompt.astype(np.int64).tolist()
         raise NpqwenError(f"a prompt is a string or a 1-D sequence of integer token ids, got "
                           f"{type(prompt).__name__} {str(prompt)[:60]!r}")
 

@@ -1,0 +1,287 @@
+"""The engine: batched equals alone, prefix hit equals miss, chunked equals unchunked, preemption
+equals an uninterrupted run, abort frees pages, a seed draws the same whatever the company, and the
+page bookkeeping holds after every step."""
+import numpy as np
+import pytest
+
+import npqwen
+from npqwen import Engine, NpqwenError
+from npqwen.backend import to_numpy
+from npqwen.generate import decode_one_token, prefill
+
+from conftest import build_hf_checkpoint, tiny_config
+
+pytest.importorskip("transformers")
+
+LENGTHS = [1, 2, 5, 17, 31, 64, 100, 255, 256, 257, 512, 700]   # 12 prompts, 1 to 700 tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_hf_checkpoint(tmp_path_factory.mktemp("engine_tiny"), tiny_config(max_position_embeddings=1024),
+                               std=0.1)
+
+
+@pytest.fixture(scope="module")
+def llm64(tiny_dir):
+    return npqwen.load(tiny_dir, dtype="float64")
+
+
+@pytest.fixture(scope="module")
+def llm32(tiny_dir):
+    return npqwen.load(tiny_dir, dtype="float32")
+
+
+def prompts(lengths, seed=0, vocab=512):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=n).tolist() for n in lengths]
+
+
+class LogitSpy:
+    """Wraps the model so a test sees the logits of every step (rows = the sampling requests, in order)."""
+
+    def __init__(self, model):
+        self.model, self.last = model, None
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def forward_batch(self, batch, kv, recorder=None):
+        self.last = to_numpy(self.model.forward_batch(batch, kv, recorder))
+        return self.last
+
+
+def run(engine, requests, spy=False, on_step=None):
+    """Add every (prompt, kwargs) at once and step to the end, checking the page bookkeeping after
+    every step. {request id: (tokens, [logits per sampled token], finish_reason)}."""
+    if spy:
+        engine.model = LogitSpy(engine.model)
+    ids = [engine.add_request(p, **kw) for p, kw in requests]
+    out = {i: ([], [], None) for i in ids}
+    steps = 0
+    while engine.has_unfinished():
+        outputs = engine.step()
+        engine.check()
+        sampled = [o for o in outputs if o.token_ids]
+        if spy:
+            assert engine.model.last.shape[0] == len(sampled)    # logits only where a token is sampled
+        for row, o in enumerate(sampled):
+            tokens, logits, _ = out[o.request_id]
+            tokens.extend(o.token_ids)
+            if spy:
+                logits.append(engine.model.last[row])
+        for o in outputs:
+            if o.finished:
+                out[o.request_id] = (out[o.request_id][0], out[o.request_id][1], o.finish_reason)
+        steps += 1
+        if on_step is not None:
+            on_step(engine, steps, outputs)
+        assert steps < 10_000
+    engine.check()
+    assert engine.stats["kv_pages_free"] + engine.stats["kv_pages_cached"] == engine.stats["kv_pages_total"]
+    return [out[i] for i in ids]
+
+
+def alone(llm, prompt, n):
+    """Greedy tokens and per-step logits of one prompt through the single-sequence path (prefill, decode_one_token)."""
+    cache = llm.new_cache(len(prompt) + n)
+    logits = [to_numpy(prefill(llm.model, prompt, cache))]
+    tokens = []
+    for _ in range(n):
+        tokens.append(int(logits[-1].argmax()))
+        if len(tokens) < n:
+            logits.append(to_numpy(decode_one_token(llm.model, tokens[-1], cache)))
+    return tokens, logits
+
+
+def compare(name, got_tokens, got_logits, want_tokens, want_logits):
+    first = next((i for i, (a, b) in enumerate(zip(got_tokens, want_tokens)) if a != b), None)
+    err = max(float(np.abs(a - b).max()) for a, b in zip(got_logits, want_logits)) if got_logits else 0.0
+    print(f"{name}: {len(got_tokens)} tokens, first mismatching token {first}, max |logit diff| {err:.2e}")
+    assert got_tokens == want_tokens and first is None
+    return err
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_batched_equals_alone(llm64, llm32, dtype):
+    llm = llm64 if dtype == "float64" else llm32
+    ps = prompts(LENGTHS)
+    news = [3 + (7 * i) % 13 for i in range(len(ps))]
+    engine = Engine(llm, kv_cache_tokens=16 * 200, page_size=16, max_batched_tokens=256)
+    results = run(engine, [(p, dict(max_new_tokens=n, temperature=0)) for p, n in zip(ps, news)], spy=True)
+    worst = 0.0
+    for p, n, (tokens, logits, reason) in zip(ps, news, results):
+        want_tokens, want_logits = alone(llm, p, n)
+        worst = max(worst, compare(f"{dtype} prompt {len(p)}", tokens, logits, want_tokens, want_logits))
+        assert reason == "length"
+    assert worst <= (1e-10 if dtype == "float64" else 1e-4)
+
+
+def test_generate_list_equals_each_alone(llm64):
+    ps = prompts([3, 40, 300, 9], seed=1)
+    together = llm64.generate(ps, max_new_tokens=6, temperature=0)
+    assert [r.token_ids for r in together] == [llm64.generate(p, max_new_tokens=6, temperature=0).token_ids
+                                                for p in ps]
+    assert [r.prompt_tokens for r in together] == [3, 40, 300, 9]
+
+
+def test_batched_equals_alone_qwen3_0_6b_shape(qwen3_0_6b_shape):
+    llm = npqwen.load(qwen3_0_6b_shape)
+    ps = prompts([3, 40, 130, 300], seed=2, vocab=151643)
+    engine = Engine(llm, kv_cache_tokens=4096, page_size=64, max_batched_tokens=256)
+    results = run(engine, [(p, dict(max_new_tokens=6, temperature=0)) for p in ps], spy=True)
+    worst = max(compare(f"0.6B prompt {len(p)}", r[0], r[1], *alone(llm, p, 6)) for p, r in zip(ps, results))
+    assert worst <= 1e-4
+
+
+@pytest.mark.parametrize("budget", [7, 64, 512])
+def test_chunked_equals_unchunked(llm64, budget):
+    ps = prompts([600, 33, 200], seed=3)
+    reqs = [(p, dict(max_new_tokens=5, temperature=0)) for p in ps]
+    whole = run(Engine(llm64, kv_cache_tokens=4096, page_size=32, max_batched_tokens=2048), reqs, spy=True)
+    chunked = run(Engine(llm64, kv_cache_tokens=4096, page_size=32, max_batched_tokens=budget), reqs, spy=True)
+    for p, a, b in zip(ps, whole, chunked):
+        assert compare(f"budget {budget}, prompt {len(p)}", b[0], b[1], a[0], a[1]) <= 1e-10
+
+
+def test_prefix_hit_equals_miss(llm64):
+    P = 16
+    shared = prompts([5 * P], seed=4)[0]
+    first, second = shared + prompts([7], seed=5)[0], shared + prompts([20], seed=6)[0]
+    kw = dict(max_new_tokens=5, temperature=0)
+    engine = Engine(llm64, kv_cache_tokens=64 * P, page_size=P)
+    run(engine, [(first, kw)])
+    assert engine.stats["prefix_cache_hit_tokens"] == 0 and engine.stats["kv_pages_cached"] >= 5
+    (hit, hit_logits, _), = run(engine, [(second, kw)], spy=True)
+    assert engine.stats["prefix_cache_hit_tokens"] == 5 * P
+    cold = Engine(llm64, kv_cache_tokens=64 * P, page_size=P, prefix_cache=False)
+    (miss, miss_logits, _), = run(cold, [(second, kw)], spy=True)
+    assert cold.stats["prefix_cache_hit_tokens"] == 0
+    assert compare("prefix hit vs miss", hit, hit_logits, miss, miss_logits) <= 1e-10
+
+
+def test_fully_cached_prompt_still_computes_its_last_token(llm64):
+    P = 16
+    prompt = prompts([3 * P], seed=7)[0]    # exactly three full pages
+    engine = Engine(llm64, kv_cache_tokens=32 * P, page_size=P)
+    (a, _, _), = run(engine, [(prompt, dict(max_new_tokens=4, temperature=0))])
+    (b, _, _), = run(engine, [(prompt, dict(max_new_tokens=4, temperature=0))])
+    assert a == b == alone(llm64, prompt, 4)[0]
+    assert engine.stats["prefix_cache_hit_tokens"] == 2 * P    # the third page holds the last token: recomputed
+
+
+def test_preemption_equals_uninterrupted(llm64):
+    P = 16
+    ps = prompts([30, 45, 20, 60], seed=8)
+    reqs = [(p, dict(max_new_tokens=40, temperature=0)) for p in ps]
+    roomy = run(Engine(llm64, kv_cache_tokens=64 * P, page_size=P), reqs)
+    tight = Engine(llm64, kv_cache_tokens=8 * P, page_size=P)       # each fits alone (<= 7 pages), not all four
+    squeezed = run(tight, reqs)
+    print("preemptions:", tight.stats["preemptions"])
+    assert tight.stats["preemptions"] > 0
+    assert [r[0] for r in squeezed] == [r[0] for r in roomy]
+
+
+def test_request_that_cannot_fit_alone_is_refused(llm64):
+    engine = Engine(llm64, kv_cache_tokens=4 * 16, page_size=16)
+    with pytest.raises(NpqwenError, match=r"needs 5 KV pages of 16 positions, but the pool has 4"):
+        engine.add_request(prompts([50])[0], max_new_tokens=20)
+    assert not engine.has_unfinished()
+
+
+def test_abort_frees_its_pages_at_once(llm64):
+    P = 16
+    engine = Engine(llm64, kv_cache_tokens=32 * P, page_size=P, prefix_cache=False)
+    a = engine.add_request(prompts([40], seed=9)[0], max_new_tokens=50, temperature=0)
+    b = engine.add_request(prompts([70], seed=10)[0], max_new_tokens=50, temperature=0)
+    for _ in range(3):
+        engine.step()
+    held = len(engine.requests[b].page_table)
+    free = engine.stats["kv_pages_free"]
+    out = engine.abort(b)
+    engine.check()
+    assert (out.finished, out.finish_reason) == (True, "abort") and held == 5
+    assert engine.stats["kv_pages_free"] == free + held and engine.stats["running"] == 1
+    later = [o.request_id for _ in range(3) for o in engine.step()]
+    assert later == [a] * 3
+    with pytest.raises(NpqwenError, match="no unfinished request"):
+        engine.abort(b)
+
+
+def test_same_seed_same_tokens_whatever_the_company(llm64):
+    prompt = prompts([12], seed=11)[0]
+    kw = dict(max_new_tokens=20, temperature=0.9, top_k=50, seed=1234)
+    (solo, _, _), = run(Engine(llm64, kv_cache_tokens=4096, page_size=16), [(prompt, kw)])
+    company = [(p, dict(max_new_tokens=25, temperature=1.0, seed=i)) for i, p in enumerate(prompts([5, 80, 33], 12))]
+    crowd = run(Engine(llm64, kv_cache_tokens=4096, page_size=16, max_batched_tokens=48),
+                company[:2] + [(prompt, kw)] + company[2:])
+    assert crowd[2][0] == solo and len(solo) == 20
+    assert crowd[0][0] != solo[:len(crowd[0][0])]
+
+
+def test_new_requests_join_at_once_and_a_long_prompt_never_freezes_the_others(llm64):
+    engine = Engine(llm64, kv_cache_tokens=4096, page_size=16, max_batched_tokens=32)
+    first = [engine.add_request(p, max_new_tokens=30, temperature=0) for p in prompts([4, 6], seed=13)]
+    for _ in range(3):
+        engine.step()
+    late = engine.add_request(prompts([700], seed=14)[0], max_new_tokens=3, temperature=0)
+    for _ in range(10):   # the 700-token prompt takes ~22 steps of 30 tokens; the others decode every step
+        outs = {o.request_id: o for o in engine.step()}
+        engine.check()
+        assert all(len(outs[r].token_ids) == 1 for r in first)
+        assert late in outs and outs[late].token_ids == []     # it reads its prompt beside them
+        assert engine.stats["running"] == 3
+
+
+def test_finished_requests_free_their_pages_at_once(llm64):
+    engine = Engine(llm64, kv_cache_tokens=4096, page_size=16, prefix_cache=False)
+    short = engine.add_request(prompts([20], seed=15)[0], max_new_tokens=2, temperature=0)
+    engine.add_request(prompts([20], seed=16)[0], max_new_tokens=20, temperature=0)
+    while short in engine.requests:
+        engine.step()
+    assert engine.stats["kv_pages_free"] == engine.stats["kv_pages_total"] - 2 and engine.stats["running"] == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-1), "temperature must be >= 0"),
+    (dict(top_p=0), "top_p must be in"),
+    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+    (dict(stop=5), "stop must be a string or a list of strings"),
+    (dict(seed=-3), "seed must be a non-negative integer"),
+])
+def test_bad_values_are_refused_at_add_request(llm64, kwargs, message):
+    engine = Engine(llm64, kv_cache_tokens=1024, page_size=16)
+    with pytest.raises(NpqwenError, match=message):
+        engine.add_request([1, 2, 3], **kwargs)
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("prompt, message", [([], "the prompt is empty"), ([1, 512], "outside the vocabulary"),
+                                             ([[1, 2], [3]], "1-D sequence"), (None, "1-D sequence")])
+def test_bad_prompts_are_refused_at_add_request(llm64, prompt, message):
+    engine = Engine(llm64, kv_cache_tokens=1024, page_size=16)
+    with pytest.raises(NpqwenError, match=message):
+        engine.add_request(prompt)
+
+
+@pytest.mark.parametrize("kwargs", [dict(page_size=0), dict(max_batch_size=1.5), dict(kv_cache_tokens=3),
+                                    dict(max_batched_tokens=True)])
+def test_bad_engine_sizes(llm64, kwargs):
+    with pytest.raises(NpqwenError, match="must be an integer"):
+        Engine(llm64, **kwargs)
+
+
+def test_stats_and_stream_text(tmp_path):
+    llm = npqwen.load("tiny")
+    engine = Engine(llm, kv_cache_tokens=2048, page_size=16)
+    rid = engine.add_request("Hello there", max_new_tokens=12, temperature=0)
+    assert engine.stats["waiting"] == 1 and engine.stats["running"] == 0
+    text = ""
+    while engine.has_unfinished():
+        for o in engine.step():
+            text += o.text
+            final = o
+    assert final.request_id == rid and final.finished and final.result.text == text
+    assert text == llm.generate("Hello there", max_new_tokens=12, temperature=0).text
+    assert set(engine.stats) >= {"running", "waiting", "kv_pages_total", "kv_pages_free", "prefix_cache_hit_tokens",
+                                 "preemptions"}
