@@ -1,4 +1,5 @@
 """The `npqwen` command, run for real in a subprocess, including every bad-input case."""
+import json
 import os
 import re
 import shutil
@@ -138,3 +139,174 @@ def test_cuda_without_cupy_is_a_clear_error():
 def test_argument_errors_are_argparse_usage():
     code, _, err = run("generate", "--model", "tiny", "--prompt", "hi", "--temperature", "warm")
     assert code == 2 and "invalid float value" in err and "Traceback" not in err
+
+
+# --prompts-file: many prompts through one engine, JSONL out in input order
+
+PROGRESS = re.compile(r"\] (\d+)/(\d+) done, \d+ tokens, [\d.]+ tokens/s, (ETA|took) \d+:\d\d:\d\d")
+
+
+def jsonl(text):
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("flags", [["--raw"], [], ["--no-think", "--system", "Be brief."]])
+def test_prompts_file_in_input_order_equals_generate_alone(tmp_path, flags):
+    prompts = ["Hello there", "The cat sat on the mat and looked around the room", "A", "你好, 世界", "Once"]
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(prompts[:2]) + "\n\n  \n" + "\r\n".join(prompts[2:]) + "\n", encoding="utf-8")
+    # a small engine: two requests at a time, prefill in chunks of 16 tokens, pages of 16 positions
+    code, out, err = run("generate", "--model", "tiny", "--prompts-file", str(path), "-t", "0", "-n", "24",
+                         "--max-batch-size", "2", "--max-batched-tokens", "16", "--page-size", "16", *flags)
+    assert code == 0
+    records = jsonl(out)
+    assert [r["index"] for r in records] == list(range(len(prompts)))
+    assert [r["prompt"] for r in records] == prompts          # blank lines skipped, "\r\n" endings dropped
+    llm = npqwen.load("tiny")
+    for r, prompt in zip(records, prompts):
+        if "--raw" not in flags:
+            system = [{"role": "system", "content": "Be brief."}] if "--system" in flags else []
+            prompt = llm.chat_prompt(system + [{"role": "user", "content": prompt}],
+                                     enable_thinking="--no-think" not in flags)
+        alone = llm.generate(prompt, max_new_tokens=24, temperature=0)
+        assert (r["text"], r["token_ids"], r["finish_reason"]) == (alone.text, alone.token_ids, alone.finish_reason)
+        assert r["prompt_tokens"] == len(llm.tokenizer.encode(prompt))
+        assert r["generated_tokens"] == len(alone.token_ids)
+    assert PROGRESS.search(err).groups()[:2] == (str(len(prompts)), str(len(prompts)))
+
+
+def test_jsonl_lines_override_the_command_line(tmp_path):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]
+    lines = [{"prompt": "Hello", "max_new_tokens": 3},
+             {"prompt": "Hello", "max_new_tokens": 11, "temperature": None},   # null: the command line's value
+             {"messages": messages},
+             {"prompt": "Hello", "top_k": 1, "temperature": 0.9, "seed": 5}]   # top-k 1 is greedy too
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(line, ensure_ascii=False) for line in lines) + "\n\n", encoding="utf-8")
+    code, out, _ = run("generate", "--model", "tiny", "--prompts-file", str(path), "-t", "0", "-n", "7", "--raw")
+    assert code == 0
+    records = jsonl(out)
+    assert [r["generated_tokens"] for r in records] == [3, 11, 7, 7]
+    assert records[2]["messages"] == messages and "prompt" not in records[2]
+    llm = npqwen.load("tiny")
+    long = llm.generate("Hello", max_new_tokens=11, temperature=0)   # --raw: "prompt" lines are used as is
+    assert records[0]["token_ids"] == long.token_ids[:3] and records[1]["token_ids"] == long.token_ids
+    assert records[3]["token_ids"] == long.token_ids[:7]
+    chat = llm.generate(llm.chat_prompt(messages), max_new_tokens=7, temperature=0)   # messages: always templated
+    assert records[2]["text"] == chat.text
+
+
+def test_jsonl_prompt_follows_raw_and_stdin_works():
+    lines = b'{"prompt": "Hi", "max_new_tokens": 1}\n{"prompt": "Hi", "max_new_tokens": 1}\n'
+    code, out, _ = run("generate", "--model", "tiny", "--prompts-file", "-", stdin=lines)
+    code_raw, out_raw, _ = run("generate", "--model", "tiny", "--prompts-file", "-", "--raw", stdin=lines)
+    assert code == code_raw == 0
+    llm = npqwen.load("tiny")
+    assert [r["prompt_tokens"] for r in jsonl(out)] == [len(llm.tokenizer.encode(llm.chat_prompt("Hi")))] * 2
+    assert [r["prompt_tokens"] for r in jsonl(out_raw)] == [2, 2]
+
+
+def test_a_file_with_one_non_json_line_is_plain_text(tmp_path):
+    path = tmp_path / "mixed.txt"
+    path.write_text('{"prompt": "a"}\nnot json\n', encoding="utf-8")
+    code, out, err = run("generate", "--model", "tiny", "--prompts-file", str(path), "--raw", "-n", "2")
+    assert code == 0 and [r["prompt"] for r in jsonl(out)] == ['{"prompt": "a"}', "not json"]
+    assert "line 2 is not a JSON object" in err
+
+
+def test_output_file_and_progress_on_stderr(tmp_path):
+    path, output = tmp_path / "prompts.txt", tmp_path / "out.jsonl"
+    path.write_text("one\ntwo\nthree\n", encoding="utf-8")
+    code, out, err = run("generate", "--model", "tiny", "--prompts-file", str(path), "--output", str(output),
+                         "-n", "5", "--seed", "0")
+    assert code == 0 and out == ""
+    records = jsonl(output.read_text(encoding="utf-8"))
+    assert [(r["index"], r["prompt"]) for r in records] == [(0, "one"), (1, "two"), (2, "three")]
+    assert set(records[0]) == {"index", "prompt", "text", "token_ids", "finish_reason", "prompt_tokens",
+                               "generated_tokens"}
+    assert PROGRESS.search(err).groups() == ("3", "3", "took")   # not a terminal: plain lines, the last at the end
+    assert "\r" not in err and f"wrote 3 results to {output}" in err
+    for line in ("load: ", "prompts: 3, ", "generation: ", "peak memory: "):
+        assert line in err
+
+
+def test_progress_redraws_one_line_on_a_terminal():
+    import io
+
+    from npqwen.cli import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    progress = Progress(total=2, budget=20, stream=stream)
+    progress.advance(2)
+    progress.shown -= 1                 # as if the last redraw were a second ago
+    progress.show()
+    progress.advance(8)
+    progress.finish_one(0)
+    progress.advance(3)
+    progress.finish_one(7)              # stopped 7 tokens short of its max_new_tokens
+    progress.show(final=True)
+    text = stream.getvalue()
+    assert text.startswith("\r[") and text.endswith("\n") and text.count("\n") == 1 and text.count("\r") == 2
+    first, last = text.strip("\n").split("\r")[1:]
+    assert "0/2 done, 2 tokens" in first and "ETA 0:00:" in first
+    assert "[####################] 2/2 done, 13 tokens" in last and "took 0:00:" in last
+
+
+BAD_FILES = {   # file bytes -> what the one error line says (after "npqwen: error: FILE")
+    "empty": (b"", ": no prompts in it"),
+    "only blank lines": (b"\n  \n\r\n", ": no prompts in it"),
+    "invalid utf-8": (b"fine\n\ncaf\xe9\n", " line 3: not valid UTF-8"),
+    "neither prompt nor messages": (b'{"prompt": "a"}\n{"max_new_tokens": 3}\n', ' line 2: needs "prompt"'),
+    "prompt and messages": (b'{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}\n',
+                            ' line 1: needs "prompt" (a string) or "messages" (a list of chat messages), not both'),
+    "prompt not a string": (b'{"prompt": ["a"]}\n', ' line 1: "prompt" must be a string'),
+    "messages not a list": (b'{"messages": "hi"}\n', ' line 1: "messages" must be'),
+    "unknown field": (b'{"prompt": "a"}\n{"prompt": "b", "max_tokens": 4}\n', " line 2: unknown field 'max_tokens'"),
+    "bad temperature": (b'{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c", "temperature": -1}\n',
+                        " line 3: temperature must be"),
+    "top_k not an integer": (b'{"prompt": "a", "top_k": 2.5}\n', " line 1: top_k must be"),
+    "zero max_new_tokens": (b'{"prompt": "a"}\n\n{"prompt": "b", "max_new_tokens": 0}\n', " line 3: max_new_tokens"),
+    "stop not strings": (b'{"prompt": "a", "stop": [1]}\n', " line 1: stop must be"),
+    "lone surrogate": (b'{"prompt": "\\ud800"}\n', " line 1: a string in it is not valid UTF-8"),
+    "prompt too long": (b"short\n" + b"x" * 5000 + b"\n", " line 2: the prompt has"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_FILES)
+def test_bad_prompts_file_is_one_line_before_generation(tmp_path, case):
+    content, message = BAD_FILES[case]
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(content)
+    code, out, err = run("generate", "--model", "tiny", "--raw", "--prompts-file", str(path), "-n", "4")
+    assert code == 1 and out == "" and "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"npqwen: error: {path}{message}"), err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompts-file", "/no/such/prompts.txt"], "npqwen: error: /no/such/prompts.txt: cannot read it"),
+    (["--prompts-file", "."], "npqwen: error: .: cannot read it"),
+    (["--prompts-file", "FILE", "-t", "-1"], "npqwen: error: temperature must be"),   # the command line's: no line
+    (["--prompts-file", "FILE", "--max-batch-size", "0"], "npqwen: error: max_batch_size must be"),
+    (["--prompts-file", "FILE", "--output", "/no/such/dir/out.jsonl"], "npqwen: error: /no/such/dir/out.jsonl: "),
+    (["--prompt", "hi", "--output", "out.jsonl"], "npqwen: error: --output goes with --prompts-file"),
+    (["--prompt", "hi", "--max-batch-size", "2"], "npqwen: error: --max-batch-size goes with --prompts-file"),
+])
+def test_bad_prompts_file_options_are_one_line(tmp_path, args, message):
+    path = tmp_path / "prompts.txt"
+    path.write_text("hello\n", encoding="utf-8")
+    code, out, err = run("generate", "--model", "tiny", *[str(path) if a == "FILE" else a for a in args])
+    assert code == 1 and out == "" and "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(message), err
+
+
+def test_prompt_and_prompts_file_exclude_each_other(tmp_path):
+    code, _, err = run("generate", "--model", "tiny", "--prompt", "hi", "--prompts-file", "x.txt")
+    assert code == 2 and "not allowed with" in err
+    code, _, err = run("generate", "--model", "tiny")
+    assert code == 2 and "--prompt/-p --prompts-file is required" in err
