@@ -262,3 +262,43 @@ def test_bench_reports_every_figure(tmp_path, npqwen_tiny_dir):
         assert report["figures"][key] > 0, key
     table = subprocess.run(cmd[:-1] + ["--markdown"], capture_output=True, text=True, timeout=600)
     assert table.returncode == 0 and "| decode tok/s (4-token prompt) |" in table.stdout
+
+
+def test_bench_serving_reports_every_figure(npqwen_tiny_dir):
+    """The serving suites on a tiny checkpoint, at small sizes: every run and figure is there, the
+    baselines count the same tokens for the same requests; it never asserts a time."""
+    pytest.importorskip("transformers")
+    import importlib.util
+
+    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--model", str(npqwen_tiny_dir), "--threads", "1",
+           "--suites", "batch1,serving,prefix", "--decode-prompts", "4,40", "--new-tokens", "6",
+           "--serving-requests", "6", "--serving-sample", "4", "--serving-prompt-lens", "8-40",
+           "--serving-output-lens", "2-8", "--serving-batch", "2", "--prefix-tokens", "256", "--prefix-requests", "3",
+           "--json"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    serving = report["serving"]
+    assert serving["errors"] == {}, serving["errors"]
+    runs = serving["runs"]
+    assert set(runs) == {"npqwen-engine", "npqwen-sequential", "hf-float32-static", "hf-bfloat16-static"}
+    assert runs["npqwen-engine"]["requests"] == 6 and runs["npqwen-engine"]["preemptions"] == 0
+    for name, run_ in runs.items():
+        for key in ("total_s", "output_tps", "total_tps", "ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "tpot_p99_s"):
+            assert run_[key] > 0, (name, key)
+        if name != "npqwen-engine":   # the same first 4 requests: padding and extra tokens are not counted
+            assert run_["requests"] == 4
+            assert (run_["prompt_tokens"], run_["output_tokens"]) == (runs["npqwen-sequential"]["prompt_tokens"],
+                                                                      runs["npqwen-sequential"]["output_tokens"])
+    assert serving["prefix"]["cache_hit_tokens"] == 2 * 256       # the 2 later requests reuse the shared page
+    assert serving["memory"]["kv_cache_tokens"] == 6 * 256        # every request at its longest: one page each
+    assert report["engines"]["npqwen"]["batch1_40_tps"] > 0
+    for key in ("batch1_short_pct_of_decode", "batch1_long_pct_of_decode", "serving_pct_of_linear_bound",
+                "serving_rss_over_weights_plus_kv_pool", "prefix_cold_over_cached_ttft",
+                "serving_output_tps_vs_hf-bfloat16-static", "serving_output_tps_vs_npqwen-sequential"):
+        assert report["figures"][key] > 0, key
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "tools" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert "| time to first token, p99 (s) |" in bench.markdown(report)
+    assert "serving: linear-layer bound / engine's time" in bench.table(report)
