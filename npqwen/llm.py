@@ -157,13 +157,15 @@ class LLM:
                           f"{type(prompt).__name__} {str(prompt)[:60]!r}")
 
     def _run(self, prompt, result, max_new_tokens, stop, **sampling):
-        request_id = self.engine.add_request(prompt, max_new_tokens, stop=stop, **sampling)   # checks now
-        return self._follow(request_id, result)
+        request = self.engine.new_request(prompt, max_new_tokens, stop=stop, **sampling)   # checked now
+        return self._follow(request, result)
 
-    def _follow(self, request_id, result):
-        """Step the engine until this request finishes, yielding its text pieces; other requests'
-        outputs wait in the inbox for their own streams."""
+    def _follow(self, request, result):
+        """Queue the request when iteration starts (a stream never iterated costs nothing), then step
+        the engine until it finishes, yielding its text pieces; other requests' outputs wait in the
+        inbox for their own streams."""
         engine, finished = self.engine, False
+        request_id = engine.add(request)
         try:
             while not finished:
                 if not self._inbox.get(request_id):

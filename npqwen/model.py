@@ -34,11 +34,10 @@ def no_recorder(name, array):
 
 
 class KVCache:
-    """Keys and values of every layer, in N pages of P positions each: (layers, N, K, Dh, P).
+    """Keys and values of every layer, in N pages of P positions each: (layers, N, K, P, Dh).
 
-    A page stores its positions transposed, (K, Dh, P): attention then reads each key/value
-    head as Dh contiguous rows of positions, which BLAS streams fastest (scores = q @ keys,
-    output = values @ probs^T). Which page holds which positions of which sequence is the
+    A page is one contiguous (K, P, Dh) block: a new token's key is one contiguous row of Dh
+    values, and attention reads a page with one matrix product per page. Which page holds which positions of which sequence is the
     page table's business (a `Batch` carries one per sequence); the cache is only storage.
     Zero-filled memory costs nothing until written, so on the CPU a large cache only becomes
     resident as pages are used.
@@ -46,10 +45,10 @@ class KVCache:
 
     def __init__(self, config: Qwen3Config, num_pages: int, page_size: int, xp, dtype):
         L, K, Dh = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-        shape = (L, num_pages, K, Dh, page_size)
+        shape = (L, num_pages, K, page_size, Dh)
         try:
-            self.keys = xp.zeros(shape, dtype=dtype)       # (L, N, K, Dh, P)
-            self.values = xp.zeros(shape, dtype=dtype)     # (L, N, K, Dh, P)
+            self.keys = xp.zeros(shape, dtype=dtype)       # (L, N, K, P, Dh)
+            self.values = xp.zeros(shape, dtype=dtype)     # (L, N, K, P, Dh)
         except MemoryError as e:   # NumPy's _ArrayMemoryError and CuPy's OutOfMemoryError are both MemoryErrors
             need = 2 * math.prod(shape) * np.dtype(dtype).itemsize
             raise NpqwenError(f"a KV cache of {num_pages} pages x {page_size} positions needs "
@@ -58,8 +57,8 @@ class KVCache:
 
     def write(self, layer: int, pages, offsets, k, v):
         """Store token t's k, v (T, K, Dh) at page pages[t], position offsets[t] within the page."""
-        self.keys[layer][pages, :, :, offsets] = k        # (N, K, Dh, P)[(T,), :, :, (T,)] is (T, K, Dh)
-        self.values[layer][pages, :, :, offsets] = v
+        self.keys[layer][pages, :, offsets] = k           # (N, K, P, Dh)[(T,), :, (T,)] is (T, K, Dh)
+        self.values[layer][pages, :, offsets] = v
 
     @property
     def nbytes(self) -> int:
@@ -100,6 +99,19 @@ class Batch:
         """(first row, number of rows) of each sequence."""
         first = np.cumsum([0] + list(self.lengths[:-1]))
         return list(zip(first.tolist(), self.lengths))
+
+    @property
+    def decode_rows(self) -> np.ndarray:
+        """Rows of the sequences with a single new token (decoding), and below their pages and lengths."""
+        return np.array([row for row, n in self.rows if n == 1], dtype=np.int64)
+
+    @property
+    def decode_tables(self) -> list:
+        return [t for t, n in zip(self.page_tables, self.lengths) if n == 1]
+
+    @property
+    def decode_lengths(self) -> list[int]:
+        return [s + 1 for s, n in zip(self.starts, self.lengths) if n == 1]
 
 
 class SequenceCache:
@@ -169,7 +181,7 @@ class Qwen3:
         x = ops.rms_norm(x, W["model.norm.weight"], cfg.rms_norm_eps)
         recorder("model.norm", x)
         # 5. lm_head (tied to the embedding in small Qwen3s)
-        logits = x @ W["lm_head.weight"].T                                         # (B, D) @ (D, V) -> (B, V)
+        logits = ops.linear(x, W["lm_head.weight"])                                # (B, D) @ (D, V) -> (B, V)
         recorder("lm_head", logits)
         return logits
 
@@ -191,7 +203,7 @@ class Qwen3:
         cfg, W, p = self.config, self.weights, f"model.layers.{i}.self_attn"
         T, H, K, Dh = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         # q_proj, k_proj, v_proj in one matmul: qkv_proj stacks their rows
-        qkv = x @ self.fused[f"{p}.qkv_proj.weight"].T                         # (T, (H + 2K) * Dh)
+        qkv = ops.linear(x, self.fused[f"{p}.qkv_proj.weight"])                # (T, (H + 2K) * Dh)
         q, k, v = qkv[:, :H * Dh], qkv[:, H * Dh:(H + K) * Dh], qkv[:, (H + K) * Dh:]
         recorder(f"{p}.q_proj", q); recorder(f"{p}.k_proj", k); recorder(f"{p}.v_proj", v)
         # QK-norm: RMSNorm over each head's Dh values, before RoPE
@@ -203,24 +215,30 @@ class Qwen3:
         # every token's key and value go to its page first, so a sequence's attention reads them from there
         kv.write(i, *pages, k, v.reshape(T, K, Dh))
         out = self.xp.empty((T, H * Dh), dtype=q.dtype)                            # (T, H*Dh)
-        keys, values = kv.keys[i], kv.values[i]                                     # (N, K, Dh, P) each
+        keys, values = kv.keys[i], kv.values[i]                                     # (N, K, P, Dh) each
+        probs = None
+        decoding = batch.decode_rows if recorder is no_recorder else []   # a recorder sees each sequence's probs
+        if len(decoding):   # sequences with one new token: one batched softmax for all of them
+            rows = self.xp.asarray(decoding)
+            out[rows] = ops.paged_decode_attention(q[rows], keys, values, batch.decode_tables, batch.decode_lengths)
         for (row, n), start, table in zip(batch.rows, batch.starts, batch.page_tables):
-            out[row:row + n], probs = ops.paged_attention(q[row:row + n], keys, values, table, start,
-                                                          want_probs=recorder is not no_recorder)
+            if n > 1 or not len(decoding):   # the others, one sequence at a time
+                out[row:row + n], probs = ops.paged_attention(q[row:row + n], keys, values, table, start,
+                                                              want_probs=recorder is not no_recorder)
         recorder(f"{p}.attn_probs", probs); recorder(f"{p}.attn_output", out)  # probs: the last sequence's (H, n, S)
-        out = out @ W[f"{p}.o_proj.weight"].T                                   # (T, H*Dh) -> (T, D)
+        out = ops.linear(out, W[f"{p}.o_proj.weight"])                          # (T, H*Dh) -> (T, D)
         recorder(f"{p}.o_proj", out)
         return out
 
     def mlp(self, i: int, x, recorder=no_recorder):
         """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
         p, F = f"model.layers.{i}.mlp", self.config.intermediate_size
-        gate_up = x @ self.fused[f"{p}.gate_up_proj.weight"].T                  # (T, 2F): gate_proj | up_proj
+        gate_up = ops.linear(x, self.fused[f"{p}.gate_up_proj.weight"])         # (T, 2F): gate_proj | up_proj
         gate, up = gate_up[:, :F], gate_up[:, F:]                               # (T, F) each
         recorder(f"{p}.gate_proj", gate); recorder(f"{p}.up_proj", up)
         act = ops.silu(gate)                                                    # (T, F)
         recorder(f"{p}.act_fn", act)
-        out = (act * up) @ self.weights[f"{p}.down_proj.weight"].T              # (T, F) -> (T, D)
+        out = ops.linear(act * up, self.weights[f"{p}.down_proj.weight"])       # (T, F) -> (T, D)
         recorder(f"{p}.down_proj", out)
         return out
 

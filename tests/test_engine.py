@@ -285,3 +285,61 @@ def test_stats_and_stream_text(tmp_path):
     assert text == llm.generate("Hello there", max_new_tokens=12, temperature=0).text
     assert set(engine.stats) >= {"running", "waiting", "kv_pages_total", "kv_pages_free", "prefix_cache_hit_tokens",
                                  "preemptions"}
+
+
+def test_eviction_takes_the_end_of_a_cached_prefix_first(llm64):
+    P = 16
+    engine = Engine(llm64, kv_cache_tokens=6 * P, page_size=P)
+    a = prompts([3 * P + 1], seed=17)[0]                     # three full pages, then one more position
+    run(engine, [(a, dict(max_new_tokens=2, temperature=0))])
+    assert engine.stats["kv_pages_cached"] == 3
+    run(engine, [(prompts([4 * P], seed=18)[0], dict(max_new_tokens=1, temperature=0))])   # takes 1 cached page
+    hits = engine.stats["prefix_cache_hit_tokens"]
+    run(engine, [(a, dict(max_new_tokens=2, temperature=0))])
+    assert engine.stats["prefix_cache_hit_tokens"] - hits == 2 * P   # the first two pages survived
+
+
+def test_a_request_that_must_wait_for_pages_leaves_the_prefix_cache_alone(llm64):
+    P = 16
+    engine = Engine(llm64, kv_cache_tokens=8 * P, page_size=P, max_batched_tokens=8 * P)
+    cached = prompts([2 * P + 1], seed=19)[0]
+    run(engine, [(cached, dict(max_new_tokens=1, temperature=0))])          # leaves 2 cached pages
+    engine.add_request(prompts([4 * P], seed=20)[0], max_new_tokens=P, temperature=0)
+    engine.step()                                                            # holds 5 of the 8 pages
+    engine.add_request(prompts([4 * P], seed=21)[0], max_new_tokens=P, temperature=0)
+    engine.step()                                                            # cannot fit: it waits
+    engine.check()
+    assert engine.stats["waiting"] == 1 and engine.stats["kv_pages_cached"] == 2
+
+
+def test_a_stream_never_iterated_costs_nothing(llm64):
+    s = llm64.stream([1, 2, 3], max_new_tokens=5, temperature=0)
+    assert not llm64.engine.has_unfinished()
+    del s
+    assert llm64.generate([4, 5], max_new_tokens=3, temperature=0).token_ids and not llm64._inbox
+
+
+def test_a_stream_closed_early_frees_its_request():
+    llm = npqwen.load("tiny")
+    s = llm.stream("Hello", max_new_tokens=50, temperature=0)
+    assert next(s) and llm.engine.has_unfinished()
+    s.close()
+    assert not llm.engine.has_unfinished() and not llm._inbox
+    assert llm.engine.stats["kv_pages_free"] + llm.engine.stats["kv_pages_cached"] == llm.engine.stats["kv_pages_total"]
+
+
+def test_decode_attention_for_many_sequences_equals_one_at_a_time():
+    from npqwen import ops
+
+    rng = np.random.default_rng(22)
+    N, K, P, Dh, H = 12, 2, 8, 16, 4
+    keys, values = (rng.standard_normal((N, K, P, Dh)) for _ in range(2))
+    tables = [np.array([3, 7, 1]), np.array([0]), np.array([11, 5])]
+    lengths = [19, 8, 9]                                  # the last page full, one position in it, partial
+    q = rng.standard_normal((3, H, Dh))
+    together = ops.paged_decode_attention(q, keys, values, tables, lengths)
+    for b, (table, S) in enumerate(zip(tables, lengths)):
+        alone, _ = ops.paged_attention(q[b:b + 1], keys, values, table, start=S - 1)
+        err = np.abs(together[b] - alone[0]).max()
+        print(f"sequence {b}: max |diff| {err:.1e}")
+        assert err < 1e-12

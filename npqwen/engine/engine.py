@@ -56,6 +56,12 @@ class Engine:
     def add_request(self, prompt, max_new_tokens: int = 512, temperature=None, top_k=None, top_p=None,
                     min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None) -> str:
         """Queue a prompt (text, used as is, or token ids); its request id. Everything is checked now."""
+        return self.add(self.new_request(prompt, max_new_tokens, temperature, top_k, top_p, min_p,
+                                         repetition_penalty, presence_penalty, seed, stop))
+
+    def new_request(self, prompt, max_new_tokens: int = 512, temperature=None, top_k=None, top_p=None,
+                    min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None) -> Request:
+        """A checked Request, not queued yet (see add)."""
         ids = self.llm.prompt_ids(prompt)
         stop, max_new_tokens = check_request(self.config, ids, max_new_tokens, stop)
         params = sampling_params(self.llm.generation_defaults, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -68,8 +74,11 @@ class Engine:
                               f"({self.pool.num_pages * self.page_size} positions); lower max_new_tokens or give "
                               f"the engine a larger kv_cache_tokens")
         tokenizer = self.llm.tokenizer
-        req = Request(f"req-{next(self._ids)}", ids, max_new_tokens, params, frozenset(self.llm.eos_token_ids),
-                      StopStrings(stop), tokenizer.stream_decoder() if tokenizer is not None else None)
+        return Request(f"req-{next(self._ids)}", ids, max_new_tokens, params, frozenset(self.llm.eos_token_ids),
+                       StopStrings(stop), tokenizer.stream_decoder() if tokenizer is not None else None)
+
+    def add(self, req: Request) -> str:
+        """Queue a request made by new_request; its id."""
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req.request_id

@@ -62,11 +62,15 @@ class Scheduler:
         # a fully cached prompt still computes its last token: that is where its logits come from
         pages, hashes = self.cache.match(req.tokens, (len(req.tokens) - 1) // P)
         req.page_table, req.page_hashes, req.cached_len = pages, hashes, len(pages) * P
-        if self.grow(req, req.cached_len + min(req.uncomputed, budget)):
-            self.cache.hit_tokens += len(hashes) * P
-            return True
-        self.free_pages(req)
-        return False
+        # Count before taking: a page taken from the cached ones forgets its prefix, so taking
+        # pages for a request that then does not fit would wipe the prefix cache for nothing.
+        need = -(-(req.cached_len + min(req.uncomputed, budget)) // P) - len(pages)
+        if need > len(self.cache.pool.free) + self.cache.cached_pages:
+            self.free_pages(req)
+            return False
+        self.cache.hit_tokens += req.cached_len
+        self.grow(req, req.cached_len + min(req.uncomputed, budget))
+        return True
 
     def make_room(self, req: Request, positions: int) -> list[Request]:
         """Pages for req's first `positions` positions. When the pool is full, the most recently
@@ -98,8 +102,11 @@ class Scheduler:
         self.preemptions += 1
 
     def free_pages(self, req: Request):
-        """Give back every page of req at once (cached ones stay reusable by the prefix cache)."""
-        for page in req.page_table:
+        """Give back every page of req at once (cached ones stay reusable by the prefix cache).
+
+        Last page first: the LRU queue then evicts the end of a prefix before its beginning, and
+        a prefix without its first page could never be matched again."""
+        for page in reversed(req.page_table):
             self.cache.release(page)
         req.page_table, req.page_hashes, req.cached_len = [], [], 0
 
