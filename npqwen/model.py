@@ -55,10 +55,17 @@ class KVCache:
                               f"{need / 2**30:.2f} GiB, which cannot be allocated; use fewer pages") from e
         self.num_pages, self.page_size = num_pages, page_size
 
-    def write(self, layer: int, pages, offsets, k, v):
-        """Store token t's k, v (T, K, Dh) at page pages[t], position offsets[t] within the page."""
-        self.keys[layer][pages, :, offsets] = k           # (N, K, P, Dh)[(T,), :, (T,)] is (T, K, Dh)
-        self.values[layer][pages, :, offsets] = v
+    def slots(self, pages, offsets):
+        """Where token t's key of kv head h goes, as a row of a layer seen as (N*K*P, Dh) rows:
+        (T*K,) row numbers for tokens at page pages[t], position offsets[t] within the page."""
+        K, P = self.keys.shape[2], self.page_size
+        return ((pages[:, None] * K + np.arange(K)) * P + offsets[:, None]).reshape(-1)   # (T*K,), h fastest
+
+    def write(self, layer: int, slots, k, v):
+        """Store k, v (T, K, Dh) at their slots: one row copy of Dh values per token and kv head."""
+        Dh = k.shape[-1]
+        self.keys[layer].reshape(-1, Dh)[slots] = k.reshape(-1, Dh)          # (N*K*P, Dh)[(T*K,)] = (T*K, Dh)
+        self.values[layer].reshape(-1, Dh)[slots] = v.reshape(-1, Dh)
 
     @property
     def nbytes(self) -> int:
@@ -171,10 +178,10 @@ class Qwen3:
         # 2. RoPE tables for each token's own position, shared by every layer
         cos, sin = ops.rope_cos_sin(self.inv_freq, xp.asarray(batch.positions), self.rope_scale, self.dtype)  # (T, Dh)
         recorder("model.rotary_emb.cos", cos); recorder("model.rotary_emb.sin", sin)
-        pages = (xp.asarray(batch.write_pages), xp.asarray(batch.write_offsets))      # where new keys/values go
+        slots = xp.asarray(kv.slots(batch.write_pages, batch.write_offsets))          # where new keys/values go
         # 3. the decoder layers, each two residual updates
         for i in range(cfg.num_hidden_layers):
-            x = self.decoder_layer(i, x, cos, sin, batch, kv, pages, recorder)
+            x = self.decoder_layer(i, x, cos, sin, batch, kv, slots, recorder)
         # 4. final norm, only where logits are wanted
         if len(batch.sample_rows) < x.shape[0]:
             x = x[xp.asarray(batch.sample_rows)]                                     # (B, D)
@@ -185,12 +192,12 @@ class Qwen3:
         recorder("lm_head", logits)
         return logits
 
-    def decoder_layer(self, i: int, x, cos, sin, batch, kv, pages, recorder=no_recorder):
+    def decoder_layer(self, i: int, x, cos, sin, batch, kv, slots, recorder=no_recorder):
         """Pre-norm residual block: x + attention(norm(x)), then h + mlp(norm(h))."""
         p, W, eps = f"model.layers.{i}", self.weights, self.config.rms_norm_eps
         a = ops.rms_norm(x, W[f"{p}.input_layernorm.weight"], eps)
         recorder(f"{p}.input_layernorm", a)
-        h = x + self.self_attn(i, a, cos, sin, batch, kv, pages, recorder)           # (T, D)
+        h = x + self.self_attn(i, a, cos, sin, batch, kv, slots, recorder)           # (T, D)
         recorder(f"{p}.attn_residual", h)
         m = ops.rms_norm(h, W[f"{p}.post_attention_layernorm.weight"], eps)
         recorder(f"{p}.post_attention_layernorm", m)
@@ -198,7 +205,7 @@ class Qwen3:
         recorder(p, out)
         return out
 
-    def self_attn(self, i: int, x, cos, sin, batch, kv, pages, recorder=no_recorder):
+    def self_attn(self, i: int, x, cos, sin, batch, kv, slots, recorder=no_recorder):
         """QK-normed, rotary, grouped-query causal attention of layer i, each sequence over its own pages."""
         cfg, W, p = self.config, self.weights, f"model.layers.{i}.self_attn"
         T, H, K, Dh = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -213,7 +220,7 @@ class Qwen3:
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
         recorder(f"{p}.q_rope", q); recorder(f"{p}.k_rope", k)
         # every token's key and value go to its page first, so a sequence's attention reads them from there
-        kv.write(i, *pages, k, v.reshape(T, K, Dh))
+        kv.write(i, slots, k, v.reshape(T, K, Dh))
         out = self.xp.empty((T, H * Dh), dtype=q.dtype)                            # (T, H*Dh)
         keys, values = kv.keys[i], kv.values[i]                                     # (N, K, P, Dh) each
         probs = None
