@@ -12,6 +12,7 @@ HF-named entries are row-slices (views) of those, so writing to one changes the 
 """
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,10 +22,15 @@ from .backend import xp_of
 from .config import Qwen3Config
 from .errors import NpqwenError
 
-# safetensors dtype -> (NumPy dtype of the stored bits, bytes per element)
+# safetensors dtype -> (NumPy dtype of the stored bits, bytes per element): the ones npqwen reads
 STORED_DTYPES = {"BF16": (np.uint16, 2), "F16": (np.float16, 2), "F32": (np.float32, 4)}
+# bytes per element of every byte-sized dtype the safetensors format defines (to check byte ranges)
+SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2,
+                        "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
+                        "F64": 8, "C64": 8}
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # as the safetensors specification
 CHUNK_BYTES = 32 * 1024 * 1024        # convert this much at a time to keep peak memory low
+MAX_NAMES_IN_WARNING = 10             # unused tensor names listed before "... and N more"
 
 
 @dataclass(frozen=True)
@@ -38,42 +44,111 @@ class TensorInfo:
     end: int
 
 
+def short(value, limit: int = 80) -> str:
+    """repr(value) cut to `limit` characters, so a hostile header cannot flood an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def is_count(value) -> bool:
+    """A non-negative JSON integer (bools are ints in Python, but not in JSON)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def refuse_duplicate_names(pairs: list) -> dict:
+    """json object_pairs_hook: a name given twice would silently keep the last entry."""
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"the name {short(key)} appears twice")
+        seen[key] = value
+    return seen
+
+
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and check a .safetensors header: every byte range must lie inside the file."""
+    """Parse and check a .safetensors header as the format defines it.
+
+    Layout: 8-byte little-endian N, N bytes of JSON, then the data section. Every entry but
+    "__metadata__" (a str -> str object) is {"dtype", "shape", "data_offsets": [begin, end]},
+    offsets relative to the data section; sorted by begin, the ranges must tile it exactly.
+    """
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
-        if size < 8 or n > MAX_HEADER_BYTES or 8 + n > size:
+        if size < 8 or n > MAX_HEADER_BYTES or 8 + n > size:   # refused before reading N bytes
             raise NpqwenError(f"{path}: not a safetensors file or truncated (file is {size} bytes, header says "
                               f"{n} header bytes); download it again")
         try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise NpqwenError(f"{path}: corrupt safetensors header ({e}); download the file again") from e
+            header = json.loads(f.read(n).decode("utf-8"), object_pairs_hook=refuse_duplicate_names)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:   # JSONDecodeError is a ValueError
+            raise NpqwenError(f"{path}: corrupt safetensors header ({short(str(e), 200)}); download the file "
+                              f"again") from None
     if not isinstance(header, dict):
         raise NpqwenError(f"{path}: corrupt safetensors header (not a JSON object); download the file again")
-    header.pop("__metadata__", None)
-    data_start = 8 + n
+    metadata = header.pop("__metadata__", {})
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise NpqwenError(f"{path}: corrupt safetensors header: __metadata__ must map strings to strings, got "
+                          f"{short(metadata)}; download the file again")
+    data_start, data_bytes = 8 + n, size - 8 - n
     tensors = {}
     for name, entry in header.items():
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-            assert all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(begin, int)
-        except (KeyError, TypeError, ValueError, AssertionError):
-            raise NpqwenError(f"{path}: corrupt safetensors header entry for {name!r}: {entry!r}") from None
-        if dtype not in STORED_DTYPES:
-            raise NpqwenError(f"{path}: tensor {name!r} has dtype {dtype}; npqwen reads BF16, F16 and F32 "
-                              f"(quantized checkpoints are unsupported)")
-        nbytes = math.prod(shape) * STORED_DTYPES[dtype][1]
-        if end - begin != nbytes:
-            raise NpqwenError(f"{path}: corrupt header: tensor {name!r} of shape {list(shape)} {dtype} needs "
-                              f"{nbytes} bytes but its byte range holds {end - begin}")
-        if data_start + end > size:
-            raise NpqwenError(f"{path} is truncated: tensor {name!r} ends at byte {data_start + end} but the "
-                              f"file has {size} bytes; download it again")
+        dtype, shape, begin, end = check_header_entry(path, name, entry, data_bytes)
         tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, data_start + end)
+    check_byte_ranges(path, tensors, data_start, size)
     return tensors
+
+
+def check_header_entry(path: Path, name: str, entry, data_bytes: int) -> tuple[str, tuple, int, int]:
+    """(dtype, shape, begin, end) of one header entry, or NpqwenError saying what is wrong with it."""
+    def corrupt(what):
+        return NpqwenError(f"{path}: corrupt safetensors header: tensor {short(name)} {what}; download the "
+                           f"file again")
+
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+        raise corrupt(f"needs dtype, shape and data_offsets, got {short(entry)}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_ITEMSIZE:
+        raise corrupt(f"has an unknown dtype {short(dtype)}")
+    if not (isinstance(shape, list) and all(is_count(d) for d in shape)):
+        raise corrupt(f"has shape {short(shape)}, not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_count(o) for o in offsets)):
+        raise corrupt(f"has data_offsets {short(offsets)}, not [begin, end] non-negative integers")
+    begin, end = offsets
+    if end > data_bytes:
+        raise NpqwenError(f"{path} is truncated: tensor {short(name)} ends at byte {short(end)} of a "
+                          f"{data_bytes}-byte data section; download it again")
+    # The element count, stopped early once it cannot fit: a hostile shape of huge numbers
+    # would otherwise make a product with millions of digits.
+    count = 0 if 0 in shape else 1
+    for d in shape if count else ():
+        count *= d
+        if count > data_bytes:
+            break
+    nbytes = count * SAFETENSORS_ITEMSIZE[dtype]
+    if count > data_bytes:
+        raise corrupt(f"of shape {short(shape)} needs more bytes than the file's {data_bytes}-byte data section")
+    if end < begin or end - begin != nbytes:
+        raise corrupt(f"of shape {short(shape)} {dtype} needs {nbytes} bytes but its data_offsets "
+                      f"{short(offsets)} hold {end - begin}")
+    return dtype, tuple(shape), begin, end
+
+
+def check_byte_ranges(path: Path, tensors: dict[str, TensorInfo], data_start: int, size: int):
+    """Sorted by start, the tensors' byte ranges must tile the data section: no overlap, no gap, no tail."""
+    at, gap = data_start, None
+    for t in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
+        if t.start < at:
+            raise NpqwenError(f"{path}: corrupt safetensors header: tensor {short(t.name)} at bytes "
+                              f"{t.start}..{t.end} overlaps the tensor before it; download the file again")
+        if t.start > at and gap is None:
+            gap = f"a gap of {t.start - at} bytes before tensor {short(t.name)} (at byte {t.start})"
+        at = t.end
+    if gap is not None:   # reported after overlaps: two tensors on one range also leave a hole elsewhere
+        raise NpqwenError(f"{path}: corrupt safetensors header: {gap}; download the file again")
+    if at != size:
+        raise NpqwenError(f"{path}: {size - at} bytes after the last tensor are not described by the header "
+                          f"(file is {size} bytes, tensors end at {at}); the file is corrupt, download it again")
 
 
 def index_checkpoint(directory: Path) -> dict[str, TensorInfo]:
@@ -93,14 +168,77 @@ def index_checkpoint(directory: Path) -> dict[str, TensorInfo]:
                           f"Hugging Face Qwen3 checkpoint directory?")
     tensors = {}
     for name in files:
-        if not (directory / name).is_file():
-            raise NpqwenError(f"{directory}: shard {name} named in model.safetensors.index.json is missing")
-        tensors.update(read_safetensors_header(directory / name))
+        if not isinstance(name, str) or not (directory / name).is_file():
+            raise NpqwenError(f"{directory}: shard {name if isinstance(name, str) else short(name)} named in "
+                              f"model.safetensors.index.json is missing; download it again")
+        for key, info in read_safetensors_header(directory / name).items():
+            if key in tensors:
+                raise NpqwenError(f"{directory}: tensor {short(key)} is in both {tensors[key].file.name} and "
+                                  f"{name}; the checkpoint is corrupt, download it again")
+            tensors[key] = info
     if weight_map is not None:
         for key, file in weight_map.items():
-            if key not in tensors:
-                raise NpqwenError(f"{directory / file}: tensor {key!r} listed in the index is not in the file")
+            if key not in tensors or tensors[key].file.name != file:
+                raise NpqwenError(f"{directory / file}: tensor {short(key)} listed in the index is not in the "
+                                  f"file; download the checkpoint again")
     return tensors
+
+
+def check_config_matches(config: Qwen3Config, found: dict[str, TensorInfo], source) -> None:
+    """Compare config.json's sizes with the stored tensors before anything is sized from them.
+
+    A wrong size (a typo, or the config of another model) would otherwise surface later as a
+    shape error on one tensor, or, for an absurd num_hidden_layers, as a table of a billion
+    expected names that never finishes building.
+    """
+    def stored(name):
+        info = found.get(name)
+        if info is None:
+            return None
+        if info.dtype not in STORED_DTYPES:
+            raise NpqwenError(f"{info.file}: tensor {short(name)} has dtype {info.dtype}; npqwen reads BF16, "
+                              f"F16 and F32 (quantized checkpoints are unsupported)")
+        return info.shape
+
+    def agree(key, value, name, axis, what):
+        shape = stored(name)
+        if shape is not None and len(shape) > axis and shape[axis] != value:
+            raise NpqwenError(f"{source}: config.json says {key} is {value} but {name} has {what} "
+                              f"{shape[axis]} (shape {list(shape)}); the config does not match the weights, "
+                              f"fix {key} or use the config.json that came with them")
+
+    layers = {int(n.split(".")[2]) for n in found
+              if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
+    if config.num_hidden_layers > len(layers):
+        have = f"{len(layers)} layers" + (f" (model.layers.{min(layers)} .. model.layers.{max(layers)})"
+                                          if layers else "")
+        raise NpqwenError(f"{source}: config.json says num_hidden_layers is {config.num_hidden_layers} but the "
+                          f"checkpoint holds {have}; fix num_hidden_layers or download the missing shards")
+    Dh = config.head_dim
+    agree("vocab_size", config.vocab_size, "model.embed_tokens.weight", 0, "rows")
+    agree("hidden_size", config.hidden_size, "model.embed_tokens.weight", 1, "columns")
+    agree("head_dim", Dh, "model.layers.0.self_attn.q_norm.weight", 0, "size")
+    for key, heads, name in (("num_attention_heads", config.num_attention_heads, "q_proj"),
+                             ("num_key_value_heads", config.num_key_value_heads, "k_proj")):
+        shape = stored(f"model.layers.0.self_attn.{name}.weight")
+        if shape and shape[0] != heads * Dh:
+            raise NpqwenError(f"{source}: config.json says {key} is {heads} but model.layers.0.self_attn."
+                              f"{name}.weight has {shape[0]} rows, {shape[0] / Dh:g} heads of head_dim {Dh}; "
+                              f"the config does not match the weights, fix {key}")
+    agree("intermediate_size", config.intermediate_size, "model.layers.0.mlp.gate_proj.weight", 0, "rows")
+    if not config.tie_word_embeddings:
+        agree("vocab_size", config.vocab_size, "lm_head.weight", 0, "rows")
+
+
+def warn_unused(found: dict[str, TensorInfo], config: Qwen3Config, shapes: dict, directory) -> None:
+    """As transformers does: tensors the config does not use are loaded past, with one warning."""
+    unused = sorted(set(found) - set(shapes) - {"lm_head.weight"})   # a tied lm_head is expected
+    if unused:
+        listed = ", ".join(short(n, 100) for n in unused[:MAX_NAMES_IN_WARNING])
+        more = f" ... and {len(unused) - MAX_NAMES_IN_WARNING} more" if len(unused) > MAX_NAMES_IN_WARNING else ""
+        warnings.warn(f"{directory}: {len(unused)} tensors in the checkpoint are not used by this config.json "
+                      f"(num_hidden_layers={config.num_hidden_layers}) and were not loaded: {listed}{more}",
+                      stacklevel=3)
 
 
 def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
@@ -171,14 +309,19 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype) -> tuple[dict,
     `...mlp.gate_up_proj.weight` that the HF q/k/v and gate/up entries are views of.
     """
     found = index_checkpoint(directory)
+    check_config_matches(config, found, directory)   # before any table is sized from the config
     shapes = expected_shapes(config)
     for name, shape in shapes.items():
         if name not in found:
             raise NpqwenError(f"{directory}: tensor {name!r} is missing (expected shape {list(shape)}); "
                               f"the checkpoint does not match its config.json")
+        if found[name].dtype not in STORED_DTYPES:
+            raise NpqwenError(f"{found[name].file}: tensor {name!r} has dtype {found[name].dtype}; npqwen reads "
+                              f"BF16, F16 and F32 (quantized checkpoints are unsupported)")
         if found[name].shape != shape:
             raise NpqwenError(f"{directory}: tensor {name!r} has shape {list(found[name].shape)}, expected "
-                              f"{list(shape)} from config.json")
+                              f"{list(shape)} from config.json; the checkpoint does not match its config.json")
+    warn_unused(found, config, shapes, directory)
     weights, fused = allocate_weights(config, xp, dtype)
     for name, array in weights.items():
         read_tensor(found[name], array)

@@ -13,6 +13,7 @@ from pathlib import Path
 from .errors import NpqwenError
 
 ROPE_TYPES = ("default", "linear", "yarn")
+MAX_SIZE = 2**31 - 1   # any size above this is a typo; the tensors in the file bound the real ones
 
 # Qwen/Qwen3-0.6B's config.json, the reference shape: 28 layers, D=1024, 16/8 heads of 128, F=3072.
 QWEN3_0_6B_CONFIG = dict(
@@ -53,8 +54,8 @@ class Qwen3Config:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                raise NpqwenError(f"config: {name} must be positive, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) <= MAX_SIZE:
+                raise NpqwenError(f"config: {name} must be between 1 and {MAX_SIZE}, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise NpqwenError(f"config: num_attention_heads ({self.num_attention_heads}) must be a multiple "
                               f"of num_key_value_heads ({self.num_key_value_heads})")
@@ -117,8 +118,8 @@ class Qwen3Config:
                               f"model.safetensors (or shards) and tokenizer.json")
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise NpqwenError(f"{path}: not valid JSON ({e})") from e
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:   # ValueError: also a 5000-digit number
+            raise NpqwenError(f"{path}: not valid JSON ({str(e)[:200]})") from None
         return cls.from_dict(raw, source=str(path))
 
 
@@ -132,7 +133,7 @@ def _check_type(name, value, annotation, source):
     elif isinstance(value, bool):
         ok = "bool" in kinds
     elif isinstance(value, int):
-        ok = "int" in kinds or "float" in kinds
+        ok = "int" in kinds or ("float" in kinds and abs(value) < 1e300)   # float(10**400) overflows
         value = value if "int" in kinds or not ok else float(value)
     elif isinstance(value, float):
         ok = "float" in kinds and math.isfinite(value)

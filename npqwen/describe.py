@@ -6,7 +6,7 @@ dtypes), so it is instant even for large models; the built-in tiny model lists i
 import dataclasses
 import math
 
-from .checkpoint import expected_shapes, index_checkpoint
+from .checkpoint import MAX_NAMES_IN_WARNING, check_config_matches, expected_shapes, index_checkpoint
 from .config import Qwen3Config
 from .hub import resolve_model
 
@@ -34,7 +34,9 @@ def describe(model: str, device: str = "cpu", dtype: str = "float32") -> str:
     else:
         path = resolve_model(model)
         config, source = Qwen3Config.from_json(path / "config.json"), str(path)
-        tensors = {n: (t.shape, t.dtype) for n, t in index_checkpoint(path).items()}
+        found = index_checkpoint(path)
+        check_config_matches(config, found, path)   # before render sizes its table from the config
+        tensors = {n: (t.shape, t.dtype) for n, t in found.items()}
     return render(config, tensors, source)
 
 
@@ -59,6 +61,9 @@ def render(config: Qwen3Config, tensors: dict, source: str) -> str:
                 lines.append(f"    {name:<{width}} tied to model.embed_tokens.weight ({where})")
                 total += count
                 continue
+            if name not in tensors:
+                lines.append(f"    {name:<{width}} MISSING (expected {list(expected[name])})")
+                continue
             shape, dtype = tensors[name]
             lines.append(f"    {name:<{width}} {str(list(shape)):<16} {dtype:<8} {count:>14,}")
             subtotal += count
@@ -68,7 +73,9 @@ def render(config: Qwen3Config, tensors: dict, source: str) -> str:
             lines.append(f"    {'subtotal':<{width}} {'':<16} {'':<8} {subtotal:>14,}")
     extra = sorted(set(tensors) - set(names))
     if extra:
-        lines.append(f"  not used by npqwen: {', '.join(extra)}")
+        listed = ", ".join(extra[:MAX_NAMES_IN_WARNING])
+        more = f" ... and {len(extra) - MAX_NAMES_IN_WARNING} more" if len(extra) > MAX_NAMES_IN_WARNING else ""
+        lines.append(f"  not used by npqwen: {listed}{more}")
     lines += ["", f"total parameters:  {total:,}",
               f"unique parameters: {unique:,}" + ("  (tied lm_head counted once)" if config.tie_word_embeddings
                                                   else "")]
