@@ -5,24 +5,41 @@ and exits with status 1, without a traceback.
 """
 import argparse
 import codecs
+import contextlib
+import io
 import json
+import os
 import resource
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 from .errors import NpqwenError
 from .hub import DEFAULT_MODEL
 
 
+class OutputError(NpqwenError):
+    """stdout cannot take the output (a full disk, /dev/full, a closed terminal)."""
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        # Text the terminal's encoding cannot show (PYTHONIOENCODING=latin-1 and a Chinese answer)
+        # prints as "?" instead of ending the run in a UnicodeEncodeError.
+        sys.stdout.reconfigure(errors="replace")
     try:
-        return args.run(args) or 0
+        code = args.run(args) or 0
+        write_out("")   # flush now: a full disk shows as one line here, not as a traceback at exit
+        return code
     except NpqwenError as e:
         print(f"npqwen: error: {e}", file=sys.stderr)
+        if isinstance(e, OutputError):   # what is still buffered would fail again at exit: let it go nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)
@@ -32,30 +49,49 @@ def main(argv=None) -> int:
         return 0
 
 
+def write_out(text: str):
+    """Write to stdout and flush; a failed write (no space left) is one clear error."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise OutputError(f"cannot write the output to stdout ({e.strerror or e})") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="npqwen", description="Qwen3 inference in plain NumPy / CuPy.")
     from . import __version__
     parser.add_argument("--version", action="version", version=f"npqwen {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    # Every option's help ends with its default: "(default: ...)", written out where None means
+    # "the checkpoint's value" or "off".
     model = argparse.ArgumentParser(add_help=False)
     model.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                       help=f"checkpoint directory, or hub id in the HF cache (default {DEFAULT_MODEL})")
-    model.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    model.add_argument("--dtype", default="float32", help="compute dtype (cpu: float32, float64; cuda: also float16)")
+                       help=f"checkpoint directory, hub id in the HF cache (downloaded if missing), or 'tiny' "
+                            f"(default: {DEFAULT_MODEL})")
+    model.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: cpu)")
+    model.add_argument("--dtype", default="float32",
+                       help="compute dtype; cpu: float32, float64; cuda: also float16 (default: float32)")
 
     sampling = argparse.ArgumentParser(add_help=False)
-    sampling.add_argument("--max-new-tokens", "-n", type=int, default=512)
-    sampling.add_argument("--temperature", "-t", type=float, help="0 is greedy (default: generation_config.json)")
-    sampling.add_argument("--top-k", type=int)
-    sampling.add_argument("--top-p", type=float)
-    sampling.add_argument("--min-p", type=float)
-    sampling.add_argument("--repetition-penalty", type=float)
-    sampling.add_argument("--presence-penalty", type=float)
-    sampling.add_argument("--seed", type=int)
-    sampling.add_argument("--stop", action="append", help="stop string (repeatable); not included in the output")
-    sampling.add_argument("--no-think", action="store_true", help="enable_thinking=False in the chat template")
-    sampling.add_argument("--system", help="system message")
+    checkpoint = "(default: generation_config.json's, else %s)"
+    sampling.add_argument("--max-new-tokens", "-n", type=int, default=512,
+                          help="most tokens to generate (default: 512)")
+    sampling.add_argument("--temperature", "-t", type=float, help="0 is greedy " + checkpoint % "0")
+    sampling.add_argument("--top-k", type=int, help="0 is off " + checkpoint % "0")
+    sampling.add_argument("--top-p", type=float, help="1 is off " + checkpoint % "1")
+    sampling.add_argument("--min-p", type=float, help="0 is off " + checkpoint % "0")
+    sampling.add_argument("--repetition-penalty", type=float, help="1 is off " + checkpoint % "1")
+    sampling.add_argument("--presence-penalty", type=float, help="0 is off (default: 0)")
+    sampling.add_argument("--seed", type=int, help="for a reproducible draw (default: none, a fresh draw each run)")
+    sampling.add_argument("--stop", action="append",
+                          help="stop string (repeatable); not included in the output (default: none)")
+    sampling.add_argument("--no-think", action="store_true",
+                          help="enable_thinking=False in the chat template (default: thinking on)")
+    sampling.add_argument("--system", help="system message (default: none)")
 
     p = commands.add_parser("generate", parents=[model, sampling],
                             help="complete one prompt, streaming; or a file of prompts, batched")
@@ -64,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompts-file", metavar="FILE",
                         help="many prompts, run together through one engine: one per line, or JSONL lines with "
                              "\"prompt\" or \"messages\" and optional sampling fields ('-' reads stdin)")
-    p.add_argument("--raw", action="store_true", help="plain completion: do not apply the chat template")
+    p.add_argument("--raw", action="store_true",
+                   help="plain completion: do not apply the chat template (default: the chat template)")
     batch = p.add_argument_group("with --prompts-file")
     batch.add_argument("--output", "-o", metavar="OUT.jsonl", help="write the results here (default: stdout)")
     batch.add_argument("--max-batch-size", type=int, help="most requests in one step (default: the engine's)")
@@ -74,37 +111,96 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--page-size", type=int, help="positions per KV-cache page (default: the engine's)")
     p.set_defaults(run=cmd_generate)
 
-    p = commands.add_parser("chat", parents=[model, sampling], help="interactive multi-turn chat")
+    p = commands.add_parser("chat", parents=[model, sampling], help="interactive multi-turn chat",
+                            description="Multi-turn chat. /reset clears the history; /exit, Ctrl-D or Ctrl-C at "
+                                        "the prompt quits; Ctrl-C during an answer stops that answer (it is not "
+                                        "kept in the history). Arrow keys edit the line and recall earlier ones.")
     p.set_defaults(run=cmd_chat)
 
     p = commands.add_parser("inspect", parents=[model], help="the config and every weight, with parameter counts")
     p.set_defaults(run=cmd_inspect)
 
     one_pass = argparse.ArgumentParser(add_help=False)
-    one_pass.add_argument("--prompt", "-p", required=True)
-    one_pass.add_argument("--chat", action="store_true", help="apply the chat template to the prompt first")
+    one_pass.add_argument("--prompt", "-p", required=True, help="the input text (required)")
+    one_pass.add_argument("--chat", action="store_true",
+                          help="apply the chat template to the prompt first (default: the prompt as is)")
 
     p = commands.add_parser("trace", parents=[model, one_pass],
                             help="one forward pass: every step's shape, dtype and statistics")
-    p.add_argument("--layers", help="only these layers, e.g. 0,3,5-7")
-    p.add_argument("--save", metavar="FILE.npz", help="keep every intermediate array, under its name")
-    p.add_argument("--plot-attention", metavar="FILE.png", help="heatmap of one layer's attention probabilities")
-    p.add_argument("--layer", type=int, help="the layer to plot")
+    p.add_argument("--layers", help="only these layers, e.g. 0,3,5-7 (default: all)")
+    p.add_argument("--save", metavar="FILE.npz",
+                   help="keep every intermediate array, under its name; .npz is added if missing (default: none)")
+    p.add_argument("--plot-attention", metavar="FILE.png",
+                   help="heatmap of one layer's attention probabilities (default: none)")
+    p.add_argument("--layer", type=int, help="the layer to plot (required with --plot-attention)")
     p.add_argument("--head", type=int, help="the head to plot (default: the mean over heads)")
     p.set_defaults(run=cmd_trace)
 
     p = commands.add_parser("compare", parents=[model, one_pass],
                             help="module-by-module difference from HF transformers (needs torch)")
-    p.add_argument("--tol", type=float, default=1e-3, help="tolerance, relative to max |HF| (at least 1)")
+    p.add_argument("--tol", type=float, default=1e-3,
+                   help="tolerance, relative to max |HF| (at least 1) (default: 0.001)")
     p.set_defaults(run=cmd_compare)
     return parser
 
 
-def load_model(args):
-    from . import load
+def check_device_dtype(args):
+    """npqwen.load's device and dtype checks, before anything slow (inspect never calls load)."""
+    from .llm import DTYPES
 
+    if args.dtype not in DTYPES[args.device]:
+        hint = " (NumPy float16 matmuls are ~100x slower than float32)" if args.dtype == "float16" else ""
+        raise NpqwenError(f"dtype {args.dtype!r} is not supported on {args.device}{hint}; use one of "
+                          f"{', '.join(DTYPES[args.device])}")
+
+
+def check_writable(path: str, option: str):
+    """Before the slow work: `path` must be a file name in a folder that exists and can be written."""
+    target, folder = Path(path), Path(path).parent
+    if target.is_dir():
+        raise NpqwenError(f"{path}: cannot write it ({option}): it is a directory; give a file name")
+    if not folder.is_dir():
+        raise NpqwenError(f"{path}: cannot write it ({option}): no such directory {str(folder)!r}")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise NpqwenError(f"{path}: cannot write it ({option}): permission denied")
+
+
+# check_request's stand-in for a model not loaded yet: the context length is checked later, with the prompt.
+ANY_CONTEXT = SimpleNamespace(max_position_embeddings=sys.maxsize)
+
+
+def check_sampling_args(args):
+    """The command line's sampling values, with the checks every request gets, before the (slow) load.
+
+    The checkpoint's own defaults (generation_config.json) are checked when the request is made."""
+    from .generate import check_request
+    from .sampling import sampling_params
+
+    kwargs = sampling_kwargs(args)
+    check_request(ANY_CONTEXT, [0], kwargs.pop("max_new_tokens"), kwargs.pop("stop"))
+    sampling_params({}, **kwargs)
+
+
+def load_model(args, chat_template: bool = False):
+    """The model, and the seconds it took to load; a checkpoint without a tokenizer is refused first
+    (every command here starts from text), as is one without a chat template when `chat_template`."""
+    from . import load
+    from .hub import resolve_model
+
+    check_device_dtype(args)
     started = time.perf_counter()
-    llm = load(args.model, device=args.device, dtype=args.dtype)
+    model = args.model
+    if model != "tiny":
+        model = resolve_model(model).resolve()   # absolute: a local folder named "tiny" is not the built-in one
+        if not (model / "tokenizer.json").is_file():
+            raise NpqwenError(f"{model}: no tokenizer.json, so the text cannot be encoded; the checkpoint directory "
+                              f"needs the model's tokenizer.json and tokenizer_config.json (from the same hub repo)")
+    llm = load(model, device=args.device, dtype=args.dtype)
+    if chat_template and llm.tokenizer.chat_template is None:
+        instead = {"generate": ", or use --raw for a plain completion", "chat": ""}.get(args.command,
+                                                                                       ", or leave out --chat")
+        raise NpqwenError(f"{model}: tokenizer_config.json has no chat_template (nor is there a chat_template.jinja), "
+                          f"so messages cannot be formatted; add the model's tokenizer_config.json{instead}")
     return llm, time.perf_counter() - started
 
 
@@ -135,11 +231,12 @@ def cmd_generate(args) -> int:
         except UnicodeDecodeError as e:
             raise NpqwenError(f"the prompt on stdin is not valid UTF-8 ({e})") from None
     prompt = checked_text(args.prompt, "prompt")
-    llm, load_seconds = load_model(args)
-    kwargs = sampling_kwargs(args)   # checked before the (slow) generation starts
+    system = system_messages(args)
+    check_sampling_args(args)   # a bad value shows before the (slow) load
+    llm, load_seconds = load_model(args, chat_template=not args.raw)
+    kwargs = sampling_kwargs(args)
     if not args.raw:
-        messages = system_messages(args) + [{"role": "user", "content": prompt}]
-        prompt = llm.chat_prompt(messages, enable_thinking=not args.no_think)
+        prompt = llm.chat_prompt(system + [{"role": "user", "content": prompt}], enable_thinking=not args.no_think)
     print_stats(stream_to_stdout(llm, prompt, kwargs), load_seconds)
     return 0
 
@@ -148,16 +245,46 @@ def system_messages(args) -> list[dict]:
     return [{"role": "system", "content": checked_text(args.system, "system message")}] if args.system else []
 
 
-def stream_to_stdout(llm, prompt, kwargs):
-    """Generate, writing each text piece as it comes; the GenerationResult at the end."""
+def stream_to_stdout(llm, prompt, kwargs, stop_requested=None):
+    """Generate, writing each text piece as it comes; the GenerationResult at the end.
+
+    `stop_requested` (chat: Ctrl-C was pressed) is asked after every piece; when it says yes the
+    stream is closed, which aborts its request in the engine, and the result is None."""
     from .generate import GenerationResult
 
     result = GenerationResult("", [], "length")
-    for piece in llm.stream(prompt, result=result, **kwargs):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    pieces = llm.stream(prompt, result=result, **kwargs)   # nothing runs until the first piece is asked for
+    stopped = stop_requested is not None and stop_requested()
+    if not stopped:
+        for piece in pieces:
+            write_out(piece)
+            if stop_requested is not None and stop_requested():
+                stopped = True
+                break
+    if stopped:
+        pieces.close()   # the generator's `finally` aborts the request and frees its pages
+        write_out("\n")
+        return None
+    write_out("\n")
     return result
+
+
+@contextlib.contextmanager
+def ctrl_c_sets_a_flag():
+    """Inside, a first Ctrl-C only sets a flag (read between two text pieces), so it never lands in the
+    middle of an engine step; a second one raises KeyboardInterrupt as usual (and quits)."""
+    pressed = []
+
+    def on_ctrl_c(signum, frame):
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(True)
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        yield lambda: bool(pressed)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
@@ -239,18 +366,18 @@ def file_prompt(where: str, n: int, obj: dict) -> FilePrompt:
 def generate_file(args) -> int:
     """--prompts-file: every prompt through one engine; the results as JSONL, in input order."""
     from .engine import Engine
-    from .generate import check_request
-    from .sampling import sampling_params
 
     name = file_name(args.prompts_file)
-    prompts = read_prompts_file(args.prompts_file)   # the file's own mistakes show before the (slow) load
-    llm, load_seconds = load_model(args)
+    # The command line's values alone first, so a bad one is not blamed on line 1; then the file's own
+    # mistakes; all before the (slow) load.
+    check_sampling_args(args)
+    system_messages(args)
+    if args.output:
+        check_writable(args.output, "--output")
+    prompts = read_prompts_file(args.prompts_file)
+    llm, load_seconds = load_model(args, chat_template=not args.raw or any(p.messages for p in prompts))
     engine = Engine(llm, **{k: getattr(args, k) for k in ENGINE_SIZES if getattr(args, k) is not None})
     defaults = sampling_kwargs(args)
-    # The command line's values alone (with a one-token stand-in prompt), so a bad one is not blamed on line 1.
-    check_request(llm.config, [0], defaults["max_new_tokens"], defaults["stop"])
-    sampling_params(llm.generation_defaults,
-                    **{k: v for k, v in defaults.items() if k not in ("max_new_tokens", "stop")})
     # Every request is added (and so checked) before the first step; one bad line cancels them all.
     request_ids = []
     for p in prompts:
@@ -278,10 +405,9 @@ def generate_file(args) -> int:
             if written in results and out is sys.stdout:
                 progress.clear()        # a result on the terminal must not land inside the progress line
             while written in results:   # in input order: write each result once those before it are written
-                out.write(json.dumps(result_record(written, prompts[written], results[written]),
-                                     ensure_ascii=False) + "\n")
+                write_record(out, json.dumps(result_record(written, prompts[written], results[written]),
+                                             ensure_ascii=False) + "\n", args.output)
                 written += 1
-            out.flush()
             progress.show()
         progress.show(final=True)
     finally:
@@ -291,6 +417,17 @@ def generate_file(args) -> int:
     if args.output:
         print(f"wrote {written} results to {args.output}", file=sys.stderr)
     return 0
+
+
+def write_record(out, line: str, output: str | None):
+    """One JSON line to --output or stdout, flushed; a failed write (disk full) is one clear error."""
+    if out is sys.stdout:
+        return write_out(line)
+    try:
+        out.write(line)
+        out.flush()
+    except OSError as e:
+        raise NpqwenError(f"{output}: cannot write it ({e.strerror or e})") from None
 
 
 def file_prompt_text(llm, args, p: FilePrompt) -> str:
@@ -390,20 +527,25 @@ def print_batch_stats(results: list, seconds: float, stats: dict, load_seconds: 
 def cmd_chat(args) -> int:
     from .llm import split_reasoning
 
-    llm, _ = load_model(args)
-    kwargs = sampling_kwargs(args)
+    check_sampling_args(args)   # a bad value shows before the (slow) load
     system = system_messages(args)
+    llm, _ = load_model(args, chat_template=True)
+    kwargs = sampling_kwargs(args)
     history = list(system)
-    print(f"npqwen chat with {args.model}. /reset clears the history, /exit quits.", file=sys.stderr)
+    line_editing()
+    print(f"npqwen chat with {args.model}. /reset clears the history; /exit, Ctrl-D or Ctrl-C quits; "
+          f"Ctrl-C during an answer stops it.", file=sys.stderr)
     while True:
         try:
             line = input(">>> ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):   # Ctrl-D, or Ctrl-C at the prompt: quit
             print(file=sys.stderr)
             return 0
         except UnicodeDecodeError:
             print("npqwen: error: that input is not valid UTF-8; try again", file=sys.stderr)
             continue
+        except OSError as e:   # input() writes ">>> " to stdout: a full disk or a closed terminal
+            raise OutputError(f"cannot use stdout or stdin ({e.strerror or e})") from None
         command = line.strip()
         if command in ("/exit", "/quit"):
             return 0
@@ -416,13 +558,47 @@ def cmd_chat(args) -> int:
         try:
             checked_text(line, "message")
             messages = history + [{"role": "user", "content": line}]
-            result = stream_to_stdout(llm, llm.chat_prompt(messages, enable_thinking=not args.no_think), kwargs)
+            with ctrl_c_sets_a_flag() as pressed:   # from Enter to the answer's end: Ctrl-C stops the answer
+                ids = chat_ids(llm, messages, args, earlier_turns=len(history) > len(system))
+                result = stream_to_stdout(llm, ids, kwargs, stop_requested=pressed)
+        except OutputError:        # stdout is gone: nothing more can be shown
+            raise
         except NpqwenError as e:   # e.g. the conversation outgrew the context: say so and keep going
             print(f"npqwen: error: {e}", file=sys.stderr)
+            continue
+        if result is None:
+            # A stopped answer is dropped: the next turn reads as if the question had not been answered,
+            # rather than as an answer that ends mid-sentence.
+            print("(answer stopped; it is not kept in the history; Ctrl-C again or /exit quits)", file=sys.stderr)
             continue
         # Qwen3 keeps only the final answer of earlier turns, not their reasoning.
         history = messages + [{"role": "assistant", "content": split_reasoning(result.text)[1]}]
         print_stats(result)
+        if len(ids) + len(result.token_ids) >= llm.config.max_position_embeddings:
+            print(f"(the conversation fills the context of {llm.config.max_position_embeddings} tokens, so the "
+                  f"answer was cut; /reset clears the history)", file=sys.stderr)
+
+
+def chat_ids(llm, messages, args, earlier_turns: bool) -> list[int]:
+    """The conversation under the chat template, as token ids; one that leaves no room to answer is refused
+    with a message that names the history, which is what grew."""
+    ids = llm.tokenizer.encode(llm.chat_prompt(messages, enable_thinking=not args.no_think))
+    context = llm.config.max_position_embeddings
+    if len(ids) >= context and earlier_turns:
+        raise NpqwenError(f"the conversation has outgrown the context: the history and this message are {len(ids)} "
+                          f"tokens, the model holds {context}; /reset clears the history")
+    if len(ids) >= context:
+        raise NpqwenError(f"this message is {len(ids)} tokens under the chat template, the model holds {context}; "
+                          f"send a shorter one")
+    return ids
+
+
+def line_editing():
+    """Arrow keys edit the line and recall earlier lines: importing readline is enough for input() to use it."""
+    try:
+        import readline  # noqa: F401
+    except ImportError:   # e.g. Windows without pyreadline: plain input() still works
+        pass
 
 
 def print_stats(result, load_seconds: float | None = None):
@@ -442,13 +618,10 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def prompt_ids(llm, args) -> list[int]:
-    prompt = checked_text(args.prompt, "prompt")
+def prompt_ids(llm, args, prompt: str) -> list[int]:
     if args.chat:
         prompt = llm.chat_prompt(prompt)
-    if llm.tokenizer is None:
-        raise NpqwenError(f"{llm.path}: no tokenizer.json, so the prompt cannot be tokenized")
-    ids = llm.tokenizer.encode(prompt)
+    ids = llm.tokenizer.encode(prompt)   # load_model refused a checkpoint without a tokenizer
     if not ids:
         raise NpqwenError("the prompt is empty")
     return ids
@@ -457,46 +630,67 @@ def prompt_ids(llm, args) -> list[int]:
 def cmd_inspect(args) -> int:
     from .describe import describe
 
-    print(describe(args.model, device=args.device, dtype=args.dtype))
+    check_device_dtype(args)
+    write_out(describe(args.model, device=args.device, dtype=args.dtype) + "\n")
     return 0
 
 
 def cmd_trace(args) -> int:
-    from .trace import Trace, parse_layers, plot_attention
+    from .trace import Trace, npz_name, parse_layers, plot_attention, pyplot
 
-    llm, _ = load_model(args)
+    check_device_dtype(args)
+    prompt = checked_text(args.prompt, "prompt")
+    # Everything that can be known to fail, before the (slow) load and forward pass.
+    save = npz_name(args.save) if args.save else None   # np.savez adds ".npz": check and report the real name
+    if save:
+        check_writable(save, "--save")
+    if args.plot_attention:
+        if args.layer is None:
+            raise NpqwenError("--plot-attention needs --layer N (the layer to draw)")
+        check_writable(args.plot_attention, "--plot-attention")
+        pyplot()   # matplotlib is there
+    llm, _ = load_model(args, chat_template=args.chat)
     L = llm.config.num_hidden_layers
     layers = parse_layers(args.layers, L) if args.layers else None
     if args.plot_attention:
-        if args.layer is None or not 0 <= args.layer < L:
+        if not 0 <= args.layer < L:
             raise NpqwenError(f"--plot-attention needs --layer between 0 and {L - 1}")
         if args.head is not None and not 0 <= args.head < llm.config.num_attention_heads:
             raise NpqwenError(f"--head must be between 0 and {llm.config.num_attention_heads - 1}")
-    ids = prompt_ids(llm, args)
+    ids = prompt_ids(llm, args, prompt)
     trace = Trace(None if layers is None else set(layers) | ({args.layer} if args.plot_attention else set()))
     llm.forward(ids, recorder=trace)
     tokens = [llm.tokenizer.decode([i]) for i in ids]
-    print(f"{len(ids)} tokens: " + " ".join(f"{i}:{t!r}" for i, t in zip(ids, tokens)))
+    write_out(f"{len(ids)} tokens: " + " ".join(f"{i}:{t!r}" for i, t in zip(ids, tokens)) + "\n")
     shown = Trace(layers)
     for name, array in trace.items():
         shown(name, array)
-    print(shown.table())
-    if args.save:
-        shown.save(args.save)
-        print(f"saved {len(shown)} arrays to {args.save}", file=sys.stderr)
+    write_out(shown.table() + "\n")
+    if save:
+        try:
+            shown.save(save)
+        except OSError as e:
+            raise NpqwenError(f"{save}: cannot write it ({e.strerror or e})") from None
+        print(f"saved {len(shown)} arrays to {save}", file=sys.stderr)
     if args.plot_attention:
         probs = trace[f"model.layers.{args.layer}.self_attn.attn_probs"]            # (H, T, T)
         picture = probs[args.head] if args.head is not None else probs.mean(axis=0)
         which = f"head {args.head}" if args.head is not None else f"mean of {probs.shape[0]} heads"
-        plot_attention(picture, tokens, args.plot_attention, f"layer {args.layer}, {which}")
+        try:
+            plot_attention(picture, tokens, args.plot_attention, f"layer {args.layer}, {which}")
+        except (OSError, ValueError) as e:   # matplotlib: ValueError for an unknown extension such as .xyz
+            raise NpqwenError(f"{args.plot_attention}: cannot draw it ({e})") from None
         print(f"attention of layer {args.layer} ({which}) drawn in {args.plot_attention}", file=sys.stderr)
     return 0
 
 
 def cmd_compare(args) -> int:
-    from .compare import compare, report
+    from .compare import compare, report, require_torch
 
-    llm, _ = load_model(args)
-    rows = compare(llm, prompt_ids(llm, args), tol=args.tol)
-    print(report(rows, args.tol))
+    check_device_dtype(args)
+    prompt = checked_text(args.prompt, "prompt")
+    require_torch()   # before the load, not after it
+    llm, _ = load_model(args, chat_template=args.chat)
+    rows = compare(llm, prompt_ids(llm, args, prompt), tol=args.tol)
+    write_out(report(rows, args.tol) + "\n")
     return 0 if all(r["ok"] for r in rows) else 1

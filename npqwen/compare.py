@@ -14,15 +14,25 @@ from .errors import NpqwenError
 from .trace import Trace
 
 
+def require_torch():
+    """Fail early, before the model loads, when torch or transformers is missing."""
+    try:
+        import torch  # noqa: F401
+        from transformers import Qwen3ForCausalLM  # noqa: F401
+    except ImportError as e:
+        # A bare `pip install torch` can pull a multi-GB CUDA build: pin the version the tests use.
+        raise NpqwenError(f"npqwen compare needs torch and transformers: pip install torch==2.13.0 transformers "
+                          f"(or, in a checkout, pip install torch==2.13.0 && pip install -e '.[test]'); here: {e}"
+                          ) from None
+
+
 def hf_reference(llm, ids) -> dict:
     """HF transformers' intermediate arrays for `ids`, under npqwen's trace names."""
-    try:
-        import torch
-        from transformers import Qwen3ForCausalLM
-        from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
-    except ImportError:
-        raise NpqwenError("npqwen compare needs torch and transformers: pip install torch transformers "
-                          "(or pip install 'npqwen[test]')") from None
+    require_torch()
+    import torch
+    from transformers import Qwen3ForCausalLM
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
     with tempfile.TemporaryDirectory() as tmp:
         path = llm.path if llm.path is not None else llm.save(Path(tmp) / "model")
         hf = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()

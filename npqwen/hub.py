@@ -22,16 +22,29 @@ def hf_cache_dir() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "huggingface" / "hub"
 
 
-def find_cached(repo_id: str) -> Path | None:
-    """The snapshot directory of `repo_id` in the HF cache (refs/main first), if it holds a config.json."""
+def snapshots_of(repo_id: str) -> list[Path]:
+    """The snapshot directories of `repo_id` in the HF cache, refs/main's first, then the newest."""
     repo = hf_cache_dir() / ("models--" + repo_id.replace("/", "--"))
     snapshots = repo / "snapshots"
+    if not snapshots.is_dir():
+        return []
+    found = sorted((p for p in snapshots.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
     ref = repo / "refs" / "main"
-    if ref.is_file() and (snapshots / ref.read_text().strip() / "config.json").is_file():
-        return snapshots / ref.read_text().strip()
-    candidates = sorted((p for p in snapshots.glob("*") if (p / "config.json").is_file()),
-                        key=lambda p: p.stat().st_mtime, reverse=True) if snapshots.is_dir() else []
-    return candidates[0] if candidates else None
+    main = snapshots / ref.read_text().strip() if ref.is_file() else None
+    return sorted(found, key=lambda p: p != main)   # stable: refs/main first, the rest newest first
+
+
+def missing_files(directory: Path) -> list[str]:
+    """What a checkpoint directory lacks to be loaded: config.json, the weights."""
+    missing = [] if (directory / "config.json").is_file() else ["config.json"]
+    if not any(directory.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    return missing
+
+
+def find_cached(repo_id: str) -> Path | None:
+    """The snapshot directory of `repo_id` in the HF cache (refs/main first) that holds config.json and weights."""
+    return next((p for p in snapshots_of(repo_id) if not missing_files(p)), None)
 
 
 def resolve_model(name: str | os.PathLike) -> Path:
@@ -39,21 +52,38 @@ def resolve_model(name: str | os.PathLike) -> Path:
     path = Path(name).expanduser()
     if path.is_dir():
         return path
+    if path.exists():
+        raise NpqwenError(f"{str(name)!r} is a file, not a checkpoint directory: give the directory that holds "
+                          f"config.json and the *.safetensors weights, or a hub id such as {DEFAULT_MODEL}")
     if not HUB_ID.match(str(name)):
-        raise NpqwenError(f"model directory {str(name)!r} does not exist")
+        raise NpqwenError(f"no such directory: {str(name)!r} (a model is a checkpoint directory, or a hub id such "
+                          f"as {DEFAULT_MODEL})")
     cached = find_cached(str(name))
     if cached is not None:
         return cached
-    how = (f"download it with `hf download {name}` (pip install huggingface_hub), or pass --model a local "
-           f"checkpoint directory")
+    # "models/Qwen3-0.6B" looks like a hub id too; when its first part is a local folder, it is a mistyped path.
+    if path.parent.is_dir():
+        raise NpqwenError(f"no such directory: {str(name)!r} ({path.parent}/ exists but holds no {path.name!r}); "
+                          f"check the path")
+    partial = snapshots_of(str(name))
+    if partial:
+        what = f"{name} is only partly in the Hugging Face cache ({partial[0]} has no " \
+               f"{' and no '.join(missing_files(partial[0]))})"
+        how = f"complete it with `hf download {name}` (pip install huggingface_hub)"
+    else:
+        what = f"{name} is not a local directory and not in the Hugging Face cache ({hf_cache_dir()})"
+        how = (f"download it with `hf download {name}` (pip install huggingface_hub), or pass --model a local "
+               f"checkpoint directory")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise NpqwenError(f"{name} is not in the Hugging Face cache ({hf_cache_dir()}) and huggingface_hub is "
-                          f"not installed: {how}") from None
+        raise NpqwenError(f"{what}, and huggingface_hub is not installed: {how}") from None
     try:
-        return Path(snapshot_download(str(name), allow_patterns=FILES))
+        path = Path(snapshot_download(str(name), allow_patterns=FILES))
     except Exception as e:   # offline, unknown repo, gated repo: huggingface_hub has many error types
-        raise NpqwenError(f"{name} is not in the Hugging Face cache ({hf_cache_dir()}) and downloading it "
-                          f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
-                          f"{how}") from None
+        raise NpqwenError(f"{what}, and downloading it failed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}): {how}") from None
+    if missing_files(path):
+        raise NpqwenError(f"{name}: the download has no {' and no '.join(missing_files(path))}; is it a Qwen3 "
+                          f"checkpoint with safetensors weights?")
+    return path

@@ -53,8 +53,8 @@ class Trace(dict):
         return "\n".join(lines)
 
     def save(self, path):
-        """Every recorded array in one .npz file, under its name: np.load(path)[name]."""
-        np.savez(path, **self)
+        """Every recorded array in one .npz file (".npz" added if missing), under its name: np.load(path)[name]."""
+        np.savez(npz_name(path), **self)
 
 
 def parse_layers(spec: str, n_layers: int) -> list[int]:
@@ -72,14 +72,26 @@ def parse_layers(spec: str, n_layers: int) -> list[int]:
     return sorted(set(layers))
 
 
-def plot_attention(probs: np.ndarray, tokens: list[str], path, title: str):
-    """A heatmap of attention probabilities (T queries x T keys), axes labelled with the tokens."""
+def pyplot():
+    """matplotlib.pyplot drawing to files (no window); checked before the work that needs it."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise NpqwenError("--plot-attention needs matplotlib: pip install 'npqwen[plot]'") from None
+        raise NpqwenError("--plot-attention needs matplotlib: pip install 'npqwen[plot]' (or pip install "
+                          "matplotlib)") from None
+    return plt
+
+
+def npz_name(path: str) -> str:
+    """The file np.savez writes: it adds ".npz" to a name that lacks it."""
+    return path if str(path).endswith(".npz") else f"{path}.npz"
+
+
+def plot_attention(probs: np.ndarray, tokens: list[str], path, title: str):
+    """A heatmap of attention probabilities (T queries x T keys), axes labelled with the tokens."""
+    plt = pyplot()
     T = probs.shape[0]
     size = min(4 + 0.28 * T, 40)
     fig, ax = plt.subplots(figsize=(size + 1.5, size))

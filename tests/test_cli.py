@@ -1,4 +1,5 @@
 """The `npqwen` command, run for real in a subprocess, including every bad-input case."""
+import argparse
 import json
 import os
 import re
@@ -13,9 +14,12 @@ import npqwen
 from conftest import ROOT
 
 
-def run(*args, stdin=None, env=None, timeout=300):
+def run(*args, stdin=None, env=None, timeout=300, cwd=ROOT):
+    env = {**os.environ, **(env or {})}
+    if cwd != ROOT:   # `python -m npqwen` from another folder: the checkout must stay importable
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     result = subprocess.run([sys.executable, "-m", "npqwen", *args], input=stdin, capture_output=True,
-                            timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+                            timeout=timeout, cwd=cwd, env=env)
     out = result.stdout.decode("utf-8", "replace")
     err = result.stderr.decode("utf-8", "replace")
     print(f"$ npqwen {' '.join(map(str, args))}\n{out}\n{err}")
@@ -98,7 +102,7 @@ def test_model_from_the_hf_cache(tiny_dir, tmp_path):
 
 
 BAD = {
-    "missing model dir": (["generate", "--model", "/no/such/dir", "--prompt", "hi"], "does not exist"),
+    "missing model dir": (["generate", "--model", "/no/such/dir", "--prompt", "hi"], "no such directory"),
     "negative temperature": (["generate", "--model", "tiny", "--prompt", "hi", "-t", "-1"], "temperature must be"),
     "top_p above 1": (["generate", "--model", "tiny", "--prompt", "hi", "--top-p", "2"], "top_p must be in"),
     "negative top_k": (["generate", "--model", "tiny", "--prompt", "hi", "--top-k", "-1"], "top_k must be"),
@@ -120,6 +124,155 @@ def test_bad_input_is_one_clear_line(case):
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("npqwen: error:") and message in lines[0], err
+
+
+def one_error_line(code, err, message):
+    """Exit status 1 and exactly one line on stderr: "npqwen: error: ..." that contains `message`."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("npqwen: error:") and message in lines[0], err
+
+
+# Hardening: each mistake is found before the slow work (the load, the forward pass) and said in one line.
+HIDDEN = 'raise ImportError("No module named {0} (hidden by the test)")\n'
+
+
+@pytest.fixture
+def without(tmp_path):
+    """An environment in which importing the named packages fails, as if they were not installed."""
+    def env(*packages):
+        for name in packages:
+            (tmp_path / "hidden" / name).mkdir(parents=True)
+            (tmp_path / "hidden" / name / "__init__.py").write_text(HIDDEN.format(name))
+        return {"PYTHONPATH": os.pathsep.join([str(tmp_path / "hidden"), str(ROOT)])}
+    return env
+
+
+@pytest.mark.parametrize("args, message", [
+    (["trace", "--prompt", "hi", "--save", "/nonexistent/dir/t.npz"], "no such directory '/nonexistent/dir'"),
+    (["trace", "--prompt", "hi", "--plot-attention", "/nonexistent/dir/a.png", "--layer", "0"],
+     "no such directory '/nonexistent/dir'"),
+    (["trace", "--prompt", "hi", "--plot-attention", "a.png"], "--plot-attention needs --layer"),
+    (["inspect", "--dtype", "bogus"], "dtype 'bogus' is not supported on cpu"),
+    (["inspect", "--dtype", "float16"], "dtype 'float16' is not supported on cpu"),
+    (["trace", "--prompt", "hi", "--dtype", "bogus"], "dtype 'bogus' is not supported"),
+])
+def test_outputs_and_dtype_are_checked_first(args, message):
+    code, out, err = run(*args, "--model", "tiny")
+    one_error_line(code, err, message)
+    assert out == ""
+
+
+def test_save_reports_the_file_it_wrote(tmp_path):
+    code, _, err = run("trace", "--model", "tiny", "--prompt", "hi", "--save", str(tmp_path / "t"))
+    assert code == 0 and f"to {tmp_path / 't.npz'}" in err and (tmp_path / "t.npz").is_file()
+
+
+def test_plot_attention_without_matplotlib_fails_before_the_table(without):
+    code, out, err = run("trace", "--model", "tiny", "--prompt", "hi", "--plot-attention", "a.png", "--layer", "0",
+                         env=without("matplotlib"))
+    one_error_line(code, err, "--plot-attention needs matplotlib: pip install 'npqwen[plot]'")
+    assert out == ""
+
+
+def test_compare_without_torch_pins_the_version(without):
+    code, out, err = run("compare", "--model", "tiny", "--prompt", "hi", env=without("torch"))
+    one_error_line(code, err, "pip install torch==2.13.0 transformers")
+    assert out == ""
+
+
+def test_output_the_terminal_cannot_encode_is_replaced(tmp_path):
+    latin1 = {"PYTHONIOENCODING": "latin-1"}
+    code, out, err = run("generate", "--model", "tiny", "--prompt", "hi", "-n", "200", "-t", "0", env=latin1)
+    assert code == 0 and "Traceback" not in err and "generation: 200 tokens" in err
+    path = tmp_path / "prompts.txt"
+    path.write_text("你好\n", encoding="utf-8")
+    code, out, err = run("generate", "--model", "tiny", "--prompts-file", str(path), "-n", "2", env=latin1)
+    assert code == 0 and "Traceback" not in err and '"prompt": "??"' in out
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+@pytest.mark.parametrize("args", [["generate", "--prompt", "hi", "-n", "20"], ["inspect"],
+                                  ["trace", "--prompt", "hi"], ["generate", "--prompts-file", "-", "-n", "2"],
+                                  ["chat", "-n", "2"]])
+def test_a_full_disk_is_one_line(args):
+    with open("/dev/full", "wb") as full:
+        result = subprocess.run([sys.executable, "-m", "npqwen", *args, "--model", "tiny"], input=b"hi\n",
+                                stdout=full, stderr=subprocess.PIPE, timeout=300, cwd=ROOT)
+    err = result.stderr.decode()
+    if args[0] == "chat":   # the chat's greeting comes first, on stderr
+        err = err.split("\n", 1)[1]
+    one_error_line(result.returncode, err, "No space left on device")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("flag, value, message", [("-t", "-1", "temperature must be"),
+                                                  ("--top-p", "2", "top_p must be"),
+                                                  ("-n", "0", "max_new_tokens must be"),
+                                                  ("--seed", "-3", "seed must be")])
+def test_sampling_values_are_checked_before_the_model_is_looked_for(command, flag, value, message):
+    # the model does not exist: an error about the value means the value was checked first
+    args = ["--prompt", "hi"] if command == "generate" else []
+    code, _, err = run(command, "--model", "/no/such/dir", *args, flag, value, stdin=b"hi\n")
+    one_error_line(code, err, message)
+
+
+def test_model_messages_say_what_is_wrong(tiny_dir, tmp_path):
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "cache")}
+    code, _, err = run("generate", "--model", str(tiny_dir / "config.json"), "--prompt", "hi", env=offline)
+    one_error_line(code, err, "is a file, not a checkpoint directory")
+    (tmp_path / "models").mkdir()   # a mistyped relative path is not looked up as a hub id
+    code, _, err = run("generate", "--model", "models/Qwen3-0.6B", "--prompt", "hi", env=offline, cwd=tmp_path)
+    one_error_line(code, err, "no such directory: 'models/Qwen3-0.6B' (models/ exists")
+    code, _, err = run("generate", "--model", "./Qwen3-0.6B", "--prompt", "hi", env=offline, cwd=tmp_path)
+    one_error_line(code, err, "no such directory: './Qwen3-0.6B'")
+    snapshot = tmp_path / "cache" / "models--Org--Partial" / "snapshots" / "0123abcd"   # a download cut short
+    snapshot.mkdir(parents=True)
+    shutil.copy(tiny_dir / "config.json", snapshot)
+    code, _, err = run("generate", "--model", "Org/Partial", "--prompt", "hi", env=offline)
+    one_error_line(code, err, "only partly in the Hugging Face cache")
+    assert "has no *.safetensors" in err and "`hf download Org/Partial`" in err
+    no_tokenizer = tmp_path / "no_tokenizer"
+    shutil.copytree(tiny_dir, no_tokenizer)
+    (no_tokenizer / "tokenizer.json").unlink()
+    for command in (["generate", "--prompt", "hi"], ["trace", "--prompt", "hi"], ["chat"]):
+        code, _, err = run(*command, "--model", str(no_tokenizer), env=offline, stdin=b"hi\n")
+        one_error_line(code, err, "needs the model's tokenizer.json and tokenizer_config.json")
+        assert "token ids" not in err
+    no_template = tmp_path / "no_template"
+    shutil.copytree(tiny_dir, no_template)
+    config = json.loads((no_template / "tokenizer_config.json").read_text())
+    (no_template / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": None}))
+    code, _, err = run("chat", "--model", str(no_template), stdin=b"hi\n")
+    one_error_line(code, err, "has no chat_template")
+    assert "use a raw prompt" not in err
+
+
+def test_chat_that_outgrows_the_context_names_the_history(tiny_dir, tmp_path):
+    small = tmp_path / "small"
+    shutil.copytree(tiny_dir, small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 160}))
+    code, _, err = run("chat", "--model", str(small), "-n", "120", "-t", "0",
+                       stdin=b"hello\nhello\n/reset\nhello\n")
+    assert code == 0 and "Traceback" not in err
+    assert "the conversation has outgrown the context" in err and "/reset clears the history" in err
+    assert "shorten the prompt" not in err
+    assert len(prompt_tokens(err)) == 2   # the first turn, and the same question after /reset
+
+
+def test_help_shows_every_default():
+    from npqwen.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in commands.choices.items():
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction) or action.dest in ("prompt", "prompts_file", "layer"):
+                continue   # the required ones (one of --prompt / --prompts-file; --layer with --plot-attention)
+            assert action.help and "default" in action.help, f"npqwen {name} {action.option_strings}"
+    code, out, _ = run("chat", "--help")
+    assert code == 0 and "(default: 512)" in out and "(default: float32)" in out
 
 
 def test_bad_utf8_on_stdin():
