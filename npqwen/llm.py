@@ -13,7 +13,7 @@ from .backend import array_module
 from .checkpoint import load_weights
 from .config import Qwen3Config
 from .errors import NpqwenError
-from .generate import ChatResult, GenerationResult
+from .generate import ChatResult, GenerationResult, check_token_ids
 from .hub import resolve_model
 from .model import Qwen3
 from .sampling import read_generation_config
@@ -136,25 +136,19 @@ class LLM:
     def _tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise NpqwenError(f"{self.path}: no tokenizer.json, so text prompts cannot be encoded; "
-                              f"pass token ids or add the checkpoint's tokenizer files")
+                              f"add the checkpoint's tokenizer.json and tokenizer_config.json (from the same hub repo), "
+                              f"or pass token ids (Python API only)")
         return self.tokenizer
 
     def prompt_ids(self, prompt) -> list[int]:
-        """A prompt as token ids: text is tokenized as is; token ids are checked against the vocabulary."""
+        """A prompt as token ids: text is tokenized as is; token ids are checked as forward checks them."""
         if isinstance(prompt, str):
             return self._tokenizer().encode(prompt)
-        if isinstance(prompt, (list, tuple, range)) and all(
-                isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompt):
-            prompt = np.array(prompt, dtype=np.int64)
-        if isinstance(prompt, np.ndarray) and prompt.ndim == 1 and (
-                prompt.size == 0 or np.issubdtype(prompt.dtype, np.integer)):
-            V = self.config.vocab_size
-            if prompt.size and (prompt.min() < 0 or prompt.max() >= V):
-                bad = int(prompt[(prompt < 0) | (prompt >= V)][0])
-                raise NpqwenError(f"token id {bad} is outside the vocabulary 0 .. {V - 1}")
-            return prompt.astype(np.int64).tolist()
-        raise NpqwenError(f"a prompt is a string or a 1-D sequence of integer token ids, got "
-                          f"{type(prompt).__name__} {str(prompt)[:60]!r}")
+        if not isinstance(prompt, (list, tuple, range)) and not hasattr(prompt, "ndim"):
+            hint = " (decode bytes to str first)" if isinstance(prompt, bytes) else ""
+            raise NpqwenError(f"a prompt is a string, a 1-D sequence of integer token ids, or a list of such "
+                              f"prompts; got {type(prompt).__name__} {str(prompt)[:40]!r}{hint}")
+        return check_token_ids(prompt, self.config.vocab_size).tolist()
 
     def _run(self, prompt, result, max_new_tokens, stop, **sampling):
         request = self.engine.new_request(prompt, max_new_tokens, stop=stop, **sampling)   # checked now
@@ -208,8 +202,14 @@ def is_prompt_list(prompt) -> bool:
 
 
 def split_reasoning(text: str) -> tuple[str, str]:
-    """(reasoning, content) of a Qwen3 answer "<think>\\n...\\n</think>\\n\\ncontent"."""
+    """(reasoning, content) of a Qwen3 answer "<think>\\n...\\n</think>\\n\\ncontent".
+
+    An answer cut off inside <think> (no </think> yet) is all reasoning and no content, as vLLM's
+    Qwen3 reasoning parser returns it.
+    """
     if "</think>" not in text:
+        if text.lstrip().startswith("<think>"):
+            return text.split("<think>", 1)[1].lstrip("\n"), ""
         return "", text
     reasoning, content = text.split("</think>", 1)   # split as Qwen3's chat template does
     return reasoning.rstrip("\n").split("<think>")[-1].lstrip("\n"), content.lstrip("\n")

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import ops
-from .backend import to_numpy, xp_of
+from .backend import xp_of
 from .config import Qwen3Config
 from .errors import NpqwenError
+from .generate import check_token_ids
 
 
 def no_recorder(name, array):
@@ -251,17 +252,9 @@ class Qwen3:
 
     def _check_ids(self, token_ids, cache) -> np.ndarray:
         """Token ids as a 1-D int64 host array, checked against the vocabulary and the context."""
-        try:
-            ids = np.asarray(to_numpy(token_ids) if not isinstance(token_ids, list) else token_ids)
-        except (TypeError, ValueError) as e:
-            raise NpqwenError(f"token_ids must be a 1-D sequence of integers: {e}") from e
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise NpqwenError(f"token_ids must be a non-empty 1-D sequence of integers, got shape "
-                              f"{ids.shape} dtype {ids.dtype}")
-        V = self.config.vocab_size
-        if ids.min() < 0 or ids.max() >= V:
-            bad = int(ids[(ids < 0) | (ids >= V)][0])
-            raise NpqwenError(f"token id {bad} is outside the vocabulary 0 .. {V - 1}")
+        ids = check_token_ids(token_ids, self.config.vocab_size)   # the same rule as LLM.prompt_ids
+        if ids.size == 0:
+            raise NpqwenError("token_ids is empty: forward needs at least one token")
         start = cache.length if cache is not None else 0
         limit = cache.capacity if cache is not None else self.config.max_position_embeddings
         if start + ids.size > limit:

@@ -7,12 +7,23 @@ greedy: the argmax of the penalised logits.
 import dataclasses
 import json
 import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .errors import NpqwenError
+from .generate import is_integer
+
+# Penalised logits are clipped to float32's range: a huge penalty pushes a token as far down (or up)
+# as a logit can go, but never to -inf/inf, which would read as "filtered out" (or give nan).
+LOGIT_MIN, LOGIT_MAX = float(np.finfo(np.float32).min), float(np.finfo(np.float32).max)
+
+
+def is_number(value) -> bool:
+    """A Python or NumPy real number, not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 @dataclass(frozen=True)
@@ -26,9 +37,12 @@ class SamplingParams:
     seed: int | None = None           # for a reproducible draw
 
     def __post_init__(self):
+        # Python or NumPy numbers (np.float32(0.5), np.int64(3)) are stored as Python float / int;
+        # a bool is refused: True is an int to Python but never a sampling value.
         def number(name, value):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if not is_number(value) or not math.isfinite(value):
                 raise NpqwenError(f"{name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
             number(name, getattr(self, name))
@@ -36,15 +50,17 @@ class SamplingParams:
             raise NpqwenError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise NpqwenError(f"top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not is_integer(self.top_k) or self.top_k < 0:
             raise NpqwenError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
+        object.__setattr__(self, "top_k", int(self.top_k))
         if not 0 <= self.min_p <= 1:
             raise NpqwenError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
             raise NpqwenError(f"repetition_penalty must be > 0 (1 turns it off), got {self.repetition_penalty}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or self.seed < 0):
-            raise NpqwenError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None:
+            if not is_integer(self.seed) or self.seed < 0:
+                raise NpqwenError(f"seed must be a non-negative integer, got {self.seed!r}")
+            object.__setattr__(self, "seed", int(self.seed))
 
     @property
     def greedy(self) -> bool:
@@ -63,18 +79,34 @@ def read_generation_config(directory) -> dict:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise NpqwenError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise NpqwenError(f"{path}: expected a JSON object of generation settings, got a {type(raw).__name__}; "
+                          f"fix or delete the file")
+
+    def get(key, default=None):   # null means unset, as transformers reads it
+        value = raw.get(key)
+        return default if value is None else value
+
     out = {}
-    if raw.get("do_sample"):
-        out["temperature"] = raw.get("temperature", 1.0)
-        out["top_k"] = raw.get("top_k", 50)          # transformers' default when the file has none
-        out["top_p"] = raw.get("top_p", 1.0)
-        if raw.get("min_p") is not None:
+    if get("do_sample"):
+        out["temperature"] = get("temperature", 1.0)
+        out["top_k"] = get("top_k", 50)          # transformers' default when the file has none
+        out["top_p"] = get("top_p", 1.0)
+        if get("min_p") is not None:
             out["min_p"] = raw["min_p"]
-    if raw.get("repetition_penalty") is not None:
+    if get("repetition_penalty") is not None:
         out["repetition_penalty"] = raw["repetition_penalty"]
-    eos = raw.get("eos_token_id")
+    try:
+        SamplingParams(**out)   # a bad value is reported now, with the file's name, not at every generation
+    except NpqwenError as e:
+        raise NpqwenError(f"{path}: {e}; fix the file or delete the key") from e
+    eos = get("eos_token_id")
     if eos is not None:
-        out["eos_token_id"] = [eos] if isinstance(eos, int) else list(eos)
+        eos = [eos] if not isinstance(eos, list) else eos
+        if not eos or not all(is_integer(i) and i >= 0 for i in eos):
+            raise NpqwenError(f"{path}: eos_token_id must be a token id or a list of token ids, got "
+                              f"{raw['eos_token_id']!r}; fix the file or delete the key")
+        out["eos_token_id"] = eos
     return out
 
 
@@ -92,8 +124,10 @@ def repetition_penalty(logits, seen_ids, penalty: float):
         return logits
     idx = np.unique(np.asarray(seen_ids))
     out = logits.copy()
-    picked = out[idx]
-    out[idx] = np.where(picked < 0, picked * penalty, picked / penalty)
+    picked = out[idx].astype(np.float64)
+    with np.errstate(over="ignore"):   # a huge penalty: clipped to the float32 range below
+        penalised = np.where(picked < 0, picked * penalty, picked / penalty)
+    out[idx] = np.clip(penalised, LOGIT_MIN, LOGIT_MAX)
     return out
 
 
@@ -101,8 +135,9 @@ def presence_penalty(logits, generated_ids, penalty: float):
     """Tokens generated so far (not the prompt) lose `penalty`, once however often they appeared (OpenAI's rule)."""
     if penalty == 0.0 or len(generated_ids) == 0:
         return logits
+    idx = np.unique(np.asarray(generated_ids))
     out = logits.copy()
-    out[np.unique(np.asarray(generated_ids))] -= penalty
+    out[idx] = np.clip(out[idx].astype(np.float64) - penalty, LOGIT_MIN, LOGIT_MAX)
     return out
 
 
@@ -159,7 +194,10 @@ def choose(logits, params: SamplingParams, rng, prompt_ids=(), generated_ids=())
     logits = presence_penalty(logits, generated_ids, params.presence_penalty)
     if params.greedy:
         return int(np.argmax(logits))
-    logits = temperature(logits, params.temperature)
+    # Divide after subtracting the max, in float64: the top token stays at 0 and a tiny temperature
+    # (1e-38) sends the others far down (near-greedy) instead of overflowing every logit to inf.
+    with np.errstate(over="ignore"):
+        logits = np.maximum(temperature(logits.astype(np.float64) - logits.max(), params.temperature), -1e300)
     ids = np.arange(logits.shape[-1])
     if 0 < params.top_k < logits.shape[-1]:
         # Work on the k survivors only: the filters below give the same result on them as on

@@ -1,4 +1,6 @@
 """The Python generation API: stopping, stop strings, streaming, chat reasoning, limits and bad values."""
+import re
+
 import numpy as np
 import pytest
 
@@ -138,3 +140,128 @@ def test_empty_prompt_and_text_without_tokenizer(tiny):
     with pytest.raises(NpqwenError, match="no tokenizer.json"):
         bare.generate("text")
     assert len(bare.generate([1, 2, 3], max_new_tokens=4).token_ids) == 4
+
+
+def test_forward_takes_any_1d_integer_sequence(tiny):
+    want = tiny.forward([1, 2, 3])
+    for ids in ((1, 2, 3), range(1, 4), np.array([1, 2, 3], dtype=np.int32), [np.int64(1), np.int16(2), 3],
+                np.array([1, 2, 3], dtype=np.uint8)):
+        np.testing.assert_array_equal(tiny.forward(ids), want)
+
+
+@pytest.mark.parametrize("ids, message", [
+    (5, "1-D list, tuple, range or integer array, got int"), (np.int64(5), "got int64"),
+    ("hi", "encode text first"), (b"hi", "got bytes"), (None, "got NoneType"), ({1: 2}, "got dict"),
+    ([[1, 2], [3, 4]], "pass one sequence at a time"), (np.array([[1, 2], [3, 4]]), "1-D array, got shape (2, 2)"),
+    ([1.7, 2.2], "1-D sequence of integers, got float 1.7 at index 0"), (np.array([1.7, 2.2]), "dtype float64"),
+    ([1, True], "got bool True at index 1"), ([], "empty"), ([1, 10**6], "outside the vocabulary"),
+    ([-1], "token id -1 is outside")])
+def test_forward_refuses_what_is_not_token_ids(tiny, ids, message):
+    with pytest.raises(NpqwenError, match=re.escape(message)) as e:
+        tiny.forward(ids)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("prompt, kwargs, message", [
+    (b"hi", {}, "decode bytes to str first"), (None, {}, "a prompt is a string"),
+    ([1.7, 2.2], {}, "got float 1.7 at index 0"), ([[1, 2], 3], {}, "pass one sequence at a time"),
+    (np.array([[1, 2], [3, 4]]), {}, "shape (2, 2)"), (5, {}, "a prompt is a string"),
+    ("hi", dict(stop=5), "stop must be a string or a list of strings"), ("hi", dict(stop=[1]), "stop must be"),
+    ("hi", dict(max_new_tokens=True), "max_new_tokens"), ("hi", dict(seed=True), "seed"),
+    ("hi", dict(temperature=True), "temperature"), ("hi", dict(top_k=np.bool_(True)), "top_k")])
+def test_generate_refuses_bad_prompts_and_arguments(tiny, prompt, kwargs, message):
+    with pytest.raises(NpqwenError, match=re.escape(message)) as e:
+        tiny.generate(prompt, **kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_prompt_types_and_batches(tiny):
+    one = tiny.generate([72, 105], max_new_tokens=4, temperature=0)
+    for prompt in ((72, 105), range(72, 106, 33), np.array([72, 105], dtype=np.int32), "Hi"):
+        assert tiny.generate(prompt, max_new_tokens=4, temperature=0).token_ids == one.token_ids
+    both = tiny.generate([[72, 105], [1, 2]], max_new_tokens=4, temperature=0)   # a list of two prompts
+    assert len(both) == 2 and both[0].token_ids == one.token_ids
+    assert [r.token_ids for r in tiny.generate(["Hi", "Hi"], max_new_tokens=4, temperature=0)] == [one.token_ids] * 2
+
+
+def test_numpy_scalars_work_for_every_number(tiny):
+    kwargs = dict(temperature=0.5, top_k=5, top_p=0.75, min_p=0.01, repetition_penalty=1.5,
+                  presence_penalty=0.5, seed=3, max_new_tokens=6)
+    as_numpy = {k: (np.int64(v) if isinstance(v, int) else np.float32(v)) for k, v in kwargs.items()}
+    assert tiny.generate("Hi", **as_numpy).token_ids == tiny.generate("Hi", **kwargs).token_ids
+
+
+def test_tiny_temperature_equals_greedy(tiny):
+    greedy = tiny.generate("Once upon a time", max_new_tokens=20, temperature=0)
+    for t in (1e-38, np.float32(1e-30)):
+        near = tiny.generate("Once upon a time", max_new_tokens=20, temperature=t, seed=1)
+        assert near.token_ids == greedy.token_ids
+
+
+def test_huge_penalties_never_repeat_a_token(tiny):
+    r = tiny.generate("Once upon a time", max_new_tokens=30, temperature=0, presence_penalty=1e300)
+    assert len(set(r.token_ids)) == len(r.token_ids) == 30
+    r = tiny.generate("Once upon a time", max_new_tokens=30, temperature=0.8, repetition_penalty=1e300, seed=0)
+    assert len(set(r.token_ids)) == len(r.token_ids) > 20   # it may draw eos (never seen) before 30
+    assert not set(r.token_ids) & set(tiny.tokenizer.encode("Once upon a time"))
+
+
+def test_truncated_thinking_is_reasoning():
+    assert split_reasoning("<think>\nLet me think...") == ("Let me think...", "")
+    assert split_reasoning("\n<think>\n") == ("", "")
+    assert split_reasoning("Answer with <think> in it") == ("", "Answer with <think> in it")
+    llm = scripted_llm("<think>\nStill thinking about it", eos=False)
+    r = llm.chat("hi", max_new_tokens=8)
+    assert r.finish_reason == "length" and r.content == "" and r.reasoning == "Still "   # <think> is one token
+
+
+MEMORY_PROBE = """
+import json, resource, sys, time
+import npqwen
+llm = npqwen.load(sys.argv[1])
+start = time.perf_counter()
+stream = llm.stream(list(range(1, 40)), max_new_tokens=int(sys.argv[2]), temperature=0)
+next(stream)
+first = time.perf_counter() - start
+for _, _ in zip(range(4), stream):
+    pass
+stream.close()
+print(json.dumps(dict(rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, first=first,
+                      pool=llm.engine.pool.num_pages * llm.engine.page_size)))
+"""
+
+
+def test_a_huge_max_new_tokens_costs_nothing_until_used(tmp_path):
+    """The KV pool is np.zeros (untouched pages cost no RAM) and pages are taken as tokens come,
+    so max_new_tokens=10**9 on a 131072-position model costs what max_new_tokens=5 does."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import write_npqwen_checkpoint
+    from npqwen.tiny import TINY_CONFIG
+
+    path = write_npqwen_checkpoint(tmp_path / "long", {**TINY_CONFIG, "max_position_embeddings": 131072})
+    tiny_tokenizer().save(path)
+    runs = {}
+    for n in (5, 10**9):
+        out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(path), str(n)], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        runs[n] = json.loads(out.stdout)
+    print(runs)
+    small, huge = runs[5], runs[10**9]
+    pool_bytes = huge["pool"] * 2 * 2 * 2 * 8 * 4    # layers * (k, v) * kv heads * head_dim * float32
+    assert huge["pool"] >= 131072 and pool_bytes > 20 * 2**20   # a pool that would show if it were touched
+    assert huge["rss"] < small["rss"] + 20 * 2**20
+    assert huge["first"] < small["first"] + 1.0
+
+
+def test_a_request_that_cannot_fit_the_pool_is_refused_at_once(tiny):
+    from npqwen.engine import Engine
+
+    llm = LLM(tiny.model, tiny.tokenizer, dict(TINY_GENERATION))
+    llm._engine = Engine(llm, kv_cache_tokens=512, page_size=256)
+    with pytest.raises(NpqwenError, match=r"needs 16 KV pages of 256 positions, but the pool has 2 \(512 positions\)"):
+        llm.stream("Hi", max_new_tokens=10**9)
+    assert len(llm.generate("Hi", max_new_tokens=10, temperature=0).token_ids) == 10

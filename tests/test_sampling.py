@@ -7,8 +7,12 @@ import pytest
 from npqwen import NpqwenError
 from npqwen import sampling as S
 
-torch = pytest.importorskip("torch")
-lp = pytest.importorskip("transformers.generation.logits_process")
+try:
+    import torch
+    from transformers.generation import logits_process as lp
+except ImportError:   # the comparisons with HF skip; the rest of the file needs neither
+    torch = lp = None
+needs_hf = pytest.mark.skipif(lp is None, reason="compares with transformers' logits processors (needs torch)")
 
 V = 1000
 
@@ -28,6 +32,7 @@ def same(ours, theirs):
     np.testing.assert_allclose(ours[finite], theirs[finite], rtol=1e-6, atol=1e-6)
 
 
+@needs_hf
 @pytest.mark.parametrize("seed", range(5))
 def test_filters_equal_hf_processors(seed):
     x = random_logits(seed)
@@ -44,6 +49,7 @@ def test_filters_equal_hf_processors(seed):
         same(S.repetition_penalty(x, seen, r), hf(lp.RepetitionPenaltyLogitsProcessor(r), x, seen))
 
 
+@needs_hf
 def test_top_k_keeps_ties_like_hf():
     x = np.array([1, 3, 3, 3, 2, 0], dtype=np.float32)
     same(S.top_k(x, 2), hf(lp.TopKLogitsWarper(top_k=2), x))
@@ -65,6 +71,7 @@ def test_presence_penalty_once_per_generated_token():
     np.testing.assert_array_equal(out, expected)
 
 
+@needs_hf
 def test_processor_chain_equals_hf_chain():
     """choose() narrows to the top-k survivors for speed; its distribution equals HF's full chain."""
     params = S.SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.2)
@@ -143,3 +150,62 @@ def test_generation_config_defaults_and_overrides(tmp_path):
                                                                                   top_p=0.95)
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6}))   # no do_sample: greedy
     assert S.sampling_params(S.read_generation_config(tmp_path)).greedy
+
+
+def test_numpy_scalars_are_numbers_and_bools_are_not():
+    p = S.SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), top_p=np.float32(0.9),
+                         min_p=np.float64(0.01), repetition_penalty=np.float32(1.1),
+                         presence_penalty=np.int32(1), seed=np.int64(3))
+    assert p == S.SamplingParams(temperature=0.5, top_k=3, top_p=float(np.float32(0.9)), min_p=0.01,
+                                 repetition_penalty=float(np.float32(1.1)), presence_penalty=1.0, seed=3)
+    assert type(p.temperature) is float and type(p.top_k) is int and type(p.seed) is int
+    for bad in (dict(temperature=True), dict(top_k=True), dict(seed=False), dict(top_p=np.bool_(True)),
+                dict(temperature="0.5"), dict(top_k=np.float32(3))):
+        with pytest.raises(NpqwenError, match=next(iter(bad))):
+            S.SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_tiny_temperature_is_greedy(seed):
+    """logits / 1e-38 overflowed to inf (every token tied, the last one drawn); now the top token gets p ~ 1."""
+    x = random_logits(seed)
+    for t in (1e-38, 1e-300, 5e-324):
+        for params in (S.SamplingParams(temperature=t), S.SamplingParams(temperature=t, top_k=20, top_p=0.95)):
+            assert S.choose(x, params, np.random.default_rng(seed)) == int(np.argmax(x))
+
+
+@pytest.mark.parametrize("params", [S.SamplingParams(presence_penalty=1e300), S.SamplingParams(temperature=1.0,
+                                    presence_penalty=1e300), S.SamplingParams(temperature=1e-30, presence_penalty=1e300),
+                                    S.SamplingParams(temperature=0.7, top_k=5, repetition_penalty=1e300)])
+def test_huge_penalties_stay_finite_and_avoid_the_penalised_tokens(params):
+    x = random_logits(4)
+    top = np.argsort(x)[::-1][:10].tolist()       # penalise the 10 most likely tokens
+    assert np.all(np.isfinite(S.presence_penalty(x, top, 1e300)))
+    assert np.all(np.isfinite(S.repetition_penalty(x, top, 1e300)))
+    assert np.all(np.isfinite(S.repetition_penalty(x, top, 1e-300)))   # a tiny one pushes them up, to float32's max
+    rng = np.random.default_rng(0)
+    with np.errstate(over="raise", invalid="raise"):   # no overflow or nan on the way
+        picks = [S.choose(x, params, rng, prompt_ids=top[:5], generated_ids=top[5:] + top[:5]) for _ in range(50)]
+    assert not set(picks) & set(top)
+
+
+def test_generation_config_null_means_unset(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": None, "top_k": None, "top_p": None, "min_p": None,
+         "repetition_penalty": None, "eos_token_id": None}))
+    assert S.read_generation_config(tmp_path) == {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"do_sample": True, "temperature": "hot"}, "temperature must be a finite number, got 'hot'"),
+    ({"do_sample": True, "top_p": 7}, "top_p must be in"),
+    ({"repetition_penalty": [1.1]}, "repetition_penalty must be a finite number"),
+    ({"eos_token_id": "258"}, "eos_token_id must be a token id or a list of token ids, got '258'"),
+    ({"eos_token_id": [258, "x"]}, "eos_token_id"), ({"eos_token_id": []}, "eos_token_id"),
+    ([{"temperature": 0.6}], "expected a JSON object"), ("hot", "expected a JSON object")])
+def test_bad_generation_config_names_the_file_and_the_key(tmp_path, content, message):
+    (tmp_path / "generation_config.json").write_text(json.dumps(content))
+    with pytest.raises(NpqwenError) as e:
+        S.read_generation_config(tmp_path)
+    assert str(tmp_path / "generation_config.json") in str(e.value) and message in str(e.value)
+    assert "\n" not in str(e.value)
