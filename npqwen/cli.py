@@ -146,12 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_device_dtype(args):
     """npqwen.load's device and dtype checks, before anything slow (inspect never calls load)."""
-    from .llm import DTYPES
+    from .llm import check_device_dtype as check
 
-    if args.dtype not in DTYPES[args.device]:
-        hint = " (NumPy float16 matmuls are ~100x slower than float32)" if args.dtype == "float16" else ""
-        raise NpqwenError(f"dtype {args.dtype!r} is not supported on {args.device}{hint}; use one of "
-                          f"{', '.join(DTYPES[args.device])}")
+    check(args.device, args.dtype)
 
 
 def check_writable(path: str, option: str):

@@ -215,6 +215,16 @@ def split_reasoning(text: str) -> tuple[str, str]:
     return reasoning.rstrip("\n").split("<think>")[-1].lstrip("\n"), content.lstrip("\n")
 
 
+def check_device_dtype(device: str, dtype: str):
+    """The devices and compute dtypes npqwen runs; checked before anything slow."""
+    if device not in DTYPES:
+        raise NpqwenError(f"unknown device {device!r}: use 'cpu' or 'cuda'")
+    if dtype not in DTYPES[device]:
+        hint = " (NumPy float16 matmuls are ~100x slower than float32)" if dtype == "float16" else ""
+        raise NpqwenError(f"dtype {dtype!r} is not supported on {device}{hint}; use one of "
+                          f"{', '.join(DTYPES[device])}")
+
+
 def load(path, device: str = "cpu", dtype: str = "float32") -> LLM:
     """Load a Qwen3 checkpoint onto `device` ("cpu" or "cuda") in `dtype`.
 
@@ -222,12 +232,7 @@ def load(path, device: str = "cpu", dtype: str = "float32") -> LLM:
     the HF cache (or downloaded when huggingface_hub is installed and online), or "tiny" for the
     built-in tiny model with random weights (see npqwen/tiny.py).
     """
-    if device not in DTYPES:
-        raise NpqwenError(f"unknown device {device!r}: use 'cpu' or 'cuda'")
-    if dtype not in DTYPES[device]:
-        hint = " (NumPy float16 matmuls are ~100x slower than float32)" if dtype == "float16" else ""
-        raise NpqwenError(f"dtype {dtype!r} is not supported on {device}{hint}; use one of "
-                          f"{', '.join(DTYPES[device])}")
+    check_device_dtype(device, dtype)
     if str(path) == "tiny":
         from .tiny import TINY_GENERATION, tiny_model, tiny_tokenizer
         return LLM(tiny_model(device, dtype), tiny_tokenizer(), dict(TINY_GENERATION), None)
