@@ -20,6 +20,7 @@ under its HF module name (see `npqwen trace`); by default it is `no_recorder`, w
 """
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -102,22 +103,22 @@ class Batch:
                                            for table, s, n in zip(self.page_tables, self.starts, self.lengths)])
         self.write_offsets = self.positions % self.page_size
 
-    @property
+    @cached_property
     def rows(self):
         """(first row, number of rows) of each sequence."""
         first = np.cumsum([0] + list(self.lengths[:-1]))
         return list(zip(first.tolist(), self.lengths))
 
-    @property
+    @cached_property
     def decode_rows(self) -> np.ndarray:
         """Rows of the sequences with a single new token (decoding), and below their pages and lengths."""
         return np.array([row for row, n in self.rows if n == 1], dtype=np.int64)
 
-    @property
+    @cached_property
     def decode_tables(self) -> list:
         return [t for t, n in zip(self.page_tables, self.lengths) if n == 1]
 
-    @property
+    @cached_property
     def decode_lengths(self) -> list[int]:
         return [s + 1 for s, n in zip(self.starts, self.lengths) if n == 1]
 
