@@ -117,3 +117,14 @@ def tiny_full_vocab(tmp_path_factory):
     config = tiny_config(vocab_size=151936, eos_token_id=151645, bos_token_id=151643,
                          max_position_embeddings=2048)
     return build_hf_checkpoint(tmp_path_factory.mktemp("tiny_full_vocab"), config, std=0.1)
+
+
+def doc_samples(name: str) -> tuple[list[str], list[str]]:
+    """The ```python samples and the ```bash lines of docs/NAME, in order; no other kind of block allowed."""
+    import re
+
+    blocks = re.findall(r"```(\w*)\n(.*?)```", (ROOT / "docs" / name).read_text(), re.S)
+    assert {lang for lang, _ in blocks} <= {"python", "bash", ""}
+    python = [code for lang, code in blocks if lang == "python"]
+    shell = [line for lang, code in blocks if lang == "bash" for line in code.strip().splitlines()]
+    return python, shell

@@ -1,19 +1,14 @@
 """docs/engine.md: every ```python sample, in order, as one script; every ```bash line too."""
 import os
-import re
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, doc_samples
 
 
 def test_engine_doc_code_samples_run(tmp_path):
-    text = (ROOT / "docs" / "engine.md").read_text()
-    blocks = re.findall(r"```(\w*)\n(.*?)```", text, re.S)
-    python = [code for lang, code in blocks if lang == "python"]
-    shell = [line for lang, code in blocks if lang == "bash" for line in code.strip().splitlines()]
+    python, shell = doc_samples("engine.md")
     assert len(python) >= 8 and len(shell) >= 2
-    assert {lang for lang, _ in blocks} <= {"python", "bash", ""}
     script = tmp_path / "engine_doc.py"
     script.write_text("\n\n".join(python))
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=300)

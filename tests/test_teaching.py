@@ -11,7 +11,7 @@ import pytest
 import npqwen
 from npqwen.trace import Trace
 
-from conftest import ROOT, tiny_config, write_npqwen_checkpoint
+from conftest import ROOT, doc_samples, tiny_config, write_npqwen_checkpoint
 
 STEPS = ["self_attn.q_rope", "self_attn.k_rope", "self_attn.attn_probs", "self_attn.attn_output",
          "attn_residual", "mlp.act_fn"]   # named intermediate steps, besides the weighted modules
@@ -219,12 +219,8 @@ def test_tiny_model_is_fixed_and_works_with_every_command():
 
 def test_walkthrough_code_samples_run(tmp_path):
     """Every ```python sample of docs/walkthrough.md, in order, as one script; every ```bash line too."""
-    text = (ROOT / "docs" / "walkthrough.md").read_text()
-    blocks = re.findall(r"```(\w*)\n(.*?)```", text, re.S)
-    python = [code for lang, code in blocks if lang == "python"]
-    shell = [line for lang, code in blocks if lang == "bash" for line in code.strip().splitlines()]
+    python, shell = doc_samples("walkthrough.md")
     assert len(python) >= 10 and len(shell) >= 2
-    assert {lang for lang, _ in blocks} <= {"python", "bash", ""}
     script = tmp_path / "walkthrough.py"
     script.write_text("\n\n".join(python))
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT)
