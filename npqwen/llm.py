@@ -59,7 +59,7 @@ class LLM:
 
     def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None, top_k=None,
                  top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, seed=None,
-                 stop=None) -> GenerationResult | list[GenerationResult]:
+                 stop=None, frequency_penalty=None) -> GenerationResult | list[GenerationResult]:
         """Complete `prompt` (text, used as is, or token ids). Sampling defaults come from
         generation_config.json; arguments given here override them; temperature=0 is greedy.
 
@@ -69,21 +69,22 @@ class LLM:
         if is_prompt_list(prompt):
             return self._generate_many(prompt, dict(
                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty, seed=seed, stop=stop))
+                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty, seed=seed, stop=stop,
+                frequency_penalty=frequency_penalty))
         result = GenerationResult("", [], "length")
         for _ in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
-                             presence_penalty, seed, stop, result=result):
+                             presence_penalty, seed, stop, result=result, frequency_penalty=frequency_penalty):
             pass
         return result
 
     def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None, top_k=None,
                top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None,
-               result: GenerationResult | None = None):
+               result: GenerationResult | None = None, frequency_penalty=None):
         """Like generate, but yields text pieces as they come; `result`, if given, is filled in."""
         result = result if result is not None else GenerationResult("", [], "length")
         return self._run(prompt, result, max_new_tokens, stop, temperature=temperature, top_k=top_k,
                          top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                         presence_penalty=presence_penalty, seed=seed)
+                         presence_penalty=presence_penalty, seed=seed, frequency_penalty=frequency_penalty)
 
     def chat_prompt(self, messages, enable_thinking: bool = True, tools=None) -> str:
         """The chat template applied to `messages` (a str is one user message), ready for generation."""

@@ -1,8 +1,11 @@
 """Choosing the next token from logits: one small pure function per step, on host NumPy arrays.
 
-Order, as transformers' generate: repetition penalty -> presence penalty -> temperature ->
-top-k -> top-p -> min-p -> draw. A filtered-out token gets logit -inf. Temperature 0 means
-greedy: the argmax of the penalised logits.
+Order, as transformers' generate: repetition penalty -> presence and frequency penalties
+(OpenAI's) -> temperature -> top-k -> top-p -> min-p -> draw. A filtered-out token gets logit
+-inf. Temperature 0 means greedy: the argmax of the penalised logits.
+
+`candidates` returns the distribution the draw uses; `logprobs` reads the chosen token's log
+probability and the most likely alternatives from it (what the OpenAI API's logprobs report).
 """
 import dataclasses
 import json
@@ -34,6 +37,7 @@ class SamplingParams:
     min_p: float = 0.0                # drop tokens below min_p * p(most likely); 0: off
     repetition_penalty: float = 1.0   # divide (multiply if negative) logits of tokens already seen; 1: off
     presence_penalty: float = 0.0     # subtract from logits of tokens already generated; 0: off
+    frequency_penalty: float = 0.0    # subtract this times how often each token was generated; 0: off
     seed: int | None = None           # for a reproducible draw
 
     def __post_init__(self):
@@ -44,7 +48,7 @@ class SamplingParams:
                 raise NpqwenError(f"{name} must be a finite number, got {value!r}")
             object.__setattr__(self, name, float(value))
 
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             number(name, getattr(self, name))
         if self.temperature < 0:
             raise NpqwenError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
@@ -141,6 +145,16 @@ def presence_penalty(logits, generated_ids, penalty: float):
     return out
 
 
+def frequency_penalty(logits, generated_ids, penalty: float):
+    """Tokens generated so far lose `penalty` once per time they appeared (OpenAI's rule)."""
+    if penalty == 0.0 or len(generated_ids) == 0:
+        return logits
+    idx, counts = np.unique(np.asarray(generated_ids), return_counts=True)
+    out = logits.copy()
+    out[idx] = np.clip(out[idx].astype(np.float64) - penalty * counts, LOGIT_MIN, LOGIT_MAX)
+    return out
+
+
 def temperature(logits, t: float):
     return logits / t
 
@@ -185,26 +199,48 @@ def softmax(logits):
     return e / e.sum()
 
 
-def choose(logits, params: SamplingParams, rng, prompt_ids=(), generated_ids=()) -> int:
-    """The next token id from one position's logits (V,)."""
+def candidates(logits, params: SamplingParams, prompt_ids=(), generated_ids=()):
+    """(token ids, their float64 logits) after penalties, temperature and filters: the distribution
+    the draw uses (-inf: filtered out). Greedy keeps every token and temperature 1."""
     logits = np.asarray(logits, dtype=np.float32)
     # Only build the list of seen tokens (prompt included) when a penalty will read it.
     seen = list(prompt_ids) + list(generated_ids) if params.repetition_penalty != 1.0 else ()
     logits = repetition_penalty(logits, seen, params.repetition_penalty)
     logits = presence_penalty(logits, generated_ids, params.presence_penalty)
+    logits = frequency_penalty(logits, generated_ids, params.frequency_penalty)
+    ids = np.arange(logits.shape[-1])
     if params.greedy:
-        return int(np.argmax(logits))
+        return ids, logits.astype(np.float64)
     # Divide after subtracting the max, in float64: the top token stays at 0 and a tiny temperature
     # (1e-38) sends the others far down (near-greedy) instead of overflowing every logit to inf.
     with np.errstate(over="ignore"):
         logits = np.maximum(temperature(logits.astype(np.float64) - logits.max(), params.temperature), -1e300)
-    ids = np.arange(logits.shape[-1])
     if 0 < params.top_k < logits.shape[-1]:
         # Work on the k survivors only: the filters below give the same result on them as on
         # the full vocabulary with -inf elsewhere, and sorting 20 values beats sorting 151936.
         ids = np.flatnonzero(logits >= kth_largest(logits, params.top_k))   # the top_k() survivors
         logits = logits[ids]
-    logits = min_p(top_p(logits, params.top_p), params.min_p)
-    probs = softmax(logits.astype(np.float64))
+    return ids, min_p(top_p(logits, params.top_p), params.min_p)
+
+
+def choose(logits, params: SamplingParams, rng, prompt_ids=(), generated_ids=()) -> int:
+    """The next token id from one position's logits (V,)."""
+    return draw(*candidates(logits, params, prompt_ids, generated_ids), params, rng)
+
+
+def draw(ids, logits, params: SamplingParams, rng) -> int:
+    """One token from candidates' (ids, logits): the most likely when greedy, else a random draw."""
+    if params.greedy:
+        return int(ids[np.argmax(logits)])
+    probs = softmax(logits)
     return int(ids[min(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"),
                        len(ids) - 1)])
+
+
+def logprobs(ids, logits, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """(log p(token), the `top` most likely (id, log p), most likely first) under candidates' distribution."""
+    logp = logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))   # log-softmax
+    at = np.flatnonzero(ids == token)
+    chosen = float(logp[at[0]]) if at.size else -math.inf
+    order = np.argsort(-logp, kind="stable")[:top]
+    return chosen, [(int(ids[j]), float(logp[j])) for j in order if np.isfinite(logp[j])]

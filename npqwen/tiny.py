@@ -13,7 +13,7 @@ from .backend import array_module
 from .checkpoint import allocate_weights, tie_lm_head
 from .config import Qwen3Config
 from .model import Qwen3
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, bytes_to_unicode
 
 # Qwen3's special tokens, in Qwen3's order; (text, special) as in its tokenizer_config.json.
 SPECIAL_TOKENS = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
@@ -40,7 +40,7 @@ def tiny_tokenizer() -> Tokenizer:
     from tokenizers import AddedToken, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as Backend
 
-    byte_to_char = _bytes_to_unicode()
+    byte_to_char = bytes_to_unicode()
     backend = Backend(models.BPE(vocab={byte_to_char[b]: b for b in range(256)}, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -59,17 +59,3 @@ def tiny_model(device: str = "cpu", dtype: str = "float32") -> Qwen3:
         noise = rng.standard_normal(array.shape)
         array[...] = xp.asarray(1 + 0.1 * noise if name.endswith("norm.weight") else 0.3 * noise)
     return Qwen3(config, tie_lm_head(config, weights), fused)
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table that byte-level BPE vocabularies are written in."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table

@@ -16,6 +16,7 @@ class Tokenizer:
         self.chat_template = chat_template        # jinja source, or None
         self.special_tokens = special_tokens or {}   # e.g. {"eos_token": "<|im_end|>", "pad_token": ...}
         self._template = None
+        self._byte_of_char = self._added = None   # for token_bytes, made on first use
 
     @classmethod
     def from_dir(cls, directory) -> "Tokenizer":
@@ -68,6 +69,17 @@ class Tokenizer:
         """Text of `ids`; bytes that do not form complete UTF-8 characters become U+FFFD."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE entry writes each byte as one character;
+        an added token such as <think> is its UTF-8 text); a piece of a character is not valid UTF-8."""
+        text = self.backend.id_to_token(int(token_id)) or ""
+        if self._byte_of_char is None:
+            self._byte_of_char = {c: b for b, c in bytes_to_unicode().items()}
+            self._added = {t.content for t in self.backend.get_added_tokens_decoder().values()}
+        if text in self._added or any(c not in self._byte_of_char for c in text):
+            return text.encode("utf-8")
+        return bytes(self._byte_of_char[c] for c in text)
+
     def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special_tokens)
 
@@ -118,6 +130,20 @@ class StreamDecoder:
         rest = full[len(self.text):] if full.startswith(self.text) else ""
         self.text += rest
         return rest
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table that byte-level BPE vocabularies are written in."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
 
 
 def _token_text(value):

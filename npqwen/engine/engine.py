@@ -19,9 +19,10 @@ import numpy as np
 
 from ..backend import free_memory_bytes, to_numpy
 from ..errors import NpqwenError
-from ..generate import StopStrings, check_request
+from ..generate import StopStrings, check_request, is_integer
 from ..model import Batch, KVCache
-from ..sampling import choose, sampling_params
+from ..sampling import candidates, draw, sampling_params
+from ..sampling import logprobs as sampling_logprobs
 from .pages import PagePool
 from .prefix_cache import PrefixCache
 from .request import Request, StepOutput
@@ -54,19 +55,25 @@ class Engine:
         self._ids = itertools.count()
 
     def add_request(self, prompt, max_new_tokens: int = 512, temperature=None, top_k=None, top_p=None,
-                    min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None) -> str:
+                    min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None,
+                    frequency_penalty=None, logprobs=None) -> str:
         """Queue a prompt (text, used as is, or token ids); its request id. Everything is checked now."""
         return self.add(self.new_request(prompt, max_new_tokens, temperature, top_k, top_p, min_p,
-                                         repetition_penalty, presence_penalty, seed, stop))
+                                         repetition_penalty, presence_penalty, seed, stop, frequency_penalty,
+                                         logprobs))
 
     def new_request(self, prompt, max_new_tokens: int = 512, temperature=None, top_k=None, top_p=None,
-                    min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None) -> Request:
-        """A checked Request, not queued yet (see add)."""
+                    min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None,
+                    frequency_penalty=None, logprobs=None) -> Request:
+        """A checked Request, not queued yet (see add). `logprobs` (an int k >= 0) makes each output
+        carry the sampled token's log probability and the k most likely alternatives."""
         ids = self.llm.prompt_ids(prompt)
         stop, max_new_tokens = check_request(self.config, ids, max_new_tokens, stop)
         params = sampling_params(self.llm.generation_defaults, temperature=temperature, top_k=top_k, top_p=top_p,
                                  min_p=min_p, repetition_penalty=repetition_penalty,
-                                 presence_penalty=presence_penalty, seed=seed)
+                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
+        if logprobs is not None and (not is_integer(logprobs) or logprobs < 0):
+            raise NpqwenError(f"logprobs must be None or an integer >= 0 (alternatives per token), got {logprobs!r}")
         need = math.ceil((len(ids) + max_new_tokens) / self.page_size)
         if need > self.pool.num_pages:
             raise NpqwenError(f"a prompt of {len(ids)} tokens plus max_new_tokens {max_new_tokens} needs {need} KV "
@@ -75,7 +82,8 @@ class Engine:
                               f"the engine a larger kv_cache_tokens")
         tokenizer = self.llm.tokenizer
         return Request(f"req-{next(self._ids)}", ids, max_new_tokens, params, frozenset(self.llm.eos_token_ids),
-                       StopStrings(stop), tokenizer.stream_decoder() if tokenizer is not None else None)
+                       StopStrings(stop), tokenizer.stream_decoder() if tokenizer is not None else None,
+                       None if logprobs is None else int(logprobs))
 
     def add(self, req: Request) -> str:
         """Queue a request made by new_request; its id."""
@@ -106,9 +114,13 @@ class Engine:
             if not sample:
                 outputs.append(StepOutput(req.request_id, [], ""))
                 continue
-            token = choose(logits[row], req.params, req.rng, req.prompt_ids, req.output_ids)
+            ids, candidate_logits = candidates(logits[row], req.params, req.prompt_ids, req.output_ids)
+            token = draw(ids, candidate_logits, req.params, req.rng)
             row += 1
-            outputs.append(req.append(token))
+            out = req.append(token)
+            if req.logprobs is not None:
+                out.logprobs = [sampling_logprobs(ids, candidate_logits, token, req.logprobs)]
+            outputs.append(out)
             if req.finished:
                 self._finish(req)
         return outputs

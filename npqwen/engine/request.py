@@ -23,6 +23,7 @@ class StepOutput:
     finished: bool = False
     finish_reason: str | None = None     # "stop" (eos or stop string), "length" or "abort"
     result: GenerationResult | None = None   # the whole result, once finished
+    logprobs: list | None = None         # per sampled token, when asked: (log p, [(id, log p) most likely first])
 
 
 @dataclass(eq=False)
@@ -34,6 +35,8 @@ class Request:
     eos_ids: frozenset
     stops: StopStrings
     decoder: object = None               # the tokenizer's StreamDecoder, or None without a tokenizer
+    logprobs: int | None = None          # report log p of each sampled token and this many alternatives; None: off
+    leader: "Request | None" = None      # one of n choices: admitted once the leader has read the shared prompt
     tokens: list[int] = field(init=False)       # prompt + generated
     output_ids: list[int] = field(default_factory=list)
     cached_len: int = 0                  # positions whose keys/values are in the pages

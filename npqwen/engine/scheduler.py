@@ -47,6 +47,8 @@ class Scheduler:
         # Admit waiting requests; never in a step that had to preempt (they would take the pages back).
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size and not preempted:
             req = self.waiting[0]
+            if req.leader is not None and not req.leader.finished and req.leader.cached_len < len(req.prompt_ids):
+                break                            # one of n choices: waits to share the leader's prompt pages
             if not self.admit(req, budget):
                 break                            # wait for pages; a newcomer never preempts anyone
             self.waiting.popleft()
