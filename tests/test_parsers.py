@@ -18,13 +18,16 @@ def call(name, arguments):
 WEATHER = call("get_weather", {"city": "Paris", "unit": "C"})
 TIME = call("get_time", {"tz": "Europe/Paris"})
 
-# (text, thinking): answers the streaming parser must reproduce piece by piece
+# (text, thinking, opened): answers the streaming parser must reproduce piece by piece
 TEXTS = [
     ("Hello, world!\nSecond line.\n", False),
     ("<think>\nLet me think.\n</think>\n\nThe answer is 4.", True),
-    ("Let me think.\n</think>\n\nThe answer is 4.", True),               # "<think>" was in the prompt
+    ("Let me think.\n</think>\n\nThe answer is 4.", True, True),         # "<think>" was in the prompt
+    ("Let me think.\n</think>\n\nThe answer is 4.", True),               # ... or not: all content
     ("<think>\nStill thinking, cut off here", True),
-    ("Cut off while thinking, no tags at all", True),
+    ("Cut off while thinking, no tags at all", True, True),
+    ("No thinking at all", True),
+    ("\n\n<think>\nlate start\n</think>\n\nok", True),
     ("<think>\nweather?\n</think>\n\nLet me check.\n\n" + WEATHER, True),
     ("I will call two tools.\n\n" + WEATHER + "\n" + TIME, False),
     (call("ping", {}), False),
@@ -40,15 +43,18 @@ TEXTS = [
 
 @pytest.mark.parametrize("text, thinking, reasoning, content", [
     ("<think>\nhm\n</think>\n\nfour", True, "hm", "four"),
-    ("hm\n</think>\n\nfour", True, "hm", "four"),                          # opened by the prompt
+    ("hm\n</think>\n\nfour", (True, True), "hm", "four"),                  # opened by the prompt
+    ("hm\n</think>\n\nfour", True, "", "hm\n</think>\n\nfour"),            # not opened: the model did not think
     ("\n<think>\nhm", True, "hm", ""),                                     # cut off inside <think>
-    ("no tags", True, "no tags", ""),
+    ("no tags", (True, True), "no tags", ""),                               # cut off, opened by the prompt
+    ("no tags", True, "", "no tags"),
     ("no tags", False, "", "no tags"),
     ("<think>\nhm\n</think>\n\nfour", False, "", "<think>\nhm\n</think>\n\nfour"),
     ("<think>\n\n</think>\n\nfour", True, "", "four"),
 ])
 def test_split_reasoning(text, thinking, reasoning, content):
-    assert split_reasoning(text, thinking) == (reasoning, content)
+    thinking, opened = thinking if isinstance(thinking, tuple) else (thinking, False)
+    assert split_reasoning(text, thinking, opened) == (reasoning, content)
 
 
 def test_one_tool_call():
@@ -111,9 +117,9 @@ def test_default_ids_are_random_call_ids():
     assert len(ids) == 5 and all(i.startswith("call_") and len(i) == 29 for i in ids)
 
 
-def stream(text, thinking, cuts):
+def stream(text, thinking, cuts, opened=False):
     """Feed text cut at the given positions; return all the deltas, finish() included."""
-    parser, deltas, start = StreamParser(thinking, call_id=counter), [], 0
+    parser, deltas, start = StreamParser(thinking, call_id=counter, opened=opened), [], 0
     for end in [*cuts, len(text)]:
         deltas += parser.feed(text[start:end])
         start = end
@@ -137,14 +143,14 @@ def join(deltas):
     return reasoning, content, calls
 
 
-@pytest.mark.parametrize("text, thinking", TEXTS)
-def test_stream_joins_to_the_whole_parse(text, thinking):
-    expected = tuple(parse_output(text, thinking, call_id=counter))
+@pytest.mark.parametrize("text, thinking, opened", [(*t, False)[:3] for t in TEXTS])
+def test_stream_joins_to_the_whole_parse(text, thinking, opened):
+    expected = tuple(parse_output(text, thinking, call_id=counter, opened=opened))
     rng = random.Random(0)
     splits = [list(range(1, len(text))), []]                 # one character at a time, all at once
     splits += [sorted(rng.sample(range(1, len(text)), rng.randint(1, len(text) // 2))) for _ in range(200)]
     for cuts in splits:
-        assert join(stream(text, thinking, cuts)) == expected, cuts
+        assert join(stream(text, thinking, cuts, opened)) == expected, cuts
 
 
 def test_stream_holds_partial_tags_back():
@@ -153,7 +159,8 @@ def test_stream_holds_partial_tags_back():
     assert parser.feed("all>\n{bad") == []                           # an open call is held whole
     assert parser.feed("}\n</tool_call>") == [{"content": " <tool_call>\n{bad}\n</tool_call>"}]
     parser = StreamParser(thinking=True)
-    assert parser.feed("hm</th") == [{"reasoning_content": "hm"}]
+    assert parser.feed("\n") == [] and parser.feed("<thi") == []        # thinking may still begin
+    assert parser.feed("nk>hm</th") == [{"reasoning_content": "hm"}]
     assert parser.feed("ink>\n\nok") == [{"content": "ok"}]
     parser = StreamParser(thinking=False)
     assert parser.feed("a <") == [{"content": "a"}]
@@ -184,6 +191,7 @@ def test_stream_joins_to_the_whole_parse_on_random_tag_soup():
     rng = random.Random(1)
     for _ in range(1500):
         text, thinking = "".join(rng.choices(atoms, k=rng.randint(0, 12))), rng.random() < 0.5
+        opened = thinking and rng.random() < 0.5
         cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, len(text) - 1))) if len(text) > 1 else []
-        expected = tuple(parse_output(text, thinking, counter))
-        assert join(stream(text, thinking, cuts)) == expected, (text, cuts)
+        expected = tuple(parse_output(text, thinking, counter, opened=opened))
+        assert join(stream(text, thinking, cuts, opened)) == expected, (text, cuts, opened)

@@ -5,10 +5,12 @@ Qwen3 writes its answer as
     <think>\\n reasoning \\n</think>\\n\\n content
     <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>
 
-With enable_thinking some Qwen3 chat templates already end the prompt with "<think>\\n", so the
-output may start without "<think>": when thinking is on, everything before "</think>" is reasoning
-(and an answer cut off before "</think>" is all reasoning). With thinking off everything is content.
-This follows vLLM's and SGLang's Qwen3 reasoning and tool parsers.
+With thinking on, an answer that starts with "<think>" (Qwen3-0.6B's chat template leaves it to
+the model) is reasoning up to "</think>" and content after it; so is every answer when the prompt
+itself ended with "<think>" (`opened`, as later Qwen3 thinking templates do). An answer cut off
+before "</think>" is all reasoning, no content (our choice: it was never an answer). An answer that
+does not start with "<think>", and any answer with thinking off, is all content. Tool calls are
+parsed as vLLM's and SGLang's Qwen3 (hermes) tool parsers do.
 
 The streaming parser re-parses the whole text seen so far with the same functions and sends only what
 is new, so what it streams always joins into what parse_output returns for the whole text.
@@ -33,13 +35,16 @@ def random_call_id(index: int) -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def split_reasoning(text: str, thinking: bool) -> tuple[str, str]:
-    """(reasoning, content), with the newlines around the tags stripped as Qwen3's chat template does."""
+def split_reasoning(text: str, thinking: bool, opened: bool = False) -> tuple[str, str]:
+    """(reasoning, content), with the newlines around the tags stripped as Qwen3's chat template does;
+    `opened`: the prompt already ended with "<think>"."""
     if not thinking:
         return "", text
-    reasoning, _, content = text.partition(THINK_CLOSE)   # no "</think>": cut off while thinking
-    if reasoning.lstrip("\n").startswith(THINK_OPEN):     # "<think>" only opens at the start; the
-        reasoning = reasoning.lstrip("\n")[len(THINK_OPEN):]  # prompt may have opened it already
+    if text.lstrip("\n").startswith(THINK_OPEN):          # "<think>" only opens at the start
+        text = text.lstrip("\n")[len(THINK_OPEN):]
+    elif not opened:
+        return "", text                                     # the model did not think
+    reasoning, _, content = text.partition(THINK_CLOSE)    # no "</think>": cut off while thinking
     return reasoning.strip("\n"), content.lstrip("\n")
 
 
@@ -81,11 +86,12 @@ def split_tool_calls(content: str) -> tuple[str, list[tuple[str, str]]]:
     return text + (segments[-1] if segments[-1].strip() else ""), calls
 
 
-def parse_output(text: str, thinking: bool = True,
-                 call_id: Callable[[int], str] = random_call_id) -> Parsed:
-    """Reasoning, content and tool calls of a whole Qwen3 answer; call_id(i) names the i-th call."""
-    reasoning, content = split_reasoning(text, thinking)
-    content, calls = split_tool_calls(content)
+def parse_output(text: str, thinking: bool = True, call_id: Callable[[int], str] = random_call_id,
+                 tools: bool = True, opened: bool = False) -> Parsed:
+    """Reasoning, content and tool calls of a whole Qwen3 answer; call_id(i) names the i-th call.
+    With tools False (none offered, or tool_choice "none") a <tool_call> block is plain content."""
+    reasoning, content = split_reasoning(text, thinking, opened)
+    content, calls = split_tool_calls(content) if tools else (content, [])
     tool_calls = [{"id": call_id(i), "type": "function", "function": {"name": name, "arguments": args}}
                   for i, (name, args) in enumerate(calls)]
     return Parsed(reasoning, content, tool_calls)
@@ -125,15 +131,16 @@ class StreamParser:
     """Turns text pieces, split anywhere, into OpenAI streaming deltas; finish() flushes what is held.
 
     Each feed re-parses everything seen so far (linear in the answer, cheap next to a forward pass)
-    with three things held back until they are decided, so that no field ever has to take text back:
-    a partial tag at the end ("<thi"), a tool call not yet closed (its JSON may still be invalid, and
+    with these held back until they are decided, so that no field ever has to take text back:
+    leading newlines (a "<think>" may still follow), a partial tag at the end ("<thi"), a tool call not yet closed (its JSON may still be invalid, and
     then it is content), and trailing whitespace of the content (dropped if a tool call follows).
     A tool call is therefore sent whole once "</tool_call>": a first delta with its id and name, then
     its arguments as one fragment, the same JSON string parse_output gives.
     """
 
-    def __init__(self, thinking: bool = True, call_id: Callable[[int], str] = random_call_id):
-        self.thinking, self.call_id = thinking, call_id
+    def __init__(self, thinking: bool = True, call_id: Callable[[int], str] = random_call_id, tools: bool = True,
+                 opened: bool = False):
+        self.thinking, self.call_id, self.tools, self.opened = thinking, call_id, tools, opened
         self.text = ""                       # everything fed so far
         self.reasoning = self.content = ""   # what has been sent of each
         self.n_calls = 0                     # tool calls sent
@@ -148,11 +155,15 @@ class StreamParser:
     def deltas(self, final: bool) -> list[dict]:
         """Parse the text (all of it when final, else the decided part) and return what is new."""
         text = self.text if final else self.text[:len(self.text) - partial_tag_length(self.text)]
-        reasoning, content = split_reasoning(text, self.thinking)
-        if not final and (start := unclosed_call_start(content)) >= 0:
-            content = content[:start]
-        content, calls = split_tool_calls(content)
-        if not final:
+        if not final and self.thinking and not self.opened and not text.strip("\n"):
+            return []                                 # only newlines yet: "<think>" may still come
+        reasoning, content = split_reasoning(text, self.thinking, self.opened)
+        calls = []
+        if self.tools:
+            if not final and (start := unclosed_call_start(content)) >= 0:
+                content = content[:start]
+            content, calls = split_tool_calls(content)
+        if not final and self.tools:
             content = content.rstrip()
 
         out = []
