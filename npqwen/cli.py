@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--min-p", type=float, help="0 is off " + checkpoint % "0")
     sampling.add_argument("--repetition-penalty", type=float, help="1 is off " + checkpoint % "1")
     sampling.add_argument("--presence-penalty", type=float, help="0 is off (default: 0)")
+    sampling.add_argument("--frequency-penalty", type=float,
+                          help="subtracted once per earlier occurrence of a token, OpenAI's rule; 0 is off (default: 0)")
     sampling.add_argument("--seed", type=int, help="for a reproducible draw (default: none, a fresh draw each run)")
     sampling.add_argument("--stop", action="append",
                           help="stop string (repeatable); not included in the output (default: none)")
@@ -104,12 +106,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plain completion: do not apply the chat template (default: the chat template)")
     batch = p.add_argument_group("with --prompts-file")
     batch.add_argument("--output", "-o", metavar="OUT.jsonl", help="write the results here (default: stdout)")
-    batch.add_argument("--max-batch-size", type=int, help="most requests in one step (default: the engine's)")
-    batch.add_argument("--max-batched-tokens", type=int, help="most tokens in one step (default: the engine's)")
-    batch.add_argument("--kv-cache-tokens", type=int,
-                       help="KV-cache positions (default: the engine's, a share of free memory)")
-    batch.add_argument("--page-size", type=int, help="positions per KV-cache page (default: the engine's)")
+    add_engine_sizes(batch)
     p.set_defaults(run=cmd_generate)
+
+    p = commands.add_parser("serve", parents=[model], help="an OpenAI-compatible HTTP server (needs npqwen[serve])",
+                            description="Serve the model over HTTP with OpenAI's API (/v1/chat/completions, "
+                                        "/v1/completions, /v1/models), plus /tokenize, /detokenize, /health and "
+                                        "/metrics. Many clients at once, through one batched engine. Ctrl-C stops.")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; 0.0.0.0 opens it to the network (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: 8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: none, anyone who can connect)")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the --model value)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="waiting requests before new ones get 429 (default: 256)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level; info logs each request (default: info)")
+    add_engine_sizes(p.add_argument_group("engine sizes"))
+    p.set_defaults(run=cmd_serve)
 
     p = commands.add_parser("chat", parents=[model, sampling], help="interactive multi-turn chat",
                             description="Multi-turn chat. /reset clears the history; /exit, Ctrl-D or Ctrl-C at "
@@ -166,6 +180,22 @@ def check_writable(path: str, option: str):
 ANY_CONTEXT = SimpleNamespace(max_position_embeddings=sys.maxsize)
 
 
+def add_engine_sizes(group):
+    group.add_argument("--max-batch-size", type=int, help="most requests in one step (default: the engine's, 64)")
+    group.add_argument("--max-batched-tokens", type=int, help="most tokens in one step (default: the engine's, 512)")
+    group.add_argument("--kv-cache-tokens", type=int,
+                       help="KV-cache positions (default: the engine's, half the free memory)")
+    group.add_argument("--page-size", type=int, help="positions per KV-cache page (default: the engine's, 256)")
+    group.add_argument("--no-prefix-cache", action="store_true", help="do not reuse pages of shared prefixes "
+                       "(default: reuse them)")
+
+
+def engine_sizes(args) -> dict:
+    """npqwen.Engine's keyword arguments given on the command line."""
+    sizes = {k: getattr(args, k) for k in ENGINE_SIZES if getattr(args, k) is not None}
+    return {**sizes, **({"prefix_cache": False} if args.no_prefix_cache else {})}
+
+
 def check_sampling_args(args):
     """The command line's sampling values, with the checks every request gets, before the (slow) load.
 
@@ -204,7 +234,8 @@ def load_model(args, chat_template: bool = False):
 def sampling_kwargs(args) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                presence_penalty=args.presence_penalty, seed=args.seed, stop=args.stop)
+                presence_penalty=args.presence_penalty, seed=args.seed, stop=args.stop,
+                frequency_penalty=args.frequency_penalty)
 
 
 def checked_text(text: str, what: str) -> str:
@@ -220,6 +251,8 @@ def cmd_generate(args) -> int:
     if args.prompts_file is not None:
         return generate_file(args)
     given = [f"--{name.replace('_', '-')}" for name in ("output", *ENGINE_SIZES) if getattr(args, name) is not None]
+    if args.no_prefix_cache:
+        given.append("--no-prefix-cache")
     if given:
         raise NpqwenError(f"{given[0]} goes with --prompts-file, not --prompt")
     if args.prompt == "-":
@@ -285,7 +318,7 @@ def ctrl_c_sets_a_flag():
 
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                   "presence_penalty", "seed", "stop")
+                   "presence_penalty", "seed", "stop", "frequency_penalty")
 ENGINE_SIZES = ("max_batch_size", "max_batched_tokens", "kv_cache_tokens", "page_size")   # npqwen.Engine's
 
 
@@ -373,7 +406,7 @@ def generate_file(args) -> int:
         check_writable(args.output, "--output")
     prompts = read_prompts_file(args.prompts_file)
     llm, load_seconds = load_model(args, chat_template=not args.raw or any(p.messages for p in prompts))
-    engine = Engine(llm, **{k: getattr(args, k) for k in ENGINE_SIZES if getattr(args, k) is not None})
+    engine = Engine(llm, **engine_sizes(args))
     defaults = sampling_kwargs(args)
     # Every request is added (and so checked) before the first step; one bad line cancels them all.
     request_ids = []
@@ -622,6 +655,60 @@ def prompt_ids(llm, args, prompt: str) -> list[int]:
     if not ids:
         raise NpqwenError("the prompt is empty")
     return ids
+
+
+def cmd_serve(args) -> int:
+    """Load, make the engine, bind the port, and serve until Ctrl-C (uvicorn stops cleanly on SIGINT)."""
+    import socket
+
+    try:
+        import uvicorn
+
+        from .server.app import create_app
+    except ImportError as e:
+        raise NpqwenError(f"npqwen serve needs the serve extra: pip install 'npqwen[serve]' ({e.name} is "
+                          f"missing)") from None
+    from .engine import Engine
+
+    if not 0 <= args.port <= 65535:
+        raise NpqwenError(f"--port must be in 0 .. 65535, got {args.port}")
+    if args.max_queue < 1:
+        raise NpqwenError(f"--max-queue must be >= 1, got {args.max_queue}")
+    try:   # bound before the (slow) load, so that a port in use is said at once
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+        sock.listen(2048)   # clients that come before uvicorn takes the socket wait in the backlog
+    except OSError as e:
+        raise NpqwenError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); pick another --port "
+                          f"(0 picks a free one) or --host") from None
+    llm, seconds = load_model(args, chat_template=True)
+    engine = Engine(llm, **engine_sizes(args))
+    name = args.served_model_name or args.model
+    host, port = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+    def ready():
+        print(f"npqwen: serving {name} at {url}/v1 (loaded in {seconds:.1f} s; KV cache "
+              f"{engine.pool.num_pages * engine.page_size} positions); Ctrl-C stops", flush=True)
+
+    app = create_app(llm, engine, name, api_key=args.api_key, max_queue=args.max_queue, on_ready=ready)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=3))
+
+    def handle_exit(sig, frame):
+        # Ctrl-C or SIGTERM: open requests end now (a stream gets an error event, then [DONE]), then
+        # uvicorn shuts down (a second Ctrl-C: at once). Unlike uvicorn's own handler this does not
+        # raise the signal again afterwards, which would interrupt the shutdown with a traceback.
+        app.state.loop.stop_soon()
+        if server.should_exit and sig == signal.SIGINT:
+            server.force_exit = True
+        server.should_exit = True
+
+    server.handle_exit = handle_exit
+    server.run(sockets=[sock])
+    print("npqwen: stopped", flush=True)
+    return 0
 
 
 def cmd_inspect(args) -> int:

@@ -1,0 +1,217 @@
+"""The OpenAI API's shapes: request bodies (validated by pydantic), errors, and response pieces.
+
+Bodies are strict: a field npqwen does not know is a 400 that names it (OpenAI's shape, never
+FastAPI's 422), and so is a known field with a value npqwen does not implement (response_format
+json_schema, logit_bias, echo, suffix). Nothing a client asks for is silently ignored. Beyond
+OpenAI's fields, the sampling extras that vLLM and SGLang accept: top_k, min_p,
+repetition_penalty, chat_template_kwargs.enable_thinking.
+"""
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_CHOICES = 8          # n
+MAX_TOP_LOGPROBS = 20    # top_logprobs (chat), logprobs (completions)
+MAX_STOPS = 16
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class Strict(BaseModel):
+    # strict: "0.5" is not a number and 1 is not a bool, as OpenAI's server reads them
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ToolCallFunction(Strict):
+    name: str
+    arguments: str | dict                  # OpenAI sends a JSON string; the chat template takes either
+
+
+class ToolCall(Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None   # an earlier answer's reasoning, sent back
+    reasoning: str | None = None
+    refusal: str | None = None             # echoed back by clients from earlier answers; always null here
+    annotations: list | None = None
+
+
+class FunctionDefinition(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class ChatTemplateKwargs(Strict):
+    enable_thinking: bool = True
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+
+
+class Sampling(Strict):
+    """Fields shared by chat and completions."""
+    model: str
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)                 # -1 or 0: off (vLLM's -1 accepted)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = None
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOPS)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None            # only empty: refused otherwise
+    user: str | None = None                               # an end-user id for the caller's logs; unused
+
+    def sampling(self) -> dict:
+        """Keyword arguments for Engine.new_request (None: the checkpoint's default)."""
+        return dict(temperature=self.temperature, top_p=self.top_p, min_p=self.min_p,
+                    top_k=None if self.top_k is None else max(self.top_k, 0),
+                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                    repetition_penalty=self.repetition_penalty, stop=self.stop)
+
+    def check_supported(self):
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported by npqwen; remove it", "logit_bias", "unsupported")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
+
+
+class ChatCompletionRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)   # OpenAI's newer name; wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+
+    def check_supported(self):
+        super().check_supported()
+        if self.response_format is not None and self.response_format.type != "text":
+            raise APIError(400, f"response_format {self.response_format.type!r} is not supported by npqwen "
+                                f"(no constrained decoding); use 'text' or leave it out", "response_format",
+                           "unsupported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools]
+            if self.tool_choice.function.name not in names:
+                raise APIError(400, f"tool_choice names function {self.tool_choice.function.name!r}, which is not "
+                                    f"among the tools ({', '.join(names)})", "tool_choice")
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def thinking(self) -> bool:
+        return self.chat_template_kwargs.enable_thinking if self.chat_template_kwargs else True
+
+    def template_messages(self) -> list[dict]:
+        """The messages as the chat template reads them: text parts joined, unset fields left out."""
+        out = []
+        for m in self.messages:
+            d = m.model_dump(exclude_none=True, exclude={"refusal", "annotations"})
+            if isinstance(m.content, list):
+                d["content"] = "".join(part.text for part in m.content)
+            d.setdefault("content", "")
+            if m.role == "developer":        # OpenAI's newer name for the system role
+                d["role"] = "system"
+            out.append(d)
+        return out
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)               # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    def check_supported(self):
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported by npqwen; remove it", "echo", "unsupported")
+        if self.suffix:
+            raise APIError(400, "suffix (fill in the middle) is not supported by Qwen3 in npqwen", "suffix",
+                           "unsupported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of other than n is not supported by npqwen", "best_of", "unsupported")
+
+    def prompts(self) -> list:
+        """One prompt (str or token ids) per entry."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt is empty", "prompt")
+        return list(p)
+
+
+class TokenizeRequest(Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,132 @@
+"""Test helpers for the server: a model whose answers are written in advance, and a real
+`npqwen serve` app on 127.0.0.1 run by uvicorn in a thread."""
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+
+from npqwen import Engine
+
+
+def http_json(method: str, url: str, body=None, headers=None, timeout: float = 30) -> tuple[int, object]:
+    """(status, parsed JSON or text) of one plain HTTP request (the standard library's urllib)."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode()
+
+
+class ScriptedModel:
+    """Stands in for Qwen3 inside the engine: the answer to each prompt is written in advance.
+
+    Like a KV cache keeps keys, it keeps each sequence's token ids in its own page store, so at
+    every step it sees the whole sequence (across chunked prefill, the prefix cache and
+    preemption). The answer is the first of `answers` whose trigger is in the prompt's text; the
+    next token continues that answer's bytes after what the sequence already holds past its last
+    "<|im_start|>assistant\\n", then comes eos. An answer may start with what the prompt itself
+    ends with (the empty think block of enable_thinking false, a forced tool-call start).
+    """
+
+    def __init__(self, real, tokenizer, answers: dict[str, str], eos_id: int):
+        self.config, self.dtype, self.xp, self.weights = real.config, real.dtype, real.xp, real.weights
+        self.tokenizer, self.answers, self.eos_id = tokenizer, answers, eos_id
+        self.assistant = tokenizer.encode("<|im_start|>assistant\n")
+        self.store = None    # (pages, page size) token ids
+
+    def forward_batch(self, batch, kv, recorder=None):
+        if self.store is None:
+            self.store = np.zeros((kv.num_pages, kv.page_size), np.int64)
+        self.store[batch.write_pages, batch.write_offsets] = batch.token_ids
+        ends = np.cumsum(batch.lengths)
+        logits = np.full((len(batch.sample_rows), self.config.vocab_size), -10.0, np.float32)
+        for row, seq in enumerate(int(np.searchsorted(ends - 1, r)) for r in batch.sample_rows):
+            n = batch.starts[seq] + batch.lengths[seq]
+            pages = np.asarray(batch.page_tables[seq])
+            tokens = self.store[pages[np.arange(n) // kv.page_size], np.arange(n) % kv.page_size].tolist()
+            logits[row, self.next_token(tokens)] = 10.0
+        return logits
+
+    def next_token(self, tokens: list[int]) -> int:
+        a = len(self.assistant)
+        start = max(i + a for i in range(len(tokens) - a + 1) if tokens[i:i + a] == self.assistant)
+        prompt = self.tokenizer.decode(tokens[:start])
+        answer = next((text for trigger, text in self.answers.items() if trigger in prompt), None)
+        assert answer is not None, f"no scripted answer for the prompt {prompt[-200:]!r}"
+        written = b"".join(self.tokenizer.token_bytes(t) for t in tokens[start:])
+        answer = answer.encode()
+        assert answer.startswith(written), f"the sequence left its script: {written!r} vs {answer!r}"
+        rest = answer[len(written):].decode()
+        return self.tokenizer.encode(rest)[0] if rest else self.eos_id
+
+
+class SlowModel:
+    """The real model with a pause before every step: steps long enough to watch from a test."""
+
+    def __init__(self, real, seconds: float):
+        self.real, self.seconds = real, seconds
+        self.config, self.dtype, self.xp, self.weights = real.config, real.dtype, real.xp, real.weights
+
+    def forward_batch(self, batch, kv, recorder=None):
+        time.sleep(self.seconds)
+        return self.real.forward_batch(batch, kv)
+
+
+class LiveServer:
+    """create_app(...) served by uvicorn on 127.0.0.1 at a free port, in a thread."""
+
+    def __init__(self, llm, model_name: str = "test-model", engine=None, **app_kwargs):
+        import uvicorn
+
+        from npqwen.server.app import create_app
+
+        self.llm = llm
+        self.engine = engine if engine is not None else Engine(llm, kv_cache_tokens=4096, page_size=16)
+        step = self.engine.step
+
+        def checked_step():   # the page bookkeeping holds after every step the server runs
+            outputs = step()
+            self.engine.check()
+            return outputs
+        self.engine.step = checked_step
+        self.app = create_app(llm, self.engine, model_name, **app_kwargs)
+        self.loop = self.app.state.loop
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+
+    def client(self, **kwargs):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "none"), max_retries=0,
+                      timeout=kwargs.pop("timeout", 60), **kwargs)
+
+    def wait_idle(self, timeout: float = 10.0) -> float:
+        """Seconds until the engine has no request and every page is back (or fail)."""
+        started = time.monotonic()
+        while self.engine.has_unfinished() or self.loop.commands.qsize():
+            assert time.monotonic() - started < timeout, f"still busy: {self.engine.stats}"
+            time.sleep(0.005)
+        return time.monotonic() - started
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(30)
