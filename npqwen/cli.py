@@ -690,7 +690,7 @@ def cmd_serve(args) -> int:
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
     def ready():
-        print(f"npqwen: serving {name} at {url}/v1 (loaded in {seconds:.1f} s; KV cache "
+        print(f"npqwen: serving {name} at {url}/v1, the web page at {url}/ (loaded in {seconds:.1f} s; KV cache "
               f"{engine.pool.num_pages * engine.page_size} positions); Ctrl-C stops", flush=True)
 
     app = create_app(llm, engine, name, api_key=args.api_key, max_queue=args.max_queue, on_ready=ready)

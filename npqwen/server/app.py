@@ -1,8 +1,10 @@
 """`npqwen serve`: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn).
 
+    GET  /                          the web page: chat, and why each token was chosen (static/)
     GET  /v1/models                 the one model served
     POST /v1/chat/completions       chat, streamed or not: reasoning, tool calls, logprobs, n
     POST /v1/completions            plain completion of a prompt (text or token ids)
+    POST /v1/npqwen/attention       one position's attention in every head of a layer (for the page)
     POST /tokenize, /detokenize     the model's tokenizer (vLLM's shapes)
     GET  /health                    200 while the engine thread is alive
     GET  /metrics                   Prometheus text format
@@ -10,32 +12,45 @@
 A thin layer: a handler checks the body (protocol.py), turns it into engine Requests
 (tokenizing and the chat template happen here; model code never does), hands them to the engine
 thread (engine_loop.py), and writes what comes back in OpenAI's shapes. A client that goes away
-has its requests aborted before the next engine step.
+has its requests aborted before the next engine step. The attention endpoint's forward pass also
+runs on the engine thread, between two steps.
 """
 import asyncio
 import contextlib
 import json
 import secrets
+import sys
 import time
+import traceback
 import uuid
+from pathlib import Path
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException
 
 from ..errors import NpqwenError
+from ..backend import to_numpy
 from .engine_loop import EngineLoop, EngineStopped
 from .parsers import StreamParser, finish_reason, parse_output
-from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice,
-                       TokenizeRequest)
+from .protocol import (MAX_ATTENTION_TOKENS, APIError, AttentionRequest, ChatCompletionRequest, CompletionRequest,
+                       DetokenizeRequest, NamedToolChoice, TokenizeRequest)
 
 DEFAULT_MAX_QUEUE = 256                    # waiting requests; one more is a 429
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # a bigger body is a 413
 DISCONNECT_POLL_SECONDS = 0.05             # how often a waiting handler checks that its client is still there
-OPEN_PATHS = ("/health", "/metrics")       # answered without the API key
+STATIC = Path(__file__).parent / "static"   # the web page: plain files, no build step
+PAGE_FILES = {"app.js": "text/javascript", "markdown.js": "text/javascript", "style.css": "text/css"}
+OPEN_PATHS = ("/health", "/metrics", "/", *(f"/static/{name}" for name in PAGE_FILES))   # answered without the API key
+# The page's own files are the only code it runs (no inline script, nothing from elsewhere): a second
+# wall behind the rule that model text is never parsed as HTML.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' "
+                                           "data:; connect-src 'self'; base-uri 'none'; form-action 'none'; "
+                                           "frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
 
 
 class Metrics:
@@ -96,6 +111,16 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
         app.add_middleware(APIKey, key=api_key)
     add_error_handlers(app)
 
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(STATIC / "index.html", media_type="text/html", headers=PAGE_HEADERS)
+
+    @app.get("/static/{name}", include_in_schema=False)
+    async def page_file(name: str):
+        if name not in PAGE_FILES:
+            raise APIError(404, f"no static file {name!r}", None, "not_found")
+        return FileResponse(STATIC / name, media_type=PAGE_FILES[name], headers=PAGE_HEADERS)
+
     @app.get("/health")
     async def health():
         if not loop.alive:
@@ -123,6 +148,10 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     async def completions(body: CompletionRequest, http: HTTPRequest):
         return await server.complete(body, http)
 
+    @app.post("/v1/npqwen/attention")
+    async def attention(body: AttentionRequest, http: HTTPRequest):
+        return await server.attention(body, http)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         return server.tokenize(body)
@@ -142,6 +171,7 @@ class Choice:
         self.text = ""
         self.finish_reason = None
         self.logprobs = []        # (token, log p, top) not sent yet (a stream), or all of them
+        self.token_ids = []       # ids sampled and not sent yet (a stream), or all of them
 
 
 class Server:
@@ -261,13 +291,15 @@ class Server:
         queue = self.submit(requests)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return sse(self.chat_stream(queue, choices, call, include_usage, body.logprobs, one_call, http),
+            ids = body.return_token_ids
+            return sse(self.chat_stream(queue, choices, call, include_usage, body.logprobs, one_call, ids, http),
                        lambda: self.loop.abort(requests))
         async with contextlib.aclosing(self.outputs(queue, requests, http)) as outputs:
             async for index, out in outputs:
                 c = choices[index]
                 c.text += out.text
                 c.logprobs += token_logprobs(out)
+                c.token_ids += out.token_ids
                 c.finish_reason = out.finish_reason
         if await http.is_disconnected() or any(c.finish_reason is None for c in choices):
             return Response(status_code=499)   # nobody is listening any more
@@ -282,23 +314,33 @@ class Server:
                 message["tool_calls"] = tool_calls
             answers.append({"index": c.index, "message": message,
                             "logprobs": {"content": self.chat_logprobs(c.logprobs)} if body.logprobs else None,
-                            "finish_reason": finish_reason(c.finish_reason, bool(tool_calls))})
-        return {**call, "object": "chat.completion", "choices": answers, "usage": usage(requests)}
+                            "finish_reason": finish_reason(c.finish_reason, bool(tool_calls)),
+                            **({"token_ids": c.token_ids} if body.return_token_ids else {})})
+        prompt_ids = {"prompt_token_ids": requests[0].prompt_ids} if body.return_token_ids else {}
+        return {**call, "object": "chat.completion", **prompt_ids, "choices": answers, "usage": usage(requests)}
 
     async def chat_stream(self, queue, choices: list[Choice], call: dict, include_usage: bool, logprobs: bool,
-                          one_call: bool, http: HTTPRequest):
-        def chunk(index, delta, finish=None, entries=None):
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+                          one_call: bool, return_ids: bool, http: HTTPRequest):
+        def chunk(c, delta, finish=None):
+            """A chunk of choice c; it carries (and clears) the logprobs and ids c has not sent yet."""
+            choice = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
             if logprobs:
-                choice["logprobs"] = {"content": self.chat_logprobs(entries or [])}
+                choice["logprobs"] = {"content": self.chat_logprobs(c.logprobs)}
+            if return_ids:
+                choice["token_ids"] = c.token_ids
+            c.logprobs, c.token_ids = [], []
             return {**call, "object": "chat.completion.chunk", "choices": [choice],
                     **({"usage": None} if include_usage else {})}
 
         for c in choices:
-            yield chunk(c.index, {"role": "assistant", "content": ""})
+            first = chunk(c, {"role": "assistant", "content": ""})
+            if return_ids and c.index == 0:   # the choices share one prompt
+                first = {**first, "prompt_token_ids": c.request.prompt_ids}
+            yield first
         async for index, out in self.outputs(queue, [c.request for c in choices], http):
             c = choices[index]
             c.logprobs += token_logprobs(out)
+            c.token_ids += out.token_ids
             deltas = c.parser.feed(out.text)
             if out.finished:
                 deltas += c.parser.finish()
@@ -307,11 +349,9 @@ class Server:
                     continue
                 if "reasoning_content" in delta:
                     delta["reasoning"] = delta["reasoning_content"]
-                yield chunk(c.index, delta, None, c.logprobs)
-                c.logprobs = []
+                yield chunk(c, delta)
             if out.finished:
-                yield chunk(c.index, {}, finish_reason(out.finish_reason, c.parser.n_calls > 0), c.logprobs)
-                c.logprobs = []
+                yield chunk(c, {}, finish_reason(out.finish_reason, c.parser.n_calls > 0))
         if include_usage:
             yield {**call, "object": "chat.completion.chunk", "choices": [],
                    "usage": usage([c.request for c in choices])}
@@ -335,31 +375,43 @@ class Server:
         queue = self.submit(requests)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return sse(self.completion_stream(queue, choices, call, include_usage, body.logprobs is not None, http),
+            return sse(self.completion_stream(queue, choices, call, include_usage, body.logprobs is not None,
+                                              body.return_token_ids, http),
                        lambda: self.loop.abort(requests))
         async with contextlib.aclosing(self.outputs(queue, requests, http)) as outputs:
             async for index, out in outputs:
                 c = choices[index]
                 c.text += out.text
                 c.logprobs += token_logprobs(out)
+                c.token_ids += out.token_ids
                 c.finish_reason = out.finish_reason
         if await http.is_disconnected() or any(c.finish_reason is None for c in choices):
             return Response(status_code=499)
         answers = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                    "logprobs": self.completion_logprobs(c.logprobs) if body.logprobs is not None else None}
+                    "logprobs": self.completion_logprobs(c.logprobs) if body.logprobs is not None else None,
+                    **({"prompt_token_ids": c.request.prompt_ids, "token_ids": c.token_ids}
+                       if body.return_token_ids else {})}
                    for c in choices]
         return {**call, "object": "text_completion", "choices": answers, "usage": usage(requests)}
 
-    async def completion_stream(self, queue, choices, call, include_usage: bool, logprobs: bool, http):
+    async def completion_stream(self, queue, choices, call, include_usage: bool, logprobs: bool, return_ids: bool,
+                                http):
+        prompt_sent = set()   # choices whose first chunk (with prompt_token_ids) is out
         async for index, out in self.outputs(queue, [c.request for c in choices], http):
             c = choices[index]
             c.logprobs += token_logprobs(out)
+            c.token_ids += out.token_ids
             if out.text or out.finished:
-                yield {**call, "object": "text_completion",
-                       "choices": [{"index": index, "text": out.text, "finish_reason": out.finish_reason,
-                                    "logprobs": self.completion_logprobs(c.logprobs) if logprobs else None}],
+                choice = {"index": index, "text": out.text, "finish_reason": out.finish_reason,
+                          "logprobs": self.completion_logprobs(c.logprobs) if logprobs else None}
+                if return_ids:
+                    choice["token_ids"] = c.token_ids
+                    if index not in prompt_sent:
+                        choice["prompt_token_ids"] = c.request.prompt_ids
+                        prompt_sent.add(index)
+                yield {**call, "object": "text_completion", "choices": [choice],
                        **({"usage": None} if include_usage else {})}
-                c.logprobs = []
+                c.logprobs, c.token_ids = [], []
         if include_usage:
             yield {**call, "object": "text_completion", "choices": [],
                    "usage": usage([c.request for c in choices])}
@@ -370,6 +422,59 @@ class Server:
         return {"tokens": [decode([t]) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
                 "top_logprobs": [{decode([t]): l for t, l in top} for _, _, top in entries],
                 "text_offset": []}
+
+    # -- attention (for the web page) --
+
+    async def attention(self, body: AttentionRequest, http: HTTPRequest) -> dict:
+        """The attention row of `position` over positions 0 .. position in every head of `layer`, and
+        their mean: a forward pass with a recorder over tokens[:position + 1], run on the engine thread."""
+        self.check_model(body.model)
+        ids, layers, heads = body.tokens, self.config.num_hidden_layers, self.config.num_attention_heads
+        limit = min(MAX_ATTENTION_TOKENS, self.config.max_position_embeddings)
+        if not 1 <= len(ids) <= limit:
+            raise APIError(400, f"tokens has {len(ids)} ids; send 1 .. {limit} (the attention of a longer "
+                                f"conversation is not served)", "tokens")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary 0 .. {self.config.vocab_size - 1}",
+                           "tokens")
+        p = len(ids) - 1 if body.position is None else body.position
+        if not 0 <= p < len(ids):
+            raise APIError(400, f"position {p} is not a position of the {len(ids)} tokens (0 .. {len(ids) - 1})",
+                           "position")
+        if not 0 <= body.layer < layers:
+            raise APIError(400, f"layer {body.layer} does not exist: the model has layers 0 .. {layers - 1}", "layer")
+        name, kept = f"model.layers.{body.layer}.self_attn.attn_probs", {}
+
+        def keep(step, array):   # a recorder that keeps only the one array asked for
+            if step == name:
+                kept[step] = array
+
+        def run():   # on the engine thread, between two steps
+            self.llm.forward(ids[:p + 1], last_only=True, recorder=keep)
+            return to_numpy(kept[name])[:, p, :].astype("float64")   # (H, p + 1, p + 1) -> (H, p + 1)
+
+        future = self.loop.call(run)
+        try:
+            while not future.done():   # checked on a clock, like outputs(): the client may go, the engine stop
+                await asyncio.wait([future], timeout=DISCONNECT_POLL_SECONDS)
+                if future.done():
+                    break
+                if not self.loop.thread.is_alive():
+                    raise EngineStopped("the server is shutting down")
+                if await http.is_disconnected():
+                    return Response(status_code=499)
+        finally:
+            future.cancel()   # nothing if it ran; skipped on the engine thread if it had not
+        if future.exception() is not None:   # not the client's doing (the request was checked): say so
+            traceback.print_exception(future.exception(), file=sys.stderr)
+            raise APIError(500, f"the attention pass failed ({future.exception()!r}); see the server log",
+                           type="server_error")
+        rows = future.result()
+        decode = self.tokenizer.decode
+        return {"object": "npqwen.attention", "model": self.model_name, "layer": body.layer, "position": p,
+                "num_layers": layers, "num_heads": heads, "tokens": [decode([t]) for t in ids[:p + 1]],
+                "heads": rows.tolist(), "mean": rows.mean(axis=0).tolist()}
 
     # -- tokenizer --
 
@@ -520,7 +625,8 @@ class BodyLimit:
 
 
 class APIKey:
-    """ASGI middleware: with --api-key, every path but /health and /metrics needs "Authorization: Bearer KEY"."""
+    """ASGI middleware: with --api-key, every path but /health, /metrics and the page's files needs
+    "Authorization: Bearer KEY" (the page asks the user for the key and sends it itself)."""
 
     def __init__(self, app, key: str):
         self.app, self.expected = app, f"Bearer {key}".encode()

@@ -1,9 +1,11 @@
 """The one thread that owns the engine: HTTP handlers never run model code.
 
-Handlers put commands in a queue (add these requests, abort those); the thread drains it before
-every step, so an abort takes effect before the next step runs, runs `engine.step()`, and hands
-each output to the asyncio queue of the HTTP call that asked for it. While nothing is
-unfinished the thread sleeps on the command queue.
+Handlers put commands in a queue (add these requests, abort those, call this function); the
+thread drains it before every step, so an abort takes effect before the next step runs, runs
+`engine.step()`, and hands each output to the asyncio queue of the HTTP call that asked for it.
+While nothing is unfinished the thread sleeps on the command queue. A call (the attention
+endpoint's forward pass) runs between two steps, so it never races the engine for the model and
+costs nothing while nobody asks.
 """
 import asyncio
 import queue
@@ -75,6 +77,15 @@ class EngineLoop:
         """End these requests before the next step; their pages are freed then."""
         self.commands.put(("abort", [r.request_id for r in requests]))
 
+    def call(self, fn) -> asyncio.Future:
+        """Run fn() on the engine thread before its next step; the future gets its result or exception."""
+        if not self.alive:
+            raise EngineStopped("the server is shutting down" if self.stopping else "the engine thread has stopped")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.commands.put(("call", fn, future, loop))
+        return future
+
     def queued(self) -> int:
         """Requests waiting for their first step: in the scheduler's queue or not yet handed to it."""
         return len(self.engine.scheduler.waiting) + self.commands.qsize()
@@ -113,6 +124,8 @@ class EngineLoop:
                     self.engine.add(sink.request)
                     if self.metrics:
                         self.metrics.prompt_tokens.inc(len(sink.request.prompt_ids))
+            elif command[0] == "call":
+                self.run_call(*command[1:])
             elif command[0] == "abort":
                 for request_id in command[1]:
                     self.sinks.pop(request_id, None)
@@ -124,6 +137,23 @@ class EngineLoop:
                 command = self.commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def run_call(self, fn, future: asyncio.Future, loop: asyncio.AbstractEventLoop):
+        """Run a handler's function; its result or exception goes back to the handler's event loop."""
+        if future.cancelled():   # its client went away while it waited
+            return
+        try:
+            result, error = fn(), None
+        except Exception as e:   # handed to the HTTP call that asked, which answers it
+            result, error = None, e
+
+        def settle():
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(result)
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:     # the event loop is closed: nobody is listening any more
+            pass
 
     def deliver(self, out: StepOutput):
         sink = self.sinks.get(out.request_id)

@@ -4,7 +4,8 @@ Bodies are strict: a field npqwen does not know is a 400 that names it (OpenAI's
 FastAPI's 422), and so is a known field with a value npqwen does not implement (response_format
 json_schema, logit_bias, echo, suffix). Nothing a client asks for is silently ignored. Beyond
 OpenAI's fields, the sampling extras that vLLM and SGLang accept: top_k, min_p,
-repetition_penalty, chat_template_kwargs.enable_thinking.
+repetition_penalty, chat_template_kwargs.enable_thinking, and vLLM's return_token_ids. npqwen's own
+endpoint, POST /v1/npqwen/attention, takes an AttentionRequest.
 """
 from typing import Literal
 
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_CHOICES = 8          # n
 MAX_TOP_LOGPROBS = 20    # top_logprobs (chat), logprobs (completions)
 MAX_STOPS = 16
+MAX_ATTENTION_TOKENS = 2048   # tokens one /v1/npqwen/attention call may rerun
 
 
 class APIError(Exception):
@@ -111,6 +113,7 @@ class Sampling(Strict):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None            # only empty: refused otherwise
     user: str | None = None                               # an end-user id for the caller's logs; unused
+    return_token_ids: bool = False                        # vLLM's: prompt_token_ids and each choice's token_ids
 
     def sampling(self) -> dict:
         """Keyword arguments for Engine.new_request (None: the checkpoint's default)."""
@@ -215,3 +218,12 @@ class TokenizeRequest(Strict):
 class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[int]
+
+
+class AttentionRequest(Strict):
+    """POST /v1/npqwen/attention: the attention of position `position` of `tokens` over positions
+    0 .. position, in every head of `layer` (a forward pass over tokens[:position + 1])."""
+    model: str | None = None
+    tokens: list[int]                                     # 1 .. MAX_ATTENTION_TOKENS ids (checked by the server)
+    position: int | None = None                           # default: the last token
+    layer: int
