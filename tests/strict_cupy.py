@@ -49,6 +49,7 @@ KEYWORDS = {
     "stack": ("tup", "axis", "out", "dtype", "casting"),
     "tile": ("A", "reps"),
     "where": ("condition", "x", "y"),
+    "triu": ("m", "k"),
     "einsum": ("dtype", "optimize"),
     "matmul": UFUNC,
     "dot": ("a", "b", "out"),

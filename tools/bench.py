@@ -30,6 +30,12 @@ Suites (--suites, comma-separated, or all; the default is prefill,decode):
               the engine's KV pool (--serving-kv-tokens).
     prefix    --prefix-requests (16) requests sharing a --prefix-tokens (1024) system prompt plus
               32 tokens of their own, run one at a time: time to first token cold vs cached.
+    step      the many-token steps: a --step-prefill (1024) token prefill (chunks of 512), and one
+              decode step of --step-batch (32) sequences with --step-context (512) cached positions
+              each (npqwen: one engine Batch over a filled paged KV cache; HF: a batched forward
+              with a DynamicCache). For npqwen, beside each: its linear layers alone at the same
+              shapes (ops.linear on the model's own weights), and their share of the step.
+              --profile prints a cProfile table of npqwen's two steps to stderr.
 
     python tools/bench.py --suites batch1,serving,prefix    # the serving benchmark alone
 
@@ -50,8 +56,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 ENGINES = ("npqwen", "hf-float32", "hf-bfloat16")
-SUITES = ("prefill", "decode", "batch1", "serving", "prefix")
-SINGLE_SUITES = ("prefill", "decode", "batch1")   # one sequence at a time: a worker per engine and round
+SUITES = ("prefill", "decode", "batch1", "serving", "prefix", "step")
+SINGLE_SUITES = ("prefill", "decode", "batch1", "step")   # one sequence at a time: a worker per engine and round
 SERVING_SUITES = ("serving", "prefix")            # many requests: a worker per engine, run once
 SERVING_SEED = 0                                  # the serving workload and the prefix case are fixed
 PREFIX_SUFFIX_TOKENS, PREFIX_NEW_TOKENS = 32, 4   # prefix case: each request's own tokens, tokens generated
@@ -84,6 +90,10 @@ def main(argv=None) -> int:
                         "once, in whole pages: 64 x 768 with the defaults)")
     p.add_argument("--prefix-tokens", type=int, default=1024, help="prefix: the shared system prompt's length")
     p.add_argument("--prefix-requests", type=int, default=16, help="prefix: requests sharing it, one at a time")
+    p.add_argument("--step-prefill", type=int, default=1024, help="step: prompt length of the prefill step")
+    p.add_argument("--step-batch", type=int, default=32, help="step: decoding sequences in the batched step")
+    p.add_argument("--step-context", type=int, default=512, help="step: cached positions of each of them")
+    p.add_argument("--profile", action="store_true", help="step: cProfile npqwen's steps (table on stderr)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS threads = torch threads")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", help="npqwen compute dtype (cuda: float16 or float32)")
@@ -266,7 +276,7 @@ def best_of(results: list[dict]) -> dict:
                 best[k] = {m: max(best[k][m], v[m]) for m in v}
             elif k.endswith("_tps"):
                 best[k] = max(best[k], v)
-            elif k in ("load_s", "peak_rss_bytes"):
+            elif k in ("load_s", "peak_rss_bytes") or k.startswith("step_"):
                 best[k] = min(best[k], v)
     return best
 
@@ -281,10 +291,14 @@ def spawn_worker(engine: str, model: Path, args, suites: list[str]) -> dict:
            "--dtype", args.dtype, "--serving-requests", str(args.serving_requests),
            "--serving-sample", str(args.serving_sample), "--serving-prompt-lens", "%d-%d" % args.serving_prompt_lens,
            "--serving-output-lens", "%d-%d" % args.serving_output_lens, "--serving-batch", str(args.serving_batch),
-           "--prefix-tokens", str(args.prefix_tokens), "--prefix-requests", str(args.prefix_requests)]
+           "--prefix-tokens", str(args.prefix_tokens), "--prefix-requests", str(args.prefix_requests),
+           "--step-prefill", str(args.step_prefill), "--step-batch", str(args.step_batch),
+           "--step-context", str(args.step_context)] + (["--profile"] if args.profile else [])
     if args.serving_kv_tokens:
         cmd += ["--serving-kv-tokens", str(args.serving_kv_tokens)]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if args.profile and result.stderr:
+        print(result.stderr, file=sys.stderr)
     if result.returncode != 0:
         return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1]}
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -325,11 +339,14 @@ def single_sequence(engine, args) -> dict:
             out[f"decode_{n}_tps"] = engine.decode(ids, args.new_tokens)
             if "batch1" in args.suites and args.worker == "npqwen":   # same prompt, right after: same conditions
                 out[f"batch1_{n}_tps"] = engine.engine_decode(ids, args.new_tokens)
+    if "step" in args.suites:
+        out.update(engine.steps(args))
     if on_cpu:
         out["machine"] = {"matmul_GFLOPs": max(matmul, measure_matmul(engine.llm.weights))}
         if engine.bandwidth:
             out["machine"]["bandwidth_GBps"] = sorted(engine.bandwidth)[len(engine.bandwidth) // 2]
-    out["kv_cache_bytes"] = engine.kv_bytes(max(args.decode_prompts) + args.new_tokens)
+    if "decode" in args.suites:   # the step suite's KV cache is its own, not this one
+        out["kv_cache_bytes"] = engine.kv_bytes(max(args.decode_prompts) + args.new_tokens)
     return out
 
 
@@ -374,6 +391,62 @@ class NpqwenEngine:
 
     def kv_bytes(self, capacity) -> int:
         return kv_cache_bytes(self.model.config, capacity, self.model.dtype.itemsize)
+
+    def steps(self, args) -> dict:
+        """The step suite: each step's time (best of --repeats) and its linear layers' alone."""
+        import numpy as np
+
+        from npqwen.generate import PREFILL_CHUNK
+        from npqwen.model import Batch, KVCache
+
+        rng, cfg, xp = np.random.default_rng(1), self.llm.config, self.model.xp
+        T = args.step_prefill
+        ids = rng.integers(0, self.vocab_size, T).tolist()
+        chunks = [min(PREFILL_CHUNK, T - s) for s in range(0, T, PREFILL_CHUNK)]
+        # B sequences of `context` cached positions, each decoding one token; keys and values filled
+        # (zero pages that were never written would be read from the OS's shared zero page: too fast)
+        B, S, P = args.step_batch, args.step_context, 256
+        per_seq = -(-(S + 1) // P)
+        kv = KVCache(cfg, B * per_seq, P, xp, self.model.dtype)
+        kv.keys.fill(0.01)
+        kv.values.fill(0.01)
+        batch = Batch(rng.integers(0, self.vocab_size, B), [S] * B, [1] * B,
+                      [np.arange(b * per_seq, (b + 1) * per_seq) for b in range(B)], P, sample_rows=np.arange(B))
+        prefill = lambda: self.prefill(ids, T)                                          # noqa: E731
+        step = lambda: xp.asarray(self.model.forward_batch(batch, kv))[0, 0].item()     # noqa: E731
+        out = {"step_prefill_s": _best(prefill, args.repeats),
+               "step_prefill_matmul_s": _best(lambda: [self.linear_layers(n, 1) for n in chunks], args.repeats),
+               "step_batch_s": _best(step, args.repeats),
+               "step_batch_matmul_s": _best(lambda: self.linear_layers(B, B), args.repeats)}
+        if args.profile:
+            import cProfile
+            import pstats
+            for name, fn in (("prefill", prefill), ("batch", step)):
+                profile = cProfile.Profile()
+                profile.runcall(fn)
+                print(f"\n[bench] npqwen {name} step, by own time:", file=sys.stderr)
+                pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(12)
+        return out
+
+    def linear_layers(self, rows: int, sampled: int):
+        """The step's linear layers alone: q/k/v, o, gate/up and down of every layer for `rows`
+        tokens, and lm_head for `sampled` of them, through ops.linear as the model calls it."""
+        from npqwen import ops
+
+        xp, W, fused, cfg = self.model.xp, self.model.weights, self.model.fused, self.llm.config
+        if getattr(self, "_inputs", (None,))[0] != rows:
+            ones = lambda n: xp.ones((rows, n), dtype=self.model.dtype)                  # noqa: E731
+            self._inputs = (rows, ones(cfg.hidden_size), ones(cfg.num_attention_heads * cfg.head_dim),
+                            ones(cfg.intermediate_size))
+        _, x, a, f = self._inputs
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}"
+            ops.linear(x, fused[f"{p}.self_attn.qkv_proj.weight"])
+            ops.linear(a, W[f"{p}.self_attn.o_proj.weight"])
+            ops.linear(x, fused[f"{p}.mlp.gate_up_proj.weight"])
+            ops.linear(f, W[f"{p}.mlp.down_proj.weight"])
+        y = ops.linear(x[:sampled], W["lm_head.weight"])
+        return xp.asarray(y)[0, 0].item()   # on CuPy: wait for the GPU
 
     def engine_decode(self, ids, new_tokens) -> float:
         """The same decode as a batch of one through npqwen.Engine: 1 / the median step time once
@@ -456,6 +529,30 @@ class HFEngine:
 
     def kv_bytes(self, capacity) -> int:
         return kv_cache_bytes(self.model.config, capacity, self.itemsize)
+
+    def steps(self, args) -> dict:
+        """The step suite: the prefill, and one batched decode step over a DynamicCache of
+        --step-context positions per sequence (filled directly, as npqwen's pages are)."""
+        import numpy as np
+        from transformers import DynamicCache
+
+        torch, cfg = self.torch, self.model.config
+        ids = np.random.default_rng(1).integers(0, self.vocab_size, args.step_prefill).tolist()
+        B, S = args.step_batch, args.step_context
+        cache = DynamicCache()
+        shape = (B, cfg.num_key_value_heads, S, cfg.head_dim)
+        for layer in range(cfg.num_hidden_layers):
+            full = torch.full(shape, 0.01, dtype=self.model.dtype, device=self.device)
+            cache.update(full, full.clone(), layer)
+        tokens = torch.randint(0, self.vocab_size, (B, 1), device=self.device)
+
+        def step():
+            with torch.inference_mode():
+                out = self.model(tokens, past_key_values=cache, use_cache=True)
+            cache.crop(S)   # back to S positions for the next run
+            return float(out.logits[0, -1, 0])
+        return {"step_prefill_s": _best(lambda: self.prefill(ids, len(ids)), args.repeats),
+                "step_batch_s": _best(step, args.repeats)}
 
     def serving(self, args) -> dict:
         """The first --serving-sample requests of the serving workload, in static batches."""
@@ -694,7 +791,14 @@ def single_figures(report) -> dict:
         f["batch1_short_pct_of_decode"] = 100 * ours[f"batch1_{dec[0]}_tps"] / ours[short]
     if dec and long != short and f"batch1_{dec[-1]}_tps" in ours:
         f["batch1_long_pct_of_decode"] = 100 * ours[f"batch1_{dec[-1]}_tps"] / ours[long]
-    f["rss_over_weights_plus_kv"] = ours["peak_rss_bytes"] / (ours["weight_bytes"] + ours["kv_cache_bytes"])
+    if "kv_cache_bytes" in ours:
+        f["rss_over_weights_plus_kv"] = ours["peak_rss_bytes"] / (ours["weight_bytes"] + ours["kv_cache_bytes"])
+    for step in ("prefill", "batch"):   # the step suite: linear layers alone / the whole step
+        if f"step_{step}_s" in ours:
+            f[f"step_{step}_pct_of_matmul"] = 100 * ours[f"step_{step}_matmul_s"] / ours[f"step_{step}_s"]
+            for peer in ("hf-bfloat16", "hf-float32"):
+                if f"step_{step}_s" in e.get(peer, {}):
+                    f[f"step_{step}_vs_{peer}"] = e[peer][f"step_{step}_s"] / ours[f"step_{step}_s"]
     return f
 
 
@@ -762,10 +866,18 @@ TARGETS = [  # (figure, comparison, threshold, label)
     ("batch1_long_pct_of_decode", ">=", 90, "engine, batch of one: decode after the long prompt, % of single"),
     ("serving_pct_of_linear_bound", ">=", 50, "serving: linear-layer bound / engine's time"),
     ("serving_rss_over_weights_plus_kv_pool", "<=", 1.15, "serving: peak RSS / (weights + KV pool)"),
+    ("step_prefill_pct_of_matmul", ">=", 75, "prefill step: its linear layers alone, % of the step"),
+    ("step_batch_pct_of_matmul", ">=", 75, "batched decode step: its linear layers alone, % of the step"),
+    ("step_prefill_vs_hf-float32", ">=", 0, "prefill step vs HF float32 (time ratio)"),
+    ("step_prefill_vs_hf-bfloat16", ">=", 0, "prefill step vs HF bfloat16 (time ratio)"),
+    ("step_batch_vs_hf-float32", ">=", 0, "batched decode step vs HF float32 (time ratio)"),
+    ("step_batch_vs_hf-bfloat16", ">=", 0, "batched decode step vs HF bfloat16 (time ratio)"),
 ]
 
 
 KINDS = {"decode": "decode", "batch1": "engine decode", "prefill": "prefill"}   # row order and label of *_N_tps
+STEP_ROWS = {"step_prefill_s": "prefill step (s)", "step_prefill_matmul_s": "  its linear layers alone (s)",
+             "step_batch_s": "batched decode step (s)", "step_batch_matmul_s": "  its linear layers alone (s)"}
 
 
 def rows(report):
@@ -773,16 +885,16 @@ def rows(report):
     names = list(e)
     keys = ["load_s"] + sorted({k for v in e.values() for k in v if k.endswith("_tps")},
                                key=lambda k: (list(KINDS).index(k.split("_")[0]), int(k.split("_")[1]))) + \
-        ["peak_rss_bytes"]
+        [k for k in STEP_ROWS if any(k in v for v in e.values())] + ["peak_rss_bytes"]
     out = []
     for k in keys:
-        label = {"load_s": "load (s)", "peak_rss_bytes": "peak RSS (GB)"}.get(k) or \
+        label = {"load_s": "load (s)", "peak_rss_bytes": "peak RSS (GB)", **STEP_ROWS}.get(k) or \
             f"{KINDS[k.split('_')[0]]} tok/s ({k.split('_')[1]}-token prompt)"
         cells = []
         for n in names:
             v = e[n].get(k)
             cells.append("-" if v is None else f"{v / 1e9:.2f}" if k == "peak_rss_bytes" else f"{v:.2f}"
-                         if k == "load_s" else f"{v:.1f}")
+                         if k == "load_s" else f"{v:.3f}" if k in STEP_ROWS else f"{v:.1f}")
         out.append((label, cells))
     return names, out
 
@@ -864,6 +976,9 @@ def target_lines(report):
         if key in f:
             ok = f[key] >= threshold if op == ">=" else f[key] <= threshold
             unit = "x" if "vs" in key or "over_weights" in key else "%"
+            if threshold == 0:   # reported, no target
+                lines.append((label, f"{f[key]:.2f}{unit}", "", ""))
+                continue
             lines.append((label, f"{f[key]:.2f}{unit}" if unit == "x" else f"{f[key]:.0f}%",
                           f"{op} {threshold}{unit}", "yes" if ok else "NO"))
     return lines
