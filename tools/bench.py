@@ -549,7 +549,7 @@ class HFEngine:
         def step():
             with torch.inference_mode():
                 out = self.model(tokens, past_key_values=cache, use_cache=True)
-            cache.crop(S)   # back to S positions for the next run
+            cache.crop(-1)   # back to S positions for the next run (transformers 5: a negative count drops)
             return float(out.logits[0, -1, 0])
         return {"step_prefill_s": _best(lambda: self.prefill(ids, len(ids)), args.repeats),
                 "step_batch_s": _best(step, args.repeats)}
@@ -791,7 +791,7 @@ def single_figures(report) -> dict:
         f["batch1_short_pct_of_decode"] = 100 * ours[f"batch1_{dec[0]}_tps"] / ours[short]
     if dec and long != short and f"batch1_{dec[-1]}_tps" in ours:
         f["batch1_long_pct_of_decode"] = 100 * ours[f"batch1_{dec[-1]}_tps"] / ours[long]
-    if "kv_cache_bytes" in ours:
+    if "kv_cache_bytes" in ours and "step_batch_s" not in ours:   # the step suite's KV pool is in its RSS
         f["rss_over_weights_plus_kv"] = ours["peak_rss_bytes"] / (ours["weight_bytes"] + ours["kv_cache_bytes"])
     for step in ("prefill", "batch"):   # the step suite: linear layers alone / the whole step
         if f"step_{step}_s" in ours:
