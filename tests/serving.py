@@ -1,6 +1,7 @@
 """Test helpers for the server: a model whose answers are written in advance, and a real
 `npqwen serve` app on 127.0.0.1 run by uvicorn in a thread."""
 import json
+import logging
 import socket
 import threading
 import time
@@ -106,6 +107,11 @@ class LiveServer:
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2))
+        # what the server logs as an error (an exception in a handler, with its traceback) is kept here
+        self.errors: list[logging.LogRecord] = []
+        self.log_handler = logging.Handler(logging.ERROR)
+        self.log_handler.emit = self.errors.append
+        logging.getLogger("uvicorn.error").addHandler(self.log_handler)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -130,3 +136,4 @@ class LiveServer:
     def close(self):
         self.server.should_exit = True
         self.thread.join(30)
+        logging.getLogger("uvicorn.error").removeHandler(self.log_handler)

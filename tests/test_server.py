@@ -308,3 +308,8 @@ def test_tool_results_render_through_the_chat_template(scripted_server):
     text = http_json("POST", scripted_server.url + "/detokenize", {"tokens": ids})[1]["prompt"]
     assert "<tool_response>\nTOOLRESULT-17\n</tool_response>" in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+
+
+def test_nothing_above_made_either_server_log_an_error(tiny_server, scripted_server):
+    for server in (tiny_server, scripted_server):
+        assert not server.errors, [r.getMessage() for r in server.errors]

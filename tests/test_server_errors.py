@@ -148,6 +148,7 @@ def test_still_serving_after_every_error(server):
     out = client.chat.completions.create(model="test-model", messages=USER, max_tokens=3)
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
     assert server.loop.alive and not server.engine.has_unfinished()
+    assert not server.errors, [r.getMessage() for r in server.errors]   # nothing above made it log an error
 
 
 # -- a busy server: queue limit and clients that go away --
@@ -250,3 +251,21 @@ def test_disconnect_while_queued_and_while_waiting_for_a_whole_answer(slow_serve
     assert slow_server.wait_idle() < 0.2
     stats = engine.stats
     assert stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"], stats
+
+
+def test_the_error_log_check_bites():
+    """A bug planted in a handler: the client gets OpenAI's 500 shape, and LiveServer.errors sees the traceback."""
+    llm = npqwen.load("tiny")
+    planted = LiveServer(llm, engine=Engine(llm, kv_cache_tokens=1024, page_size=16))
+    try:
+        def broken(body):
+            raise RuntimeError("planted")
+        planted.app.state.server.tokenize = broken
+        status, body = http_json("POST", planted.url + "/tokenize", {"prompt": "hi"})
+        assert status == 500 and body["error"]["type"] == "server_error", body
+        deadline = time.monotonic() + 5   # uvicorn logs it after the response has gone out
+        while not planted.errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert planted.errors and planted.errors[0].exc_info[0] is RuntimeError
+    finally:
+        planted.close()

@@ -568,6 +568,11 @@ def add_error_handlers(app: FastAPI):
             message = f"the body is not valid JSON: it is not UTF-8 ({e.__cause__.reason} at byte {e.__cause__.start})"
         return error_response(APIError(e.status_code, message, None, code))
 
+    @app.exception_handler(Exception)
+    async def bug(request, e: Exception):   # not the client's doing; uvicorn logs the traceback
+        return error_response(APIError(500, f"internal error ({type(e).__name__}); see the server log",
+                                       type="server_error"))
+
     @app.exception_handler(EngineStopped)
     async def engine_stopped(request, e: EngineStopped):
         return error_response(APIError(503, str(e), type="server_error"))
