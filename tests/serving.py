@@ -9,7 +9,9 @@ import urllib.error
 import urllib.request
 
 import numpy as np
+import pytest
 
+import npqwen
 from npqwen import Engine
 
 
@@ -137,3 +139,18 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(30)
         logging.getLogger("uvicorn.error").removeHandler(self.log_handler)
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    """A live server over the built-in tiny model (import this fixture into a test module)."""
+    llm = npqwen.load("tiny")
+    server = LiveServer(llm, engine=Engine(llm, kv_cache_tokens=8192, page_size=16, max_batched_tokens=64))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """A second copy of the tiny model (same seeded weights), for expected values outside the server."""
+    return npqwen.load("tiny")

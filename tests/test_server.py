@@ -11,7 +11,7 @@ pytest.importorskip("openai")
 import npqwen  # noqa: E402
 from npqwen import Engine  # noqa: E402
 
-from serving import LiveServer, ScriptedModel, http_json  # noqa: E402
+from serving import LiveServer, ScriptedModel, http_json, reference, tiny_server  # noqa: E402,F401  (fixtures)
 
 THINK_OFF = "<think>\n\n</think>\n\n"     # what the chat template adds with enable_thinking false
 WEATHER_TOOL = {"type": "function", "function": {
@@ -36,20 +36,6 @@ SCRIPT = {
     "TOOLRESULT-17": THINK_OFF + "It is 17 degrees.",
     "Q-SCRIPT": THINK_OFF + "<script>window.pwned = 1</script> & [link](javascript:alert(1))",
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_server():
-    llm = npqwen.load("tiny")
-    server = LiveServer(llm, engine=Engine(llm, kv_cache_tokens=8192, page_size=16, max_batched_tokens=64))
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """A second copy of the tiny model (same seeded weights), for expected outputs outside the server."""
-    return npqwen.load("tiny")
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import npqwen  # noqa: E402
 from npqwen import Engine  # noqa: E402
 from npqwen.trace import Trace  # noqa: E402
 
-from serving import LiveServer, ScriptedModel, SlowModel, http_json  # noqa: E402
+from serving import LiveServer, ScriptedModel, SlowModel, http_json, reference, tiny_server  # noqa: E402,F401  (fixtures)
 
 IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
 THINK_OFF = "<think>\n\n</think>\n\n"
@@ -46,19 +46,6 @@ SCRIPT = {   # the first trigger found in the prompt wins: a later turn's trigge
 
 
 # -- servers --
-
-@pytest.fixture(scope="module")
-def reference():
-    """A second copy of the tiny model (same seeded weights), for expected values outside the server."""
-    return npqwen.load("tiny")
-
-
-@pytest.fixture(scope="module")
-def tiny_server():
-    llm = npqwen.load("tiny")
-    server = LiveServer(llm, engine=Engine(llm, kv_cache_tokens=8192, page_size=16, max_batched_tokens=64))
-    yield server
-    server.close()
 
 
 @pytest.fixture(scope="module")

@@ -260,6 +260,17 @@ class Server:
             if left:
                 self.loop.abort(requests)
 
+    async def collect(self, queue: asyncio.Queue, choices: list, http: HTTPRequest) -> bool:
+        """Whole answers (not streamed) into the choices; False if the client went away first."""
+        async with contextlib.aclosing(self.outputs(queue, [c.request for c in choices], http)) as outputs:
+            async for index, out in outputs:
+                c = choices[index]
+                c.text += out.text
+                c.logprobs += token_logprobs(out)
+                c.token_ids += out.token_ids
+                c.finish_reason = out.finish_reason
+        return not await http.is_disconnected() and all(c.finish_reason is not None for c in choices)
+
     # -- chat --
 
     async def chat(self, body: ChatCompletionRequest, http: HTTPRequest):
@@ -294,14 +305,7 @@ class Server:
             ids = body.return_token_ids
             return sse(self.chat_stream(queue, choices, call, include_usage, body.logprobs, one_call, ids, http),
                        lambda: self.loop.abort(requests))
-        async with contextlib.aclosing(self.outputs(queue, requests, http)) as outputs:
-            async for index, out in outputs:
-                c = choices[index]
-                c.text += out.text
-                c.logprobs += token_logprobs(out)
-                c.token_ids += out.token_ids
-                c.finish_reason = out.finish_reason
-        if await http.is_disconnected() or any(c.finish_reason is None for c in choices):
+        if not await self.collect(queue, choices, http):
             return Response(status_code=499)   # nobody is listening any more
         answers = []
         for c in choices:
@@ -378,14 +382,7 @@ class Server:
             return sse(self.completion_stream(queue, choices, call, include_usage, body.logprobs is not None,
                                               body.return_token_ids, http),
                        lambda: self.loop.abort(requests))
-        async with contextlib.aclosing(self.outputs(queue, requests, http)) as outputs:
-            async for index, out in outputs:
-                c = choices[index]
-                c.text += out.text
-                c.logprobs += token_logprobs(out)
-                c.token_ids += out.token_ids
-                c.finish_reason = out.finish_reason
-        if await http.is_disconnected() or any(c.finish_reason is None for c in choices):
+        if not await self.collect(queue, choices, http):
             return Response(status_code=499)
         answers = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
                     "logprobs": self.completion_logprobs(c.logprobs) if body.logprobs is not None else None,
