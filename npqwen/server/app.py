@@ -37,7 +37,7 @@ from ..backend import to_numpy
 from .engine_loop import EngineLoop, EngineStopped
 from .parsers import StreamParser, finish_reason, parse_output
 from .protocol import (MAX_ATTENTION_TOKENS, APIError, AttentionRequest, ChatCompletionRequest, CompletionRequest,
-                       DetokenizeRequest, NamedToolChoice, TokenizeRequest)
+                       DetokenizeRequest, NamedToolChoice, TokenizeRequest, template_messages)
 
 DEFAULT_MAX_QUEUE = 256                    # waiting requests; one more is a 429
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # a bigger body is a 413
@@ -287,7 +287,7 @@ class Server:
             prefix = '<tool_call>\n{"name": ' + json.dumps(body.tool_choice.function.name) + ', "arguments": '
         thinking = body.thinking and not prefix
         try:
-            prompt = self.llm.chat_prompt(body.template_messages(), enable_thinking=thinking, tools=tools)
+            prompt = self.llm.chat_prompt(template_messages(body.messages), enable_thinking=thinking, tools=tools)
         except NpqwenError as e:
             raise APIError(400, str(e), "messages") from None
         opened = thinking and prompt.rstrip("\n").endswith("<think>")   # a template that opens the reasoning
@@ -481,7 +481,7 @@ class Server:
             raise APIError(400, "give either prompt or messages", "prompt")
         if body.messages is not None:
             thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else True
-            messages = ChatCompletionRequest.template_messages(body)
+            messages = template_messages(body.messages)
             try:
                 text = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt, thinking)
             except NpqwenError as e:

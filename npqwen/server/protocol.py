@@ -165,19 +165,6 @@ class ChatCompletionRequest(Sampling):
     def thinking(self) -> bool:
         return self.chat_template_kwargs.enable_thinking if self.chat_template_kwargs else True
 
-    def template_messages(self) -> list[dict]:
-        """The messages as the chat template reads them: text parts joined, unset fields left out."""
-        out = []
-        for m in self.messages:
-            d = m.model_dump(exclude_none=True, exclude={"refusal", "annotations"})
-            if isinstance(m.content, list):
-                d["content"] = "".join(part.text for part in m.content)
-            d.setdefault("content", "")
-            if m.role == "developer":        # OpenAI's newer name for the system role
-                d["role"] = "system"
-            out.append(d)
-        return out
-
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -227,3 +214,17 @@ class AttentionRequest(Strict):
     tokens: list[int]                                     # 1 .. MAX_ATTENTION_TOKENS ids (checked by the server)
     position: int | None = None                           # default: the last token
     layer: int
+
+
+def template_messages(messages: list[Message]) -> list[dict]:
+    """Messages as the chat template reads them: text parts joined, unset fields left out."""
+    out = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True, exclude={"refusal", "annotations"})
+        if isinstance(m.content, list):
+            d["content"] = "".join(part.text for part in m.content)
+        d.setdefault("content", "")
+        if m.role == "developer":        # OpenAI's newer name for the system role
+            d["role"] = "system"
+        out.append(d)
+    return out
