@@ -33,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException
 
 from ..errors import NpqwenError
+from ..generate import check_token_ids
 from ..backend import to_numpy
 from .engine_loop import EngineLoop, EngineStopped
 from .parsers import StreamParser, finish_reason, parse_output
@@ -191,6 +192,13 @@ class Server:
         if name is not None and name != self.model_name:
             raise APIError(404, f"the model {name!r} does not exist: this server serves {self.model_name!r}",
                            "model", "model_not_found")
+
+    def check_tokens(self, ids: list[int]):
+        """Token ids a client sent, by the rule every prompt follows (generate.check_token_ids)."""
+        try:
+            check_token_ids(ids, self.config.vocab_size)
+        except NpqwenError as e:
+            raise APIError(400, str(e), "tokens") from None
 
     # -- making engine requests --
 
@@ -431,10 +439,7 @@ class Server:
         if not 1 <= len(ids) <= limit:
             raise APIError(400, f"tokens has {len(ids)} ids; send 1 .. {limit} (the attention of a longer "
                                 f"conversation is not served)", "tokens")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary 0 .. {self.config.vocab_size - 1}",
-                           "tokens")
+        self.check_tokens(ids)
         p = len(ids) - 1 if body.position is None else body.position
         if not 0 <= p < len(ids):
             raise APIError(400, f"position {p} is not a position of the {len(ids)} tokens (0 .. {len(ids) - 1})",
@@ -496,10 +501,7 @@ class Server:
 
     def detokenize(self, body: DetokenizeRequest) -> dict:
         self.check_model(body.model)
-        bad = [t for t in body.tokens if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary 0 .. {self.config.vocab_size - 1}",
-                           "tokens")
+        self.check_tokens(body.tokens)
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
 
