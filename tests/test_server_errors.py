@@ -168,6 +168,11 @@ def http_client(target):
     return http.client.HTTPConnection(target.hostname, target.port, timeout=30)
 
 
+# greedy: the tiny model writes no eos in 3000 tokens after "hi", so these requests are still running
+# when the test acts (a sampled one may draw eos within a few tokens and finish first)
+LONG = {"max_tokens": 400, "temperature": 0}
+
+
 def open_stream(server, body: dict):
     """A streaming chat request on a raw connection; (connection, response) once the headers are in."""
     target = urlparse(server.url)
@@ -187,7 +192,7 @@ def events(response):
 
 
 def test_queue_full_is_a_429(slow_server):
-    busy = [open_stream(slow_server, {"max_tokens": 400}) for _ in range(3)]   # 1 running, 2 waiting
+    busy = [open_stream(slow_server, LONG) for _ in range(3)]   # 1 running, 2 waiting
     deadline = time.monotonic() + 5
     while slow_server.engine.stats["waiting"] < 2:
         assert time.monotonic() < deadline
@@ -201,7 +206,7 @@ def test_queue_full_is_a_429(slow_server):
 
 def test_disconnect_while_streaming_frees_the_request_within_a_step(slow_server):
     engine = slow_server.engine
-    conn, response = open_stream(slow_server, {"max_tokens": 400})
+    conn, response = open_stream(slow_server, LONG)
     stream = events(response)
     first = next(stream)
     assert first["choices"][0]["delta"]["role"] == "assistant"
@@ -222,9 +227,9 @@ def test_disconnect_while_streaming_frees_the_request_within_a_step(slow_server)
 
 def test_disconnect_while_queued_and_while_waiting_for_a_whole_answer(slow_server):
     engine = slow_server.engine
-    running, response = open_stream(slow_server, {"max_tokens": 400})
+    running, response = open_stream(slow_server, LONG)
     next(events(response))
-    queued, _ = open_stream(slow_server, {"max_tokens": 400})
+    queued, _ = open_stream(slow_server, LONG)
     deadline = time.monotonic() + 5
     while engine.stats["waiting"] < 1:
         assert time.monotonic() < deadline
@@ -241,7 +246,7 @@ def test_disconnect_while_queued_and_while_waiting_for_a_whole_answer(slow_serve
     target = urlparse(slow_server.url)
     conn = http.client.HTTPConnection(target.hostname, target.port, timeout=0.3)
     conn.request("POST", "/v1/chat/completions", json.dumps({"model": "test-model", "messages": USER,
-                                                              "max_tokens": 400}), {"Content-Type": "application/json"})
+                                                              **LONG}), {"Content-Type": "application/json"})
     try:
         answer = conn.getresponse()
         pytest.fail(f"expected no answer within 0.3 s, got {answer.status}: {answer.read()[:300]!r}")
