@@ -164,7 +164,7 @@ def test_n_choices_share_the_prompt_pages(tiny_server):
 
 def test_logprobs_present_sorted_and_the_samplers(tiny_server):
     out = chat(tiny_server, "Tell me", max_tokens=10, temperature=1.0, top_p=1.0, logprobs=True, top_logprobs=5,
-               extra_body={"top_k": 0})
+               seed=0, extra_body={"top_k": 0})   # seeded: an unseeded draw may hit eos before 10 tokens
     entries = out.choices[0].logprobs.content
     assert len(entries) == out.usage.completion_tokens == 10
     assert sum(e.logprob for e in entries) <= 0
@@ -178,7 +178,7 @@ def test_logprobs_present_sorted_and_the_samplers(tiny_server):
     out = chat(tiny_server, "Tell me", max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
     for e in out.choices[0].logprobs.content:
         assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob
-    out = chat(tiny_server, "Tell me", max_tokens=6, temperature=1.0, logprobs=True, top_logprobs=10,
+    out = chat(tiny_server, "Tell me", max_tokens=6, temperature=1.0, logprobs=True, top_logprobs=10, seed=0,
                extra_body={"top_k": 3})
     for e in out.choices[0].logprobs.content:
         assert len(e.top_logprobs) == 3
