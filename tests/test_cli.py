@@ -386,7 +386,7 @@ def test_output_file_and_progress_on_stderr(tmp_path):
 def test_progress_redraws_one_line_on_a_terminal():
     import io
 
-    from npqwen.cli import Progress
+    from npqwen.cli.progress import Progress
 
     class Terminal(io.StringIO):
         def isatty(self):

@@ -1,0 +1,61 @@
+"""The `npqwen` command: the parser and main; each command lives in its own module here.
+
+A command is one module, npqwen/cli/<name>.py, with `add_parser(commands)` (its subparser, its
+options, `set_defaults(run=cmd_<name>)`) and its `cmd_<name>(args)`; adding one is that module
+and its name in COMMANDS. What several commands share (loading, the sampling and engine-size
+options, writing to stdout) is in common.py.
+
+A mistake the user can fix (bad path, bad value, prompt too long) prints one line on stderr
+and exits with status 1, without a traceback.
+"""
+import argparse
+import importlib
+import io
+import os
+import sys
+
+from ..errors import NpqwenError
+from .common import OutputError, write_out
+
+COMMANDS = [   # npqwen/cli/<name>.py, in the order `npqwen --help` lists them
+    "generate",
+    "serve",
+    "chat",
+    "inspect",
+    "trace",
+    "compare",
+]
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        # Text the terminal's encoding cannot show (PYTHONIOENCODING=latin-1 and a Chinese answer)
+        # prints as "?" instead of ending the run in a UnicodeEncodeError.
+        sys.stdout.reconfigure(errors="replace")
+    try:
+        code = args.run(args) or 0
+        write_out("")   # flush now: a full disk shows as one line here, not as a traceback at exit
+        return code
+    except NpqwenError as e:
+        print(f"npqwen: error: {e}", file=sys.stderr)
+        if isinstance(e, OutputError):   # what is still buffered would fail again at exit: let it go nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:   # e.g. `npqwen generate ... | head`
+        sys.stderr.close()
+        return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="npqwen", description="Qwen3 inference in plain NumPy / CuPy.")
+    from .. import __version__
+    parser.add_argument("--version", action="version", version=f"npqwen {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"{__name__}.{name}").add_parser(commands)
+    return parser

@@ -1,0 +1,113 @@
+"""`npqwen chat`: a multi-turn conversation on the terminal, each answer streamed."""
+import contextlib
+import signal
+import sys
+
+from ..errors import NpqwenError
+from .common import (OutputError, check_sampling_args, checked_text, load_model, model_options, print_stats,
+                     sampling_kwargs, sampling_options, stream_to_stdout, system_messages)
+
+
+def add_parser(commands):
+    p = commands.add_parser("chat", parents=[model_options(), sampling_options()], help="interactive multi-turn chat",
+                            description="Multi-turn chat. /reset clears the history; /exit, Ctrl-D or Ctrl-C at "
+                                        "the prompt quits; Ctrl-C during an answer stops that answer (it is not "
+                                        "kept in the history). Arrow keys edit the line and recall earlier ones.")
+    p.set_defaults(run=cmd_chat)
+
+
+def cmd_chat(args) -> int:
+    from ..llm import split_reasoning
+
+    check_sampling_args(args)   # a bad value shows before the (slow) load
+    system = system_messages(args)
+    llm, _ = load_model(args, chat_template=True)
+    kwargs = sampling_kwargs(args)
+    history = list(system)
+    line_editing()
+    print(f"npqwen chat with {args.model}. /reset clears the history; /exit, Ctrl-D or Ctrl-C quits; "
+          f"Ctrl-C during an answer stops it.", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):   # Ctrl-D, or Ctrl-C at the prompt: quit
+            print(file=sys.stderr)
+            return 0
+        except UnicodeDecodeError:
+            print("npqwen: error: that input is not valid UTF-8; try again", file=sys.stderr)
+            continue
+        except OSError as e:   # input() writes ">>> " to stdout: a full disk or a closed terminal
+            raise OutputError(f"cannot use stdout or stdin ({e.strerror or e})") from None
+        command = line.strip()
+        if command in ("/exit", "/quit"):
+            return 0
+        if command == "/reset":
+            history = list(system)
+            print("(history cleared)", file=sys.stderr)
+            continue
+        if not command:
+            continue
+        try:
+            checked_text(line, "message")
+            messages = history + [{"role": "user", "content": line}]
+            with ctrl_c_sets_a_flag() as pressed:   # from Enter to the answer's end: Ctrl-C stops the answer
+                ids = chat_ids(llm, messages, args, earlier_turns=len(history) > len(system))
+                result = stream_to_stdout(llm, ids, kwargs, stop_requested=pressed)
+        except OutputError:        # stdout is gone: nothing more can be shown
+            raise
+        except NpqwenError as e:   # e.g. the conversation outgrew the context: say so and keep going
+            print(f"npqwen: error: {e}", file=sys.stderr)
+            continue
+        if result is None:
+            # A stopped answer is dropped: the next turn reads as if the question had not been answered,
+            # rather than as an answer that ends mid-sentence.
+            print("(answer stopped; it is not kept in the history; Ctrl-C again or /exit quits)", file=sys.stderr)
+            continue
+        # Qwen3 keeps only the final answer of earlier turns, not their reasoning.
+        history = messages + [{"role": "assistant", "content": split_reasoning(result.text)[1]}]
+        print_stats(result)
+        if len(ids) + len(result.token_ids) >= llm.config.max_position_embeddings:
+            print(f"(the conversation fills the context of {llm.config.max_position_embeddings} tokens, so the "
+                  f"answer was cut; /reset clears the history)", file=sys.stderr)
+
+
+def chat_ids(llm, messages, args, earlier_turns: bool) -> list[int]:
+    """The conversation under the chat template, as token ids; one that leaves no room to answer is refused
+    with a message that names the history, which is what grew."""
+    ids = llm.tokenizer.encode(llm.chat_prompt(messages, enable_thinking=not args.no_think))
+    context = llm.config.max_position_embeddings
+    if len(ids) >= context and earlier_turns:
+        raise NpqwenError(f"the conversation has outgrown the context: the history and this message are {len(ids)} "
+                          f"tokens, the model holds {context}; /reset clears the history")
+    if len(ids) >= context:
+        raise NpqwenError(f"this message is {len(ids)} tokens under the chat template, the model holds {context}; "
+                          f"send a shorter one")
+    return ids
+
+
+def line_editing():
+    """Arrow keys edit the line and recall earlier lines: importing readline is enough for input() to use it."""
+    try:
+        import readline  # noqa: F401
+    except ImportError:   # e.g. Windows without pyreadline: plain input() still works
+        pass
+
+
+@contextlib.contextmanager
+def ctrl_c_sets_a_flag():
+    """Inside, a first Ctrl-C only sets a flag (read between two text pieces), so it never lands in the
+    middle of an engine step; a second one raises KeyboardInterrupt as usual (and quits)."""
+    pressed = []
+
+    def on_ctrl_c(signum, frame):
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(True)
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        yield lambda: bool(pressed)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+

@@ -1,0 +1,222 @@
+"""What the commands share: the option groups (model, sampling, engine sizes, one prompt), checks
+made before the (slow) load, the load itself, writing to stdout, and the closing statistics."""
+import argparse
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from ..errors import NpqwenError
+from ..hub import DEFAULT_MODEL
+
+# Every option's help ends with its default: "(default: ...)", written out where None means
+# "the checkpoint's value" or "off".
+
+
+class OutputError(NpqwenError):
+    """stdout cannot take the output (a full disk, /dev/full, a closed terminal)."""
+
+
+def write_out(text: str):
+    """Write to stdout and flush; a failed write (no space left) is one clear error."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise OutputError(f"cannot write the output to stdout ({e.strerror or e})") from None
+
+
+def model_options() -> argparse.ArgumentParser:
+    """--model, --device, --dtype: a parent parser for every command."""
+    model = argparse.ArgumentParser(add_help=False)
+    model.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                       help=f"checkpoint directory, hub id in the HF cache (downloaded if missing), or 'tiny' "
+                            f"(default: {DEFAULT_MODEL})")
+    model.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: cpu)")
+    model.add_argument("--dtype", default="float32",
+                       help="compute dtype; cpu: float32, float64; cuda: also float16 (default: float32)")
+    return model
+
+
+def sampling_options() -> argparse.ArgumentParser:
+    """The sampling values, --system and --no-think: a parent parser for the commands that generate."""
+    sampling = argparse.ArgumentParser(add_help=False)
+    checkpoint = "(default: generation_config.json's, else %s)"
+    sampling.add_argument("--max-new-tokens", "-n", type=int, default=512,
+                          help="most tokens to generate (default: 512)")
+    sampling.add_argument("--temperature", "-t", type=float, help="0 is greedy " + checkpoint % "0")
+    sampling.add_argument("--top-k", type=int, help="0 is off " + checkpoint % "0")
+    sampling.add_argument("--top-p", type=float, help="1 is off " + checkpoint % "1")
+    sampling.add_argument("--min-p", type=float, help="0 is off " + checkpoint % "0")
+    sampling.add_argument("--repetition-penalty", type=float, help="1 is off " + checkpoint % "1")
+    sampling.add_argument("--presence-penalty", type=float, help="0 is off (default: 0)")
+    sampling.add_argument("--frequency-penalty", type=float,
+                          help="subtracted once per earlier occurrence of a token, OpenAI's rule; 0 is off (default: 0)")
+    sampling.add_argument("--seed", type=int, help="for a reproducible draw (default: none, a fresh draw each run)")
+    sampling.add_argument("--stop", action="append",
+                          help="stop string (repeatable); not included in the output (default: none)")
+    sampling.add_argument("--no-think", action="store_true",
+                          help="enable_thinking=False in the chat template (default: thinking on)")
+    sampling.add_argument("--system", help="system message (default: none)")
+    return sampling
+
+
+def one_prompt_options() -> argparse.ArgumentParser:
+    """--prompt and --chat: a parent parser for the commands that run one forward pass (trace, compare)."""
+    one_pass = argparse.ArgumentParser(add_help=False)
+    one_pass.add_argument("--prompt", "-p", required=True, help="the input text (required)")
+    one_pass.add_argument("--chat", action="store_true",
+                          help="apply the chat template to the prompt first (default: the prompt as is)")
+    return one_pass
+
+
+SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                   "presence_penalty", "seed", "stop", "frequency_penalty")
+ENGINE_SIZES = ("max_batch_size", "max_batched_tokens", "kv_cache_tokens", "page_size")   # npqwen.Engine's
+
+
+def add_engine_sizes(group):
+    group.add_argument("--max-batch-size", type=int, help="most requests in one step (default: the engine's, 64)")
+    group.add_argument("--max-batched-tokens", type=int, help="most tokens in one step (default: the engine's, 512)")
+    group.add_argument("--kv-cache-tokens", type=int,
+                       help="KV-cache positions (default: the engine's, half the free memory)")
+    group.add_argument("--page-size", type=int, help="positions per KV-cache page (default: the engine's, 256)")
+    group.add_argument("--no-prefix-cache", action="store_true", help="do not reuse pages of shared prefixes "
+                       "(default: reuse them)")
+
+
+def engine_sizes(args) -> dict:
+    """npqwen.Engine's keyword arguments given on the command line."""
+    sizes = {k: getattr(args, k) for k in ENGINE_SIZES if getattr(args, k) is not None}
+    return {**sizes, **({"prefix_cache": False} if args.no_prefix_cache else {})}
+
+
+def check_device_dtype(args):
+    """npqwen.load's device and dtype checks, before anything slow (inspect never calls load)."""
+    from ..llm import check_device_dtype as check
+
+    check(args.device, args.dtype)
+
+
+def check_writable(path: str, option: str):
+    """Before the slow work: `path` must be a file name in a folder that exists and can be written."""
+    target, folder = Path(path), Path(path).parent
+    if target.is_dir():
+        raise NpqwenError(f"{path}: cannot write it ({option}): it is a directory; give a file name")
+    if not folder.is_dir():
+        raise NpqwenError(f"{path}: cannot write it ({option}): no such directory {str(folder)!r}")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise NpqwenError(f"{path}: cannot write it ({option}): permission denied")
+
+
+# check_request's stand-in for a model not loaded yet: the context length is checked later, with the prompt.
+ANY_CONTEXT = SimpleNamespace(max_position_embeddings=sys.maxsize)
+
+
+def check_sampling_args(args):
+    """The command line's sampling values, with the checks every request gets, before the (slow) load.
+
+    The checkpoint's own defaults (generation_config.json) are checked when the request is made."""
+    from ..generate import check_request
+    from ..sampling import sampling_params
+
+    kwargs = sampling_kwargs(args)
+    check_request(ANY_CONTEXT, [0], kwargs.pop("max_new_tokens"), kwargs.pop("stop"))
+    sampling_params({}, **kwargs)
+
+
+def sampling_kwargs(args) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                presence_penalty=args.presence_penalty, seed=args.seed, stop=args.stop,
+                frequency_penalty=args.frequency_penalty)
+
+
+def load_model(args, chat_template: bool = False):
+    """The model, and the seconds it took to load; a checkpoint without a tokenizer is refused first
+    (every command here starts from text), as is one without a chat template when `chat_template`."""
+    from .. import load
+    from ..hub import resolve_model
+
+    check_device_dtype(args)
+    started = time.perf_counter()
+    model = args.model
+    if model != "tiny":
+        model = resolve_model(model).resolve()   # absolute: a local folder named "tiny" is not the built-in one
+        if not (model / "tokenizer.json").is_file():
+            raise NpqwenError(f"{model}: no tokenizer.json, so the text cannot be encoded; the checkpoint directory "
+                              f"needs the model's tokenizer.json and tokenizer_config.json (from the same hub repo)")
+    llm = load(model, device=args.device, dtype=args.dtype)
+    if chat_template and llm.tokenizer.chat_template is None:
+        instead = {"generate": ", or use --raw for a plain completion", "chat": ""}.get(args.command,
+                                                                                       ", or leave out --chat")
+        raise NpqwenError(f"{model}: tokenizer_config.json has no chat_template (nor is there a chat_template.jinja), "
+                          f"so messages cannot be formatted; add the model's tokenizer_config.json{instead}")
+    return llm, time.perf_counter() - started
+
+
+def checked_text(text: str, what: str) -> str:
+    """Refuse text that is not valid UTF-8 (Python keeps undecodable argv bytes as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise NpqwenError(f"the {what} is not valid UTF-8; fix its encoding") from None
+    return text
+
+
+def system_messages(args) -> list[dict]:
+    return [{"role": "system", "content": checked_text(args.system, "system message")}] if args.system else []
+
+
+def prompt_ids(llm, args, prompt: str) -> list[int]:
+    if args.chat:
+        prompt = llm.chat_prompt(prompt)
+    ids = llm.tokenizer.encode(prompt)   # load_model refused a checkpoint without a tokenizer
+    if not ids:
+        raise NpqwenError("the prompt is empty")
+    return ids
+
+
+def stream_to_stdout(llm, prompt, kwargs, stop_requested=None):
+    """Generate, writing each text piece as it comes; the GenerationResult at the end.
+
+    `stop_requested` (chat: Ctrl-C was pressed) is asked after every piece; when it says yes the
+    stream is closed, which aborts its request in the engine, and the result is None."""
+    from ..generate import GenerationResult
+
+    result = GenerationResult("", [], "length")
+    pieces = llm.stream(prompt, result=result, **kwargs)   # nothing runs until the first piece is asked for
+    stopped = stop_requested is not None and stop_requested()
+    if not stopped:
+        for piece in pieces:
+            write_out(piece)
+            if stop_requested is not None and stop_requested():
+                stopped = True
+                break
+    if stopped:
+        pieces.close()   # the generator's `finally` aborts the request and frees its pages
+        write_out("\n")
+        return None
+    write_out("\n")
+    return result
+
+
+def print_stats(result, load_seconds: float | None = None):
+    lines = []
+    if load_seconds is not None:
+        lines.append(f"load: {load_seconds:.2f} s")
+    lines.append(f"prompt: {result.prompt_tokens} tokens, {result.prompt_tokens_per_second:.1f} tokens/s")
+    lines.append(f"generation: {len(result.token_ids)} tokens, {result.generation_tokens_per_second:.1f} "
+                 f"tokens/s ({result.finish_reason})")
+    lines.append(f"peak memory: {peak_rss_bytes() / 1e9:.3f} GB")
+    print("==========\n" + "\n".join(lines), file=sys.stderr)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

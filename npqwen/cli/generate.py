@@ -1,0 +1,227 @@
+"""`npqwen generate`: one prompt streamed to stdout, or a --prompts-file run together through one
+engine, its results as JSONL in input order."""
+import codecs
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import NpqwenError
+from .common import (ENGINE_SIZES, SAMPLING_FIELDS, add_engine_sizes, check_sampling_args, check_writable,
+                     checked_text, engine_sizes, load_model, model_options, peak_rss_bytes, print_stats,
+                     sampling_kwargs, sampling_options, stream_to_stdout, system_messages, write_out)
+from .progress import Progress
+
+
+def add_parser(commands):
+    p = commands.add_parser("generate", parents=[model_options(), sampling_options()],
+                            help="complete one prompt, streaming; or a file of prompts, batched")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", "-p", help="the prompt ('-' reads it from stdin)")
+    source.add_argument("--prompts-file", metavar="FILE",
+                        help="many prompts, run together through one engine: one per line, or JSONL lines with "
+                             "\"prompt\" or \"messages\" and optional sampling fields ('-' reads stdin)")
+    p.add_argument("--raw", action="store_true",
+                   help="plain completion: do not apply the chat template (default: the chat template)")
+    batch = p.add_argument_group("with --prompts-file")
+    batch.add_argument("--output", "-o", metavar="OUT.jsonl", help="write the results here (default: stdout)")
+    add_engine_sizes(batch)
+    p.set_defaults(run=cmd_generate)
+
+
+def cmd_generate(args) -> int:
+    if args.prompts_file is not None:
+        return generate_file(args)
+    given = [f"--{name.replace('_', '-')}" for name in ("output", *ENGINE_SIZES) if getattr(args, name) is not None]
+    if args.no_prefix_cache:
+        given.append("--no-prefix-cache")
+    if given:
+        raise NpqwenError(f"{given[0]} goes with --prompts-file, not --prompt")
+    if args.prompt == "-":
+        try:
+            args.prompt = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise NpqwenError(f"the prompt on stdin is not valid UTF-8 ({e})") from None
+    prompt = checked_text(args.prompt, "prompt")
+    system = system_messages(args)
+    check_sampling_args(args)   # a bad value shows before the (slow) load
+    llm, load_seconds = load_model(args, chat_template=not args.raw)
+    kwargs = sampling_kwargs(args)
+    if not args.raw:
+        prompt = llm.chat_prompt(system + [{"role": "user", "content": prompt}], enable_thinking=not args.no_think)
+    print_stats(stream_to_stdout(llm, prompt, kwargs), load_seconds)
+    return 0
+
+
+
+
+@dataclass
+class FilePrompt:
+    """One prompt of a --prompts-file, with the line it came from."""
+    line: int                                      # 1-based line number in the file
+    prompt: str | None = None                      # a plain line, or JSONL "prompt": templated unless --raw
+    messages: list | None = None                   # JSONL "messages": always templated
+    sampling: dict = field(default_factory=dict)   # JSONL sampling fields: they override the command line
+
+
+def read_prompts_file(path: str) -> list[FilePrompt]:
+    """The prompts in FILE: JSONL if every non-empty line is a JSON object, else one prompt per line."""
+    name = file_name(path)
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as e:
+        raise NpqwenError(f"{name}: cannot read it ({e.strerror or e})") from None
+    data = data.removeprefix(codecs.BOM_UTF8)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise NpqwenError(f"{name} line {line}: not valid UTF-8 (byte {data[e.start]:#04x}); "
+                          f"fix the file's encoding") from None
+    lines = [(n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    if not lines:
+        raise NpqwenError(f"{name}: no prompts in it (the file is empty)")
+    objects = [json_object(line) for _, line in lines]
+    if any(o is None for o in objects):
+        if any(o is not None for o in objects):   # most likely JSONL with a broken line: say how it was read
+            n = next(n for (n, _), o in zip(lines, objects) if o is None)
+            print(f"npqwen: {name} line {n} is not a JSON object, so every line is read as a plain-text prompt",
+                  file=sys.stderr)
+        return [FilePrompt(n, prompt=line) for n, line in lines]
+    return [file_prompt(f"{name} line {n}", n, o) for (n, _), o in zip(lines, objects)]
+
+
+def file_name(path: str) -> str:
+    return "stdin" if path == "-" else path
+
+
+def json_object(line: str) -> dict | None:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def file_prompt(where: str, n: int, obj: dict) -> FilePrompt:
+    """A JSONL line: "prompt" (a string) or "messages" (a chat), and sampling fields (null = not given)."""
+    unknown = [k for k in obj if k not in ("prompt", "messages", *SAMPLING_FIELDS)]
+    if unknown:
+        raise NpqwenError(f"{where}: unknown field {unknown[0]!r}; a line has \"prompt\" or \"messages\" and "
+                          f"optionally {', '.join(SAMPLING_FIELDS)}")
+    if ("prompt" in obj) == ("messages" in obj):
+        raise NpqwenError(f"{where}: needs \"prompt\" (a string) or \"messages\" (a list of chat messages), "
+                          f"{'not both' if 'prompt' in obj else 'and has neither'}")
+    prompt, messages = obj.get("prompt"), obj.get("messages")
+    if "prompt" in obj and not isinstance(prompt, str):
+        raise NpqwenError(f"{where}: \"prompt\" must be a string, got {json.dumps(prompt)[:60]}")
+    if "messages" in obj and not (isinstance(messages, list) and messages
+                                  and all(isinstance(m, dict) for m in messages)):
+        raise NpqwenError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": ..., \"content\": ...}} "
+                          f"objects, got {json.dumps(messages)[:60]}")
+    try:   # JSON can escape a lone UTF-16 surrogate ("\\ud800"), which no UTF-8 text holds
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise NpqwenError(f"{where}: a string in it is not valid UTF-8 (an unpaired surrogate escape)") from None
+    return FilePrompt(n, prompt, messages, {k: v for k, v in obj.items() if k in SAMPLING_FIELDS and v is not None})
+
+
+def generate_file(args) -> int:
+    """--prompts-file: every prompt through one engine; the results as JSONL, in input order."""
+    from ..engine import Engine
+
+    name = file_name(args.prompts_file)
+    # The command line's values alone first, so a bad one is not blamed on line 1; then the file's own
+    # mistakes; all before the (slow) load.
+    check_sampling_args(args)
+    system_messages(args)
+    if args.output:
+        check_writable(args.output, "--output")
+    prompts = read_prompts_file(args.prompts_file)
+    llm, load_seconds = load_model(args, chat_template=not args.raw or any(p.messages for p in prompts))
+    engine = Engine(llm, **engine_sizes(args))
+    defaults = sampling_kwargs(args)
+    # Every request is added (and so checked) before the first step; one bad line cancels them all.
+    request_ids = []
+    for p in prompts:
+        try:
+            request_ids.append(engine.add_request(file_prompt_text(llm, args, p), **{**defaults, **p.sampling}))
+        except NpqwenError as e:
+            for request_id in request_ids:
+                engine.abort(request_id)
+            raise NpqwenError(f"{name} line {p.line}: {e}") from None
+    try:
+        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    except OSError as e:
+        raise NpqwenError(f"{args.output}: cannot write it ({e.strerror or e})") from None
+    index = {request_id: i for i, request_id in enumerate(request_ids)}
+    budget = {request_id: engine.requests[request_id].max_new_tokens for request_id in request_ids}
+    progress = Progress(len(prompts), sum(budget.values()))
+    results, written = {}, 0
+    try:
+        while engine.has_unfinished():
+            for o in engine.step():
+                progress.advance(len(o.token_ids))
+                if o.finished:
+                    results[index[o.request_id]] = o.result
+                    progress.finish_one(budget[o.request_id] - len(o.result.token_ids))
+            if written in results and out is sys.stdout:
+                progress.clear()        # a result on the terminal must not land inside the progress line
+            while written in results:   # in input order: write each result once those before it are written
+                write_record(out, json.dumps(result_record(written, prompts[written], results[written]),
+                                             ensure_ascii=False) + "\n", args.output)
+                written += 1
+            progress.show()
+        progress.show(final=True)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    print_batch_stats(list(results.values()), progress.elapsed(), engine.stats, load_seconds)
+    if args.output:
+        print(f"wrote {written} results to {args.output}", file=sys.stderr)
+    return 0
+
+
+def write_record(out, line: str, output: str | None):
+    """One JSON line to --output or stdout, flushed; a failed write (disk full) is one clear error."""
+    if out is sys.stdout:
+        return write_out(line)
+    try:
+        out.write(line)
+        out.flush()
+    except OSError as e:
+        raise NpqwenError(f"{output}: cannot write it ({e.strerror or e})") from None
+
+
+def file_prompt_text(llm, args, p: FilePrompt) -> str:
+    """The text the engine gets: a plain or "prompt" line under the chat template unless --raw; messages always."""
+    if p.messages is not None:
+        return llm.chat_prompt(p.messages, enable_thinking=not args.no_think)
+    if args.raw:
+        return p.prompt
+    return llm.chat_prompt(system_messages(args) + [{"role": "user", "content": p.prompt}],
+                           enable_thinking=not args.no_think)
+
+
+def result_record(i: int, p: FilePrompt, result) -> dict:
+    source = {"prompt": p.prompt} if p.messages is None else {"messages": p.messages}
+    return {"index": i, **source, "text": result.text, "token_ids": [int(t) for t in result.token_ids],
+            "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
+            "generated_tokens": len(result.token_ids)}
+
+
+def print_batch_stats(results: list, seconds: float, stats: dict, load_seconds: float):
+    generated = sum(len(r.token_ids) for r in results)
+    reasons = {}
+    for r in results:
+        reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
+    lines = [f"load: {load_seconds:.2f} s",
+             f"prompts: {len(results)}, {sum(r.prompt_tokens for r in results)} tokens "
+             f"({stats['prefix_cache_hit_tokens']} from the prefix cache)",
+             f"generation: {generated} tokens in {seconds:.2f} s, {generated / seconds if seconds else 0.0:.1f} "
+             f"tokens/s ({', '.join(f'{n} {reason}' for reason, n in sorted(reasons.items()))})",
+             f"preemptions: {stats['preemptions']}",
+             f"peak memory: {peak_rss_bytes() / 1e9:.3f} GB"]
+    print("==========\n" + "\n".join(lines), file=sys.stderr)
+
+

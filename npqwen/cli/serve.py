@@ -1,0 +1,80 @@
+"""`npqwen serve`: an OpenAI-compatible HTTP server (npqwen/server/) on one batched engine."""
+import signal
+
+from ..errors import NpqwenError
+from .common import add_engine_sizes, engine_sizes, load_model, model_options
+
+
+def add_parser(commands):
+    p = commands.add_parser("serve", parents=[model_options()],
+                            help="an OpenAI-compatible HTTP server (needs npqwen[serve])",
+                            description="Serve the model over HTTP with OpenAI's API (/v1/chat/completions, "
+                                        "/v1/completions, /v1/models), plus /tokenize, /detokenize, /health and "
+                                        "/metrics. Many clients at once, through one batched engine. Ctrl-C stops.")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; 0.0.0.0 opens it to the network (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: 8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: none, anyone who can connect)")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the --model value)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="waiting requests before new ones get 429 (default: 256)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level; info logs each request (default: info)")
+    add_engine_sizes(p.add_argument_group("engine sizes"))
+    p.set_defaults(run=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    """Load, make the engine, bind the port, and serve until Ctrl-C (uvicorn stops cleanly on SIGINT)."""
+    import socket
+
+    try:
+        import uvicorn
+
+        from ..server.app import create_app
+    except ImportError as e:
+        raise NpqwenError(f"npqwen serve needs the serve extra: pip install 'npqwen[serve]' ({e.name} is "
+                          f"missing)") from None
+    from ..engine import Engine
+
+    if not 0 <= args.port <= 65535:
+        raise NpqwenError(f"--port must be in 0 .. 65535, got {args.port}")
+    if args.max_queue < 1:
+        raise NpqwenError(f"--max-queue must be >= 1, got {args.max_queue}")
+    try:   # bound before the (slow) load, so that a port in use is said at once
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+        sock.listen(2048)   # clients that come before uvicorn takes the socket wait in the backlog
+    except OSError as e:
+        raise NpqwenError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); pick another --port "
+                          f"(0 picks a free one) or --host") from None
+    llm, seconds = load_model(args, chat_template=True)
+    engine = Engine(llm, **engine_sizes(args))
+    name = args.served_model_name or args.model
+    host, port = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+    def ready():
+        print(f"npqwen: serving {name} at {url}/v1, the web page at {url}/ (loaded in {seconds:.1f} s; KV cache "
+              f"{engine.pool.num_pages * engine.page_size} positions); Ctrl-C stops", flush=True)
+
+    app = create_app(llm, engine, name, api_key=args.api_key, max_queue=args.max_queue, on_ready=ready)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=3))
+
+    def handle_exit(sig, frame):
+        # Ctrl-C or SIGTERM: open requests end now (a stream gets an error event, then [DONE]), then
+        # uvicorn shuts down (a second Ctrl-C: at once). Unlike uvicorn's own handler this does not
+        # raise the signal again afterwards, which would interrupt the shutdown with a traceback.
+        app.state.loop.stop_soon()
+        if server.should_exit and sig == signal.SIGINT:
+            server.force_exit = True
+        server.should_exit = True
+
+    server.handle_exit = handle_exit
+    server.run(sockets=[sock])
+    print("npqwen: stopped", flush=True)
+    return 0
+
+
