@@ -1,5 +1,6 @@
 """The `npqwen` command, run for real in a subprocess, including every bad-input case."""
 import argparse
+import io
 import json
 import os
 import re
@@ -383,30 +384,85 @@ def test_output_file_and_progress_on_stderr(tmp_path):
         assert line in err
 
 
-def test_progress_redraws_one_line_on_a_terminal():
-    import io
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
 
-    from npqwen.cli.progress import Progress
 
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
+def test_progress_redraws_one_line_on_a_terminal(monkeypatch):
+    from npqwen.cli import progress as module
 
+    monkeypatch.setattr(module, "TERMINAL_EVERY", 0)   # every show() redraws
     stream = Terminal()
-    progress = Progress(total=2, budget=20, stream=stream)
-    progress.advance(2)
-    progress.shown -= 1                 # as if the last redraw were a second ago
-    progress.show()
-    progress.advance(8)
-    progress.finish_one(0)
-    progress.advance(3)
-    progress.finish_one(7)              # stopped 7 tokens short of its max_new_tokens
-    progress.show(final=True)
+    with module.Progress(items=2, work=20, stream=stream) as progress:
+        progress.advance(2)
+        progress.show()
+        progress.advance(8)
+        progress.finish_one(0)
+        progress.advance(3)
+        progress.finish_one(7)              # stopped 7 tokens short of its max_new_tokens
+        progress.show()
     text = stream.getvalue()
-    assert text.startswith("\r[") and text.endswith("\n") and text.count("\n") == 1 and text.count("\r") == 2
-    first, last = text.strip("\n").split("\r")[1:]
-    assert "0/2 done, 2 tokens" in first and "ETA 0:00:" in first
-    assert "[####################] 2/2 done, 13 tokens" in last and "took 0:00:" in last
+    assert text.startswith("\r[") and text.endswith("\n") and text.count("\n") == 1, repr(text)
+    lines = [line.strip() for line in text.strip("\n").split("\r")[1:]]
+    assert lines[0] == "[....................] 0/2 done, 0 tokens, 0.0 tokens/s, ETA ?"
+    assert lines[1].startswith("[##..................] 0/2 done, 2 tokens, ") and "ETA 0:00:" in lines[1]
+    assert all(line.startswith("[####################] 2/2 done, 13 tokens, ") and "took 0:00:" in line
+               for line in lines[2:]), lines
+
+
+def test_progress_in_a_log_is_a_plain_line_every_few_seconds(monkeypatch):
+    from npqwen.cli import progress as module
+
+    stream = io.StringIO()                    # not a terminal
+    with module.Progress(items=3, work=30, stream=stream) as progress:
+        for _ in range(3):                    # all within a second: no line between the first and the last
+            progress.advance(10)
+            progress.finish_one(0)
+            progress.show()
+    assert "\r" not in stream.getvalue()
+    [last] = stream.getvalue().splitlines()   # the one at the end
+    assert last.startswith("[####################] 3/3 done, 30 tokens, ")
+    assert PROGRESS.search(last).groups() == ("3", "3", "took")
+    monkeypatch.setattr(module, "LOG_EVERY", 0)
+    stream = io.StringIO()
+    with module.Progress(items=2, work=20, stream=stream) as progress:
+        progress.advance(5)
+        progress.show()                       # its interval has passed: a line of its own
+    lines = stream.getvalue().splitlines()    # at the start, at show(), at the end
+    assert len(lines) == 3 and "0/2 done, 0 tokens" in lines[0] and all("0/2 done, 5 tokens" in x for x in lines[1:])
+    stream = io.StringIO()
+    with pytest.raises(KeyboardInterrupt), module.Progress(items=2, work=20, stream=stream) as progress:
+        progress.advance(5)
+        progress.show()
+        raise KeyboardInterrupt               # the error's own line is the last: no closing progress line
+    assert len(stream.getvalue().splitlines()) == 2
+    stream = Terminal()
+    with pytest.raises(KeyboardInterrupt), module.Progress(items=2, work=20, stream=stream) as progress:
+        raise KeyboardInterrupt               # on a terminal the line is wiped, and no newline left after it
+    assert stream.getvalue().endswith("\r") and stream.getvalue().split("\r")[-2].strip() == ""
+
+
+def test_prompts_file_progress_on_a_terminal(tmp_path):
+    pexpect = pytest.importorskip("pexpect", reason="pexpect is not installed (the test extra)")
+    path, output = tmp_path / "prompts.txt", tmp_path / "out.jsonl"
+    path.write_text("one\ntwo\nthree\n", encoding="utf-8")
+    # 3 x 2,000 greedy tokens of the tiny model: about a second, so the line is redrawn on the way
+    screen = pexpect.spawn(sys.executable, ["-m", "npqwen", "generate", "--model", "tiny", "--raw", "-t", "0",
+                                            "-n", "2000", "--prompts-file", str(path), "--output", str(output)],
+                           cwd=str(ROOT), encoding="utf-8", timeout=120, dimensions=(40, 200))
+    screen.expect(pexpect.EOF)
+    screen.close()
+    text = screen.before
+    print(repr(text))
+    assert screen.exitstatus == 0 and len(jsonl(output.read_text(encoding="utf-8"))) == 3
+    bar, stats = text.split("\r\n==========\r\n")
+    assert "\n" not in bar                     # one line, redrawn in place
+    draws = [PROGRESS.search(draw) for draw in bar.split("\r")[1:]]
+    assert draws[0] is None and "0/3 done, 0 tokens" in bar.split("\r")[1]
+    assert draws[-1].groups() == ("3", "3", "took") and "6000 tokens" in bar.split("\r")[-1]
+    assert any(d is not None and d.group(3) == "ETA" for d in draws), "no redraw on the way"
+    assert "generation: 6000 tokens" in stats
 
 
 BAD_FILES = {   # file bytes -> what the one error line says (after "npqwen: error: FILE")

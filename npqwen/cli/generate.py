@@ -3,6 +3,7 @@ engine, its results as JSONL in input order."""
 import codecs
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,27 +157,26 @@ def generate_file(args) -> int:
         raise NpqwenError(f"{args.output}: cannot write it ({e.strerror or e})") from None
     index = {request_id: i for i, request_id in enumerate(request_ids)}
     budget = {request_id: engine.requests[request_id].max_new_tokens for request_id in request_ids}
-    progress = Progress(len(prompts), sum(budget.values()))
-    results, written = {}, 0
+    results, written, started = {}, 0, time.perf_counter()
     try:
-        while engine.has_unfinished():
-            for o in engine.step():
-                progress.advance(len(o.token_ids))
-                if o.finished:
-                    results[index[o.request_id]] = o.result
-                    progress.finish_one(budget[o.request_id] - len(o.result.token_ids))
-            if written in results and out is sys.stdout:
-                progress.clear()        # a result on the terminal must not land inside the progress line
-            while written in results:   # in input order: write each result once those before it are written
-                write_record(out, json.dumps(result_record(written, prompts[written], results[written]),
-                                             ensure_ascii=False) + "\n", args.output)
-                written += 1
-            progress.show()
-        progress.show(final=True)
+        with Progress(len(prompts), work=sum(budget.values())) as progress:
+            while engine.has_unfinished():
+                for o in engine.step():
+                    progress.advance(len(o.token_ids))
+                    if o.finished:
+                        results[index[o.request_id]] = o.result
+                        progress.finish_one(budget[o.request_id] - len(o.result.token_ids))
+                if written in results and out is sys.stdout:
+                    progress.clear()        # a result on the terminal must not land inside the progress line
+                while written in results:   # in input order: write each result once those before it are written
+                    write_record(out, json.dumps(result_record(written, prompts[written], results[written]),
+                                                 ensure_ascii=False) + "\n", args.output)
+                    written += 1
+                progress.show()
     finally:
         if out is not sys.stdout:
             out.close()
-    print_batch_stats(list(results.values()), progress.elapsed(), engine.stats, load_seconds)
+    print_batch_stats(list(results.values()), time.perf_counter() - started, engine.stats, load_seconds)
     if args.output:
         print(f"wrote {written} results to {args.output}", file=sys.stderr)
     return 0
