@@ -3,7 +3,7 @@
     prefill(model, prompt_ids, cache)    -> logits of the last prompt token
     decode_one_token(model, token, cache) -> logits of the next position
 
-These two show the idea on one sequence (docs/walkthrough.md, tools/bench.py). `llm.generate`
+These two show the idea on one sequence (docs/walkthrough.md, tools/bench/decode.py). `llm.generate`
 runs through the engine (npqwen/engine/), which does the same for many requests at once. The
 stop conditions are an eos id, a user stop string (excluded from the text, see StopStrings),
 and max_new_tokens (finish_reason "length").

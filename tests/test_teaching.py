@@ -240,9 +240,9 @@ def test_walkthrough_code_samples_run(tmp_path):
 def test_bench_reports_every_figure(tmp_path, npqwen_tiny_dir):
     """The benchmark runs on a tiny checkpoint and reports each figure; it never asserts a time."""
     pytest.importorskip("transformers")
-    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--model", str(npqwen_tiny_dir), "--prefill", "8,32",
+    cmd = [sys.executable, "-m", "tools.bench", "--model", str(npqwen_tiny_dir), "--prefill", "8,32",
            "--decode-prompts", "4,40", "--new-tokens", "6", "--repeats", "2", "--json"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     for engine in ("npqwen", "hf-float32", "hf-bfloat16"):
@@ -256,22 +256,22 @@ def test_bench_reports_every_figure(tmp_path, npqwen_tiny_dir):
                 "decode_vs_hf-float32", "prefill_32_vs_hf-float32", "prefill_32_pct_of_matmul",
                 "rss_over_weights_plus_kv"):
         assert report["figures"][key] > 0, key
-    table = subprocess.run(cmd[:-1] + ["--markdown"], capture_output=True, text=True, timeout=600)
+    table = subprocess.run(cmd[:-1] + ["--markdown"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert table.returncode == 0 and "| decode tok/s (4-token prompt) |" in table.stdout
 
 
 def test_bench_serving_reports_every_figure(npqwen_tiny_dir):
-    """The serving suites on a tiny checkpoint, at small sizes: every run and figure is there, the
-    baselines count the same tokens for the same requests; it never asserts a time."""
+    """The serving suites and the step suite on a tiny checkpoint, at small sizes: every run and
+    figure is there, the baselines count the same tokens for the same requests; it never asserts a time."""
     pytest.importorskip("transformers")
-    import importlib.util
+    from tools.bench.report import markdown, table
 
-    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--model", str(npqwen_tiny_dir), "--threads", "1",
-           "--suites", "batch1,serving,prefix", "--decode-prompts", "4,40", "--new-tokens", "6",
+    cmd = [sys.executable, "-m", "tools.bench", "--model", str(npqwen_tiny_dir), "--threads", "1",
+           "--suites", "batch1,serving,prefix,step", "--decode-prompts", "4,40", "--new-tokens", "6",
            "--serving-requests", "6", "--serving-sample", "4", "--serving-prompt-lens", "8-40",
            "--serving-output-lens", "2-8", "--serving-batch", "2", "--prefix-tokens", "256", "--prefix-requests", "3",
-           "--json"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+           "--step-prefill", "40", "--step-batch", "2", "--step-context", "20", "--json"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     serving = report["serving"]
@@ -293,8 +293,32 @@ def test_bench_serving_reports_every_figure(npqwen_tiny_dir):
                 "serving_rss_over_weights_plus_kv_pool", "prefix_cold_over_cached_ttft",
                 "serving_output_tps_vs_hf-bfloat16-static", "serving_output_tps_vs_npqwen-sequential"):
         assert report["figures"][key] > 0, key
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "tools" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert "| time to first token, p99 (s) |" in bench.markdown(report)
-    assert "serving: linear-layer bound / engine's time" in bench.table(report)
+    for engine in ("npqwen", "hf-float32", "hf-bfloat16"):
+        assert report["engines"][engine]["step_prefill_s"] > 0 and report["engines"][engine]["step_batch_s"] > 0
+    for key in ("step_prefill_pct_of_matmul", "step_batch_pct_of_matmul", "step_prefill_vs_hf-float32",
+                "step_batch_vs_hf-bfloat16"):
+        assert report["figures"][key] > 0, key
+    assert "| time to first token, p99 (s) |" in markdown(report)
+    assert "| batched decode step (s) |" in markdown(report)
+    assert "serving: linear-layer bound / engine's time" in table(report)
+
+
+def test_bench_suites_are_modules_of_one_shape():
+    """Every suite in the registry is a module with the parts the command and the report call, and
+    --help lists each suite's flags; an unknown suite is refused with the list of them."""
+    import inspect
+
+    from tools.bench import SUITES
+
+    for name, suite in SUITES.items():
+        assert suite.NAME == name and suite.WORKER in ("single", "serving") and set(suite.NEEDS) <= set(SUITES)
+        for part in ("add_arguments", "runs_on", "run", "figures", "rows", "tables", "notes"):
+            assert inspect.isfunction(getattr(suite, part, None)), (name, part)
+        assert all(len(target) == 4 for target in suite.TARGETS), name
+    run = lambda *args: subprocess.run([sys.executable, "-m", "tools.bench", *args], capture_output=True,  # noqa: E731
+                                       text=True, cwd=ROOT)
+    help_text = run("--help").stdout
+    for flag in ("--decode-prompts", "--prefill", "--serving-requests", "--prefix-tokens", "--step-batch", "--profile"):
+        assert flag in help_text, flag
+    refused = run("--suites", "nope")
+    assert refused.returncode == 2 and f"choose from {', '.join(SUITES)}" in refused.stderr

@@ -1,0 +1,61 @@
+"""npqwen vs HF transformers, side by side in one run, on the same checkpoint and prompts.
+
+    python -m tools.bench                       # Qwen3-0.6B shape, random weights (built and cached)
+    python -m tools.bench --model DIR --json    # any checkpoint; machine-readable output
+    python -m tools.bench --markdown            # the table for the README
+
+(run from the repository root.) Each engine (npqwen, HF float32, HF bfloat16) runs in its own
+worker process, so load time and peak RSS are its own; the machine's streaming bandwidth
+(sampled every 8 decode steps, with a BLAS read of lm_head.weight) and float32 matmul throughput
+are measured on the spot, and the figures are reported as ratios, which survive a noisy machine
+better than absolute times. Prompts are random token ids; decoding is greedy with a KV cache; a
+decode figure is 1 / the median step time; a prefill figure is the best of --repeats runs; with
+--rounds the engines take turns and each figure's best round counts.
+
+Suites (--suites, comma-separated, or all; the default is prefill,decode):
+    decode    decode tokens/s after each --decode-prompts prompt, one sequence (prefill/decode_one_token)
+    batch1    the same decode as a batch of one through npqwen.Engine (the step time of its one
+              running request), as a % of the decode figure; implies decode
+    prefill   prefill tokens/s of each --prefill prompt, one sequence
+    serving   --serving-requests (64) requests arriving at once: random prompt ids, prompt lengths
+              and max_new_tokens uniform in --serving-prompt-lens / --serving-output-lens, eos
+              ignored, fixed seed. npqwen's engine runs all of them; the baselines (npqwen one
+              request after another; HF float32 and bfloat16 in static, left-padded batches of
+              --serving-batch, each batch running to its longest request) run only the first
+              --serving-sample (16) requests and report rates from that sample, since they are
+              the slow part of the run (their total and time to first token cover only those
+              requests). Also: the workload's linear-layer FLOPs over the measured float32
+              matmul rate (a bound on the engine's time), and peak RSS against the weights plus
+              the engine's KV pool (--serving-kv-tokens).
+    prefix    --prefix-requests (16) requests sharing a --prefix-tokens (1024) system prompt plus
+              32 tokens of their own, run one at a time: time to first token cold vs cached.
+    step      the many-token steps: a --step-prefill (1024) token prefill (chunks of 512), and one
+              decode step of --step-batch (32) sequences with --step-context (512) cached positions
+              each (npqwen: one engine Batch over a filled paged KV cache; HF: a batched forward
+              with a DynamicCache). For npqwen, beside each: its linear layers alone at the same
+              shapes (ops.linear on the model's own weights), and their share of the step.
+              --profile prints a cProfile table of npqwen's two steps to stderr.
+
+    python -m tools.bench --suites batch1,serving,prefix    # the serving benchmark alone
+
+decode, batch1, prefill and step share one worker process per engine and round; serving and
+prefix run in another worker per engine, once whatever --rounds says, so their peak RSS is their own.
+"""
+# One module per suite; a new suite is a new module beside these and one entry here. Each holds:
+#   NAME, WORKER, NEEDS   its --suites name; "single" (a worker per engine and round, shared with
+#                         the other one-sequence suites) or "serving" (a worker per engine, once);
+#                         the suites it implies
+#   add_arguments(group)  its flags
+#   runs_on(engine, args) whether it runs in that engine's worker ("npqwen", "hf-float32", ...)
+#   run(engine, args, rng) -> dict
+#                         its measurements, in the worker (engine: an engines.NpqwenEngine or
+#                         HFEngine, loaded once for every suite of the worker)
+#   figures(report) -> dict, TARGETS
+#                         the ratios and bounds it derives from the report, and the targets for them
+#   rows(report)          its rows in the table of one column per engine: [(label, cells)]
+#   tables(report)        tables of its own: [(column names, rows)]
+#   notes(report)         sentences printed under the tables
+# The order here is the order of the rows, tables, notes and targets, and of the runs in a worker.
+from tools.bench import batch1, decode, prefill, prefix, serving, step
+
+SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step)}

@@ -1,0 +1,155 @@
+"""The engines under test (npqwen and HF transformers' Qwen3ForCausalLM), the checkpoint they load,
+and the helpers every suite that drives npqwen.Engine shares."""
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ENGINES = ("npqwen", "hf-float32", "hf-bfloat16")
+CACHE_DIR = Path(os.environ.get("NPQWEN_CACHE", Path.home() / ".cache" / "npqwen"))
+
+
+def default_checkpoint() -> Path:
+    """A random-weight bf16 checkpoint of the exact Qwen3-0.6B shape, written once by npqwen's own writer."""
+    import numpy as np
+
+    from npqwen.checkpoint import expected_shapes, save_safetensors
+    from npqwen.config import QWEN3_0_6B_CONFIG, QWEN3_0_6B_GENERATION_CONFIG, Qwen3Config
+
+    path = CACHE_DIR / "qwen3-0.6b-random"
+    if (path / "model.safetensors").is_file() and (path / "config.json").is_file():
+        return path
+    print(f"[bench] building a random Qwen3-0.6B-shape checkpoint in {path} (once)", file=sys.stderr)
+    path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    shapes = expected_shapes(Qwen3Config.from_dict(QWEN3_0_6B_CONFIG))
+    tensors = {name: np.ones(shape, np.float32) if name.endswith("norm.weight")
+               else rng.standard_normal(shape, dtype=np.float32) * 0.02 for name, shape in shapes.items()}
+    save_safetensors(path / "model.safetensors.tmp", tensors, "BF16")
+    (path / "model.safetensors.tmp").rename(path / "model.safetensors")
+    (path / "generation_config.json").write_text(json.dumps(QWEN3_0_6B_GENERATION_CONFIG, indent=2))
+    (path / "config.json").write_text(json.dumps(QWEN3_0_6B_CONFIG, indent=2))
+    return path
+
+
+def load_engine(args):
+    """The engine this worker measures (args.worker names it), loaded once for all its suites."""
+    return NpqwenEngine(args) if args.worker == "npqwen" else HFEngine(args)
+
+
+def kv_cache_bytes(config, capacity: int, itemsize: int) -> int:
+    """Keys and values of every layer for `capacity` positions (HF's config or npqwen's: same field names)."""
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * capacity * itemsize
+
+
+def decode_rate(steps: list[float]) -> float:
+    """Tokens/s of a typical decode step: 1 / the median step time, which a burst of noise from
+    other tenants of a shared machine moves far less than the mean."""
+    return 1.0 / sorted(steps)[len(steps) // 2]
+
+
+class NpqwenEngine:
+    def __init__(self, args):
+        import npqwen
+        from npqwen.generate import decode_one_token, prefill
+
+        self.name = args.worker
+        self.llm = npqwen.load(args.model, device=args.device, dtype=args.dtype)
+        self.model, self._prefill, self._decode = self.llm.model, prefill, decode_one_token
+        self.vocab_size = self.llm.config.vocab_size
+        self.probe, self.bandwidth = None, []   # a bandwidth probe runs every 8 decode steps, if set
+        unique = {id(a): a for a in self.llm.weights.values()}.values()
+        self.sizes = {"weight_bytes": sum(a.nbytes for a in unique), "params": sum(a.size for a in unique)}
+
+    def prefill(self, ids, capacity):
+        cache = self.model.new_cache(capacity)
+        return int(self._prefill(self.model, ids, cache).argmax())
+
+    def decode(self, ids, new_tokens) -> float:
+        cache = self.model.new_cache(len(ids) + new_tokens)
+        token = int(self._prefill(self.model, ids, cache).argmax())
+        steps = []
+        for step in range(new_tokens - 1):
+            if self.probe is not None and step % 8 == 0:   # streaming bandwidth, under the same conditions
+                self.bandwidth.append(self.probe())
+            started = time.perf_counter()
+            token = int(self._decode(self.model, token, cache).argmax())
+            steps.append(time.perf_counter() - started)
+        return decode_rate(steps)
+
+    def kv_bytes(self, capacity) -> int:
+        return kv_cache_bytes(self.model.config, capacity, self.model.dtype.itemsize)
+
+
+class HFEngine:
+    def __init__(self, args):
+        import torch
+        from transformers import Qwen3ForCausalLM
+
+        torch.set_num_threads(args.threads)
+        self.name, self.torch = args.worker, torch
+        dtype = getattr(torch, args.worker.split("-")[1])
+        self.device = args.device
+        self.model = Qwen3ForCausalLM.from_pretrained(args.model, dtype=dtype).eval().to(args.device)
+        self.vocab_size = self.model.config.vocab_size
+        params = {p.data_ptr(): p for p in self.model.parameters()}.values()
+        self.sizes = {"weight_bytes": sum(p.numel() * p.element_size() for p in params),
+                      "params": sum(p.numel() for p in params)}
+        self.itemsize = torch.finfo(dtype).bits // 8
+
+    def prefill(self, ids, capacity):
+        with self.torch.inference_mode():
+            x = self.torch.tensor([ids], device=self.device)
+            out = self.model(x, use_cache=True, logits_to_keep=1)
+            return int(out.logits[0, -1].argmax()), out
+
+    def decode(self, ids, new_tokens) -> float:
+        token, out = self.prefill(ids, len(ids) + new_tokens)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        steps = []
+        with self.torch.inference_mode():
+            for _ in range(new_tokens - 1):
+                started = time.perf_counter()
+                out = self.model(self.torch.tensor([[token]], device=self.device), past_key_values=cache,
+                                 use_cache=True)
+                cache = getattr(out, "cache", None) or out.past_key_values
+                token = int(out.logits[0, -1].argmax())
+                steps.append(time.perf_counter() - started)
+        return decode_rate(steps)
+
+    def kv_bytes(self, capacity) -> int:
+        return kv_cache_bytes(self.model.config, capacity, self.itemsize)
+
+
+# ---------------------------------------------------------------------------- driving npqwen.Engine
+
+def whole_pages(positions: int) -> int:
+    """A KV pool size for npqwen.Engine: positions rounded up to whole pages."""
+    from npqwen.engine.engine import DEFAULT_PAGE_SIZE as P
+
+    return -(-positions // P) * P
+
+
+def add_fixed(engine, ids, max_new_tokens):
+    """Queue a greedy request that runs to exactly max_new_tokens: its eos ids are cleared (a random
+    model samples eos whenever it likes), so every engine does the same work. The Request."""
+    rid = engine.add_request(ids, max_new_tokens=max_new_tokens, temperature=0)
+    req = engine.requests[rid]
+    req.eos_ids = frozenset()
+    return req
+
+
+def run_to_end(engine) -> int:
+    """Step the engine until every request is done; the number of steps."""
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return steps
+
+
+def warm_up(engine):
+    """One short request first, so no timed run pays for first calls (it fills no page: nothing is cached)."""
+    add_fixed(engine, list(range(16)), 2)
+    run_to_end(engine)

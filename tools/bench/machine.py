@@ -1,0 +1,112 @@
+"""The machine, measured on the spot: float32 matmul rate, streaming bandwidth, peak RSS, and the
+FLOPs a workload needs, which those rates turn into bounds."""
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+
+def machine(args) -> dict:
+    import platform
+
+    import numpy as np
+
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": args.threads, "python": platform.python_version(),
+            "numpy": np.__version__}
+
+
+def merge_machine(machine: dict, measured: dict):
+    """Add a worker's measurements of the machine; a figure measured twice keeps its best."""
+    for k, v in measured.items():
+        machine[k] = max(machine.get(k, v), v)
+
+
+def measure_matmul(weights: dict) -> float:
+    """float32 matmul throughput (GFLOP/s): the best of 3 runs of x @ W.T, x of 1024 rows, for
+    layer 0's four matmul shapes, using the model's own weights (nothing large is allocated)."""
+    import numpy as np
+
+    flops, seconds = 0, 0.0
+    for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"):
+        w = weights[f"model.layers.0.{name}.weight"]
+        a = np.ones((1024, w.shape[1]), w.dtype)
+        seconds += best_time(lambda: a @ w.T, 3)
+        flops += 2 * 1024 * w.shape[0] * w.shape[1]
+    return flops / seconds / 1e9
+
+
+def bandwidth_probe(weights: dict):
+    """A function that streams lm_head.weight (622 MB in Qwen3-0.6B) through a BLAS matrix-vector
+    product, the fastest read NumPy does here, and returns the GB/s it achieved."""
+    import numpy as np
+
+    big = weights["lm_head.weight"]
+    x = np.ones(big.shape[1], big.dtype)
+
+    def probe() -> float:
+        started = time.perf_counter()
+        big @ x
+        return big.nbytes / (time.perf_counter() - started) / 1e9
+    return probe
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM; ru_maxrss would include the parent's, kept across exec)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def best_time(fn, n) -> float:
+    """The shortest of n timed runs, after one untimed warm-up run."""
+    fn()
+    best = math.inf
+    for _ in range(max(n, 1)):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+# ---------------------------------------------------------------------------- the work
+
+def linear_params_per_token(c) -> int:
+    """Weights each token multiplies in the layers: q/k/v/o and gate/up/down of every layer."""
+    D, F, H, K, Dh = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    return c.num_hidden_layers * (D * (H + 2 * K) * Dh + H * Dh * D + 3 * D * F)
+
+
+def prefill_flops(checkpoint, T) -> float:
+    """Multiply-adds x 2 of a T-token prefill: every layer's matmuls, causal attention, one lm_head row."""
+    from npqwen.config import Qwen3Config
+
+    c = Qwen3Config.from_json(Path(checkpoint) / "config.json")
+    H, Dh = c.num_attention_heads, c.head_dim
+    attention = c.num_hidden_layers * H * Dh * 2 * (T * (T + 1) / 2)   # q k^T and p v over the causal triangle
+    return 2 * (linear_params_per_token(c) * T + attention + c.hidden_size * c.vocab_size)
+
+
+def linear_flops(checkpoint, tokens, sampled) -> float:
+    """Multiply-adds x 2 of the linear layers alone: `tokens` through every layer, `sampled` lm_head rows
+    (attention is left out, so the time these take at the float32 matmul rate is a lower bound)."""
+    from npqwen.config import Qwen3Config
+
+    c = Qwen3Config.from_json(Path(checkpoint) / "config.json")
+    return 2 * (linear_params_per_token(c) * tokens + c.hidden_size * c.vocab_size * sampled)
