@@ -466,8 +466,8 @@ def test_prompts_file_progress_on_a_terminal(tmp_path):
 
 
 BAD_FILES = {   # file bytes -> what the one error line says (after "npqwen: error: FILE")
-    "empty": (b"", ": no prompts in it"),
-    "only blank lines": (b"\n  \n\r\n", ": no prompts in it"),
+    "empty": (b"", ": no prompts in it (the file is empty)"),
+    "only blank lines": (b"\n  \n\r\n", ": no prompts in it (every line is blank)"),
     "invalid utf-8": (b"fine\n\ncaf\xe9\n", " line 3: not valid UTF-8"),
     "neither prompt nor messages": (b'{"prompt": "a"}\n{"max_new_tokens": 3}\n', ' line 2: needs "prompt"'),
     "prompt and messages": (b'{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}\n',
