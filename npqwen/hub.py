@@ -34,11 +34,14 @@ def snapshots_of(repo_id: str) -> list[Path]:
     return sorted(found, key=lambda p: p != main)   # stable: refs/main first, the rest newest first
 
 
-def missing_files(directory: Path) -> list[str]:
-    """What a checkpoint directory lacks to be loaded: config.json, the weights."""
+def missing_files(directory: Path, tokenizer: bool = False) -> list[str]:
+    """What a checkpoint directory lacks to be loaded: config.json, the weights (and, with `tokenizer`,
+    the tokenizer.json that text needs)."""
     missing = [] if (directory / "config.json").is_file() else ["config.json"]
     if not any(directory.glob("*.safetensors")):
         missing.append("*.safetensors")
+    if tokenizer and not (directory / "tokenizer.json").is_file():
+        missing.append("tokenizer.json")
     return missing
 
 
@@ -69,15 +72,16 @@ def resolve_model(name: str | os.PathLike) -> Path:
     if partial:
         what = f"{name} is only partly in the Hugging Face cache ({partial[0]} has no " \
                f"{' and no '.join(missing_files(partial[0]))})"
-        how = f"complete it with `hf download {name}` (pip install huggingface_hub)"
+        how = f"complete it with `hf download {name}`"
     else:
         what = f"{name} is not a local directory and not in the Hugging Face cache ({hf_cache_dir()})"
-        how = (f"download it with `hf download {name}` (pip install huggingface_hub), or pass --model a local "
-               f"checkpoint directory")
+        how = (f"download it with `hf download {name}`, or pass --model a local checkpoint directory; "
+               f"--model tiny runs a small built-in model (random weights) with no download")
     try:
         from huggingface_hub import snapshot_download
-    except ImportError:
-        raise NpqwenError(f"{what}, and huggingface_hub is not installed: {how}") from None
+    except ImportError:   # tokenizers depends on it, so only a broken install lacks it
+        raise NpqwenError(f"{what}, and huggingface_hub is not installed (pip install huggingface_hub): {how}"
+                          ) from None
     try:
         path = Path(snapshot_download(str(name), allow_patterns=FILES))
     except Exception as e:   # offline, unknown repo, gated repo: huggingface_hub has many error types

@@ -262,6 +262,27 @@ def test_chat_that_outgrows_the_context_names_the_history(tiny_dir, tmp_path):
     assert len(prompt_tokens(err)) == 2   # the first turn, and the same question after /reset
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["generate", "--prompts-file", "-"], ["chat"],
+                                     ["inspect"], ["trace", "--prompt", "hi"], ["compare", "--prompt", "hi"],
+                                     ["serve", "--port", "0"]])
+def test_an_empty_model_folder_names_every_missing_file(tmp_path, command):
+    code, _, err = run(*command, "--model", str(tmp_path), stdin=b"hi\n")
+    one_error_line(code, err, f"{tmp_path}: no config.json, no *.safetensors, no tokenizer.json")
+    assert "hf download" in err
+    (tmp_path / "config.json").write_text("{}")   # the weights alone missing: still named, with the tokenizer
+    code, _, err = run(*command, "--model", str(tmp_path), stdin=b"hi\n")
+    one_error_line(code, err, f"{tmp_path}: no *.safetensors, no tokenizer.json")
+
+
+def test_a_hub_id_not_found_points_to_the_tiny_model_and_hf_download(tmp_path):
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "cache")}
+    for command in (["generate", "--prompt", "hi"], ["inspect"]):
+        code, _, err = run(*command, "--model", "Org/Missing", env=offline)
+        one_error_line(code, err, "Org/Missing is not a local directory and not in the Hugging Face cache")
+        assert "`hf download Org/Missing`" in err and "--model tiny" in err
+        assert "pip install" not in err   # huggingface_hub comes with tokenizers: it is always there
+
+
 def test_help_shows_every_default():
     from npqwen.cli import build_parser
 
@@ -466,8 +487,8 @@ def test_prompts_file_progress_on_a_terminal(tmp_path):
 
 
 BAD_FILES = {   # file bytes -> what the one error line says (after "npqwen: error: FILE")
-    "empty": (b"", ": no prompts in it"),
-    "only blank lines": (b"\n  \n\r\n", ": no prompts in it"),
+    "empty": (b"", ": no prompts in it (the file is empty)"),
+    "only blank lines": (b"\n  \n\r\n", ": no prompts in it (every line is blank)"),
     "invalid utf-8": (b"fine\n\ncaf\xe9\n", " line 3: not valid UTF-8"),
     "neither prompt nor messages": (b'{"prompt": "a"}\n{"max_new_tokens": 3}\n', ' line 2: needs "prompt"'),
     "prompt and messages": (b'{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}\n',

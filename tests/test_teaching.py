@@ -182,6 +182,27 @@ def test_compare_command(hf_tiny_dir):
     assert result.returncode == 0 and "steps within" in result.stdout
 
 
+def test_compare_summary_names_the_absolute_and_the_relative_difference_apart():
+    from npqwen.compare import report
+
+    # "a" has the largest |diff|; "b", on values below 1, the largest difference relative to them
+    rows = [{"name": "a", "max_abs_diff": 3.1e-6, "max_abs_hf": 10.0, "ok": True},
+            {"name": "b", "max_abs_diff": 1.3e-6, "max_abs_hf": 0.5, "ok": True}]
+    text = report(rows, 1e-3)
+    print(text)
+    assert "largest max |diff| 3.100e-06 at a" in text and "largest relative difference 1.300e-06 at b" in text
+    assert text.splitlines()[0].split() == ["module", "max", "|diff|", "max", "|HF|", "relative"]
+    assert text.splitlines()[1].split() == ["a", "3.100e-06", "1.000e+01", "3.100e-07"]
+    rows[1].update(max_abs_diff=0.02, ok=False)
+    assert "first step past 0.001: b (max |diff| 2.000e-02, relative 2.000e-02)" in report(rows, 1e-3)
+
+
+def test_compare_command_shows_no_loading_bar():
+    result = run("compare", "--model", "tiny", "--prompt", "Hi there")
+    assert result.returncode == 0 and "steps within" in result.stdout
+    assert result.stderr == ""   # transformers' "Loading weights: 100%|..." bar is not shown
+
+
 def test_inspect_qwen3_0_6b_shape(qwen3_0_6b_shape):
     result = run("inspect", "--model", str(qwen3_0_6b_shape))
     assert result.returncode == 0

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ..errors import NpqwenError
-from ..hub import DEFAULT_MODEL
+from ..hub import DEFAULT_MODEL, missing_files
 
 # Every option's help ends with its default: "(default: ...)", written out where None means
 # "the checkpoint's value" or "off".
@@ -147,9 +147,7 @@ def load_model(args, chat_template: bool = False):
     model = args.model
     if model != "tiny":
         model = resolve_model(model).resolve()   # absolute: a local folder named "tiny" is not the built-in one
-        if not (model / "tokenizer.json").is_file():
-            raise NpqwenError(f"{model}: no tokenizer.json, so the text cannot be encoded; the checkpoint directory "
-                              f"needs the model's tokenizer.json and tokenizer_config.json (from the same hub repo)")
+        check_checkpoint(model, tokenizer=True)
     llm = load(model, device=args.device, dtype=args.dtype)
     if chat_template and llm.tokenizer.chat_template is None:
         instead = {"generate": ", or use --raw for a plain completion", "chat": ""}.get(args.command,
@@ -157,6 +155,21 @@ def load_model(args, chat_template: bool = False):
         raise NpqwenError(f"{model}: tokenizer_config.json has no chat_template (nor is there a chat_template.jinja), "
                           f"so messages cannot be formatted; add the model's tokenizer_config.json{instead}")
     return llm, time.perf_counter() - started
+
+
+def check_checkpoint(path: Path, tokenizer: bool):
+    """Every command's check of a checkpoint directory (the text commands need its `tokenizer` too):
+    what is missing is named all at once, config.json, weights and tokenizer.json."""
+    missing = missing_files(path, tokenizer=True)
+    if not missing or (missing == ["tokenizer.json"] and not tokenizer):
+        return
+    if missing == ["tokenizer.json"]:
+        raise NpqwenError(f"{path}: no tokenizer.json, so the text cannot be encoded; the checkpoint directory "
+                          f"needs the model's tokenizer.json and tokenizer_config.json (from the same hub repo)")
+    raise NpqwenError(f"{path}: no {', no '.join(missing)}; a checkpoint directory holds the model's config.json, "
+                      f"*.safetensors weights, tokenizer.json and tokenizer_config.json, all from one hub repo "
+                      f"(`hf download {DEFAULT_MODEL} --local-dir DIR` fetches them), or try --model tiny "
+                      f"(built in, no files)")
 
 
 def checked_text(text: str, what: str) -> str:

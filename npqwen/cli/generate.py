@@ -81,7 +81,7 @@ def read_prompts_file(path: str) -> list[FilePrompt]:
                           f"fix the file's encoding") from None
     lines = [(n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not lines:
-        raise NpqwenError(f"{name}: no prompts in it (the file is empty)")
+        raise NpqwenError(f"{name}: no prompts in it ({'every line is blank' if text else 'the file is empty'})")
     objects = [json_object(line) for _, line in lines]
     if any(o is None for o in objects):
         if any(o is not None for o in objects):   # most likely JSONL with a broken line: say how it was read

@@ -1,5 +1,6 @@
 """`npqwen inspect`: the config and every weight of a checkpoint, with parameter counts (no load)."""
-from .common import check_device_dtype, model_options, write_out
+from ..hub import resolve_model
+from .common import check_checkpoint, check_device_dtype, model_options, write_out
 
 
 def add_parser(commands):
@@ -12,6 +13,8 @@ def cmd_inspect(args) -> int:
     from ..describe import describe
 
     check_device_dtype(args)
+    if args.model != "tiny":
+        check_checkpoint(resolve_model(args.model), tokenizer=False)
     write_out(describe(args.model, device=args.device, dtype=args.dtype) + "\n")
     return 0
 
