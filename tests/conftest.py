@@ -128,3 +128,9 @@ def doc_samples(name: str) -> tuple[list[str], list[str]]:
     python = [code for lang, code in blocks if lang == "python"]
     shell = [line for lang, code in blocks if lang == "bash" for line in code.strip().splitlines()]
     return python, shell
+
+
+def pytest_addoption(parser):
+    parser.addoption("--screenshots", metavar="DIR", default=None,
+                     help="tests/test_web_page.py: save the page's screenshots in DIR (docs/images regenerates "
+                          "the README's); without it they go to each test's temporary folder")

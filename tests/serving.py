@@ -70,8 +70,13 @@ class ScriptedModel:
         written = b"".join(self.tokenizer.token_bytes(t) for t in tokens[start:])
         answer = answer.encode()
         assert answer.startswith(written), f"the sequence left its script: {written!r} vs {answer!r}"
-        rest = answer[len(written):].decode()
-        return self.tokenizer.encode(rest)[0] if rest else self.eos_id
+        rest = answer[len(written):]
+        if not rest:
+            return self.eos_id
+        try:
+            return self.tokenizer.encode(rest.decode())[0]
+        except UnicodeDecodeError:   # the rest starts inside a character: the token of its next byte
+            return next(t for t in range(self.config.vocab_size) if self.tokenizer.token_bytes(t) == rest[:1])
 
 
 class SlowModel:

@@ -1,5 +1,6 @@
 """docs/engine.md: every ```python sample, in order, as one script; every ```bash line too."""
 import os
+import re
 import subprocess
 import sys
 
@@ -20,3 +21,12 @@ def test_engine_doc_code_samples_run(tmp_path):
         result = subprocess.run(line, shell=True, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
         assert result.returncode == 0, (line, result.stdout[-2000:], result.stderr[-2000:])
         assert "Traceback" not in result.stderr, (line, result.stderr[-2000:])
+
+
+def test_engine_doc_samples_use_no_private_name_and_replace_no_part():
+    """The samples show the engine through what it offers: no _private attribute read, no part of an
+    engine replaced (`engine.model = ...`); what they do reach inside for, the text names."""
+    code = "\n".join(doc_samples("engine.md")[0])
+    private = re.findall(r"\w+\._\w+", code)
+    replaced = re.findall(r"^\s*\w+(?:\.\w+)+\s*=(?!=).*", code, re.M)
+    assert not private and not replaced, (private, replaced)

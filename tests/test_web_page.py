@@ -4,8 +4,9 @@ the two API pieces it stands on: return_token_ids and POST /v1/npqwen/attention.
 A real server on 127.0.0.1 serves the built-in tiny model (meaningless text, real distributions and
 attention) or a scripted model where the exact text matters; the scripted server's attention
 endpoint still runs the tiny model's real weights over the scripted text. The browser tests skip
-only when no Chromium and chromedriver are installed (CI installs Debian's). Each run saves
-screenshots of the page to docs/images/.
+only when no Chromium and chromedriver are installed (CI installs Debian's). The screenshots go
+to each test's temporary folder; `python -m pytest tests/test_web_page.py --screenshots docs/images`
+regenerates the README's.
 """
 import json
 import math
@@ -29,6 +30,7 @@ from serving import LiveServer, ScriptedModel, SlowModel, http_json, reference, 
 
 IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
 THINK_OFF = "<think>\n\n</think>\n\n"
+WIDE = (1700, 900)   # a window wide enough for the inspector beside the chat, covering none of it
 UNSAFE = ('Here: <script>window.pwned = "script"</script> and <img src=x onerror="window.pwned = \'img\'"> and '
           '[a trap](javascript:window.pwned=\'link\') and [the docs](https://example.com/docs?a=1&b=2) and '
           '<a href="javascript:window.pwned=1">raw</a>.\n\n```html\n<script>window.pwned = "code"</script>\n```')
@@ -42,6 +44,8 @@ SCRIPT = {   # the first trigger found in the prompt wins: a later turn's trigge
     "Q-LONG": THINK_OFF + "A very long answer. " * 150,
     "Q-UNSAFE": THINK_OFF + UNSAFE,
     "Q-PHONE": THINK_OFF + "A long line of code:\n\n```\n" + "x = 1; " * 40 + "\n```\n\nand a long word: " + "a" * 120,
+    "Q-CAFE": THINK_OFF + "Un café, merci.",    # é is two byte tokens in the tiny model: \xc3 \xa9
+    "Q-WIDE": THINK_OFF + "Tokens to click on. " * 10,
 }
 
 
@@ -136,6 +140,7 @@ def test_attention_endpoint_equals_trace_and_runs_on_the_engine_thread(tiny_serv
             assert diff < 1e-6, f"layer {layer} position {position}: max difference {diff}"
             assert np.abs(np.array(got["mean"]) - want.mean(axis=0)).max() < 1e-6
             assert got["tokens"] == [reference.tokenizer.decode([t]) for t in ids[:position + 1]]
+            assert got["token_bytes"] == [list(reference.tokenizer.token_bytes(t)) for t in ids[:position + 1]]
             assert (got["layer"], got["position"], got["num_layers"], got["num_heads"]) == \
                 (layer, position, reference.config.num_hidden_layers, reference.config.num_attention_heads)
         status, last = http_json("POST", tiny_server.url + "/v1/npqwen/attention", {"tokens": ids, "layer": 0})
@@ -202,16 +207,20 @@ def open_page(browser, server, size=(1280, 900)):
     wait(browser, lambda: browser.execute_script("return window.npqwen && window.npqwen.model"), what="/v1/models")
 
 
-def ask(browser, text, temperature=0, thinking=False, max_tokens=24, alternatives=5, wait_done=True):
-    """Fill Settings, type `text`, press Send; the answer's element (after it finished, if wait_done)."""
+def ask(browser, text, temperature=0, thinking=False, max_tokens=24, alternatives=5, wait_done=True, paste=False):
+    """Fill Settings (max_tokens None: leave the field as it is), type `text` (or paste it: set the
+    box's value, for a long text), press Send; the answer's element (after it finished, if wait_done)."""
     browser.execute_script("""
         const [t, thinking, max, alts] = arguments;
         document.getElementById('temperature').value = t;
         document.getElementById('thinking').checked = thinking;
-        document.getElementById('max-tokens').value = max;
+        if (max !== null) document.getElementById('max-tokens').value = max;
         document.getElementById('top-logprobs').value = alts;""", temperature, thinking, max_tokens, alternatives)
     n = len(browser.find_elements("css selector", ".msg.assistant"))
-    browser.find_element("id", "prompt").send_keys(text)
+    if paste:
+        browser.execute_script("document.getElementById('prompt').value = arguments[0]", text)
+    else:
+        browser.find_element("id", "prompt").send_keys(text)
     browser.find_element("id", "send").click()
     wait(browser, lambda: len(browser.find_elements("css selector", ".msg.assistant")) > n)
     answer = browser.find_elements("css selector", ".msg.assistant")[-1]
@@ -233,9 +242,46 @@ def click_token(browser, answer, index):
     answer.find_element("css selector", f'.tok[data-index="{index}"]').click()
 
 
-def screenshot(browser, name):
-    IMAGES.mkdir(parents=True, exist_ok=True)
-    browser.save_screenshot(str(IMAGES / name))
+def box(browser, element) -> dict:
+    """The element's place in the window (getBoundingClientRect)."""
+    return browser.execute_script("const r = arguments[0].getBoundingClientRect();"
+                                  "return {x: r.x, y: r.y, width: r.width, height: r.height, top: r.top,"
+                                  "        bottom: r.bottom, left: r.left, right: r.right};", element)
+
+
+def under_pointer(browser, element) -> bool:
+    """Is `element` what a pointer at its centre would touch (not covered by anything)?"""
+    return browser.execute_script("const e = arguments[0], r = e.getBoundingClientRect();"
+                                  "return document.elementFromPoint(r.x + r.width / 2, r.y + r.height / 2) === e;",
+                                  element)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def images_untouched(request):
+    """A test run leaves the tracked screenshots alone unless asked to write them (--screenshots)."""
+    before = {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in IMAGES.glob("*")}
+    yield
+    if request.config.getoption("screenshots") is None:
+        after = {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in IMAGES.glob("*")}
+        assert after == before, f"the tests wrote into {IMAGES}: {set(after.items()) ^ set(before.items())}"
+
+
+@pytest.fixture
+def screenshot(browser, request, tmp_path):
+    """save(name, size): a screenshot of the page (the window resized to `size` first, if given) into
+    --screenshots DIR if given, else the test's tmp_path."""
+    folder = Path(request.config.getoption("screenshots") or tmp_path)
+
+    def save(name, size=None):
+        if size is not None:   # and the pointer off the page's tokens, which moved under it
+            from selenium.webdriver import ActionChains
+
+            browser.set_window_size(*size)
+            ActionChains(browser).move_to_element(browser.find_element("tag name", "h1")).perform()
+        folder.mkdir(parents=True, exist_ok=True)
+        assert browser.save_screenshot(str(folder / name)), name
+        assert (folder / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return save
 
 
 def console_errors(browser) -> list:
@@ -269,12 +315,15 @@ def test_page_chat_streams_the_api_answer_and_keeps_the_conversation(browser, ti
     assert console_errors(browser) == []
 
 
-def test_page_token_alternatives_match_api_logprobs(browser, tiny_server):
+def test_page_token_alternatives_match_api_logprobs(browser, tiny_server, screenshot):
     open_page(browser, tiny_server)
+    call = dict(model="test-model", messages=user("Name a colour."), temperature=0, max_tokens=16, logprobs=True,
+                top_logprobs=6, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    # the page's request and the API's below both find the prompt's first 32 tokens in the prefix cache:
+    # one that computed all 39 in its first step would differ from them in float32 rounding (1e-7)
+    tiny_server.client().chat.completions.create(**call)
     answer = ask(browser, "Name a colour.", max_tokens=16, alternatives=6)
-    api = tiny_server.client().chat.completions.create(
-        model="test-model", messages=user("Name a colour."), temperature=0, max_tokens=16, logprobs=True,
-        top_logprobs=6, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    api = tiny_server.client().chat.completions.create(**call)
     content = api.choices[0].logprobs.content
     assert not answer.find_element("css selector", ".tokens").is_displayed()   # until asked for
     for index in (0, len(content) // 2, len(content) - 1):
@@ -285,7 +334,7 @@ def test_page_token_alternatives_match_api_logprobs(browser, tiny_server):
         assert [s[0] for s in shown] == [w[0] for w in want], (index, shown, want)
         assert np.allclose([s[1] for s in shown], [w[1] for w in want], rtol=1e-9, atol=0), (index, shown, want)
         assert "selected" in answer.find_element("css selector", f'.tok[data-index="{index}"]').get_attribute("class")
-    screenshot(browser, "alternatives.png")
+    screenshot("alternatives.png", WIDE)
     assert console_errors(browser) == []
 
 
@@ -304,7 +353,7 @@ def heatmap(browser, layer, head):
     return np.array([float(s.get_attribute("data-weight")) for s in spans])
 
 
-def test_page_attention_view_matches_trace(browser, scripted_server, reference):
+def test_page_attention_view_matches_trace(browser, scripted_server, reference, screenshot):
     open_page(browser, scripted_server)
     answer = ask(browser, "Q-PARIS: what is the capital of France?", max_tokens=64)
     got = page_answer(browser)
@@ -326,11 +375,37 @@ def test_page_attention_view_matches_trace(browser, scripted_server, reference):
     assert "".join(texts[-len("The capital of France is "):]) == "The capital of France is "
     assert browser.find_element("css selector", "#heatmap .heat.next").text == "P"
     heatmap(browser, 1, 1)
-    screenshot(browser, "attention.png")
+    screenshot("attention.png", WIDE)
     assert console_errors(browser) == []
 
 
-def test_page_reasoning_is_folded_and_markdown_rendered(browser, scripted_server):
+def test_page_shows_byte_tokens_one_way_everywhere(browser, scripted_server, reference):
+    """A token that is one byte of a UTF-8 character reads \\xNN in the token view, the alternatives,
+    the chosen token and the heatmap (prompt and answer alike), never U+FFFD."""
+    open_page(browser, scripted_server)
+    answer = ask(browser, "Q-CAFE: un café?", max_tokens=64)
+    assert page_answer(browser)["content"] == "Un café, merci."
+    answer.find_element("css selector", ".tokens-toggle").click()
+    view = [t.text for t in answer.find_elements("css selector", ".tok")]
+    assert view[:9] == ["U", "n", " ", "c", "a", "f", "\\xc3", "\\xa9", ","], view
+    click_token(browser, answer, 6)
+    assert browser.find_element("css selector", "#chosen code").text == "\\xc3"
+    assert browser.find_element("css selector", "#alternatives li.chosen code").text == "\\xc3"
+    click_token(browser, answer, 8)   # the step after the é: the heatmap holds both of the prompt's and the answer's
+    wait(browser, lambda: browser.find_element("id", "heatmap").get_attribute("data-state") == "ready")
+    heat = [s.text for s in browser.find_elements("css selector", "#heatmap .heat[data-position]")]
+    assert not any("\ufffd" in t for t in heat), heat
+    assert heat[-8:] == view[:8], (heat[-8:], view[:8])      # the answer so far, as the token view shows it
+    prompt = "".join(heat[:-8])
+    assert "Q-CAFE: un caf\\xc3\\xa9?" in prompt, prompt
+    status, got = http_json("POST", scripted_server.url + "/v1/npqwen/attention",
+                            {"tokens": reference.tokenizer.encode("café"), "layer": 0})
+    assert got["tokens"] == ["c", "a", "f", "\ufffd", "\ufffd"]              # the endpoint sends the bytes too
+    assert got["token_bytes"] == [[99], [97], [102], [195], [169]]
+    assert console_errors(browser) == []
+
+
+def test_page_reasoning_is_folded_and_markdown_rendered(browser, scripted_server, screenshot):
     open_page(browser, scripted_server)
     answer = ask(browser, "Q-THINK: what is 2 + 2?", thinking=True, max_tokens=200)
     details = answer.find_element("css selector", "details.reasoning")
@@ -349,7 +424,7 @@ def test_page_reasoning_is_folded_and_markdown_rendered(browser, scripted_server
     assert [li.text for li in answer.find_elements("css selector", ".answer ol li")] == \
         ["the + operator", "sum() over a list", "math.fsum for floats"]
     assert answer.find_element("css selector", ".answer pre code").text == "print(sum([1, 2, 3]))"
-    screenshot(browser, "chat.png")
+    screenshot("chat.png")
     assert console_errors(browser) == []
 
 
@@ -438,19 +513,84 @@ def test_markdown_renderer_makes_only_safe_nodes(browser, scripted_server):
     assert browser.get_log("browser") == []
 
 
-def test_page_fits_a_phone(browser, scripted_server):
+def test_page_fits_a_phone(browser, scripted_server, screenshot):
     open_page(browser, scripted_server, size=(390, 844))
     assert browser.execute_script("return window.innerWidth") == 390
     answer = ask(browser, "Q-PHONE: long lines", max_tokens=600)
-    screenshot(browser, "phone.png")
+    screenshot("phone.png")
 
     def width():
         return max(browser.execute_script("return [document.documentElement.scrollWidth, document.body.scrollWidth]"))
     assert width() <= 390, f"the page is {width()} px wide at a phone's 390 px: it scrolls sideways"
-    click_token(browser, answer, 3)   # the token view and the inspector, under the chat
-    wait(browser, lambda: browser.find_element("id", "heatmap").get_attribute("data-state") == "ready")
+    # the inspector opens as a sheet over the bottom of the screen, the clicked token above it
+    inspector = browser.find_element("id", "inspector")
+    last = len(page_answer(browser)["ids"]) - 1
+    for index in (3, last):   # near the top of the answer, and its last token, at the bottom of the screen
+        if index == last:
+            browser.find_element("id", "inspector-close").click()
+            browser.execute_script("arguments[0].scrollIntoView({block: 'end'})",
+                                   answer.find_element("css selector", f'.tok[data-index="{index}"]'))
+        click_token(browser, answer, index)
+        wait(browser, lambda: browser.find_element("id", "heatmap").get_attribute("data-state") == "ready")
+        token = box(browser, answer.find_element("css selector", f'.tok[data-index="{index}"]'))
+        sheet = box(browser, inspector)
+        height = browser.execute_script("return window.innerHeight")
+        assert 0 < sheet["top"] < height and sheet["bottom"] <= height + 1, (index, sheet, height)
+        assert 0 <= token["top"] and token["bottom"] <= sheet["top"], (index, token, sheet)
+    screenshot("phone-inspector.png")
     browser.find_element("id", "settings-toggle").click()
     assert width() <= 390, f"with the inspector and settings open the page is {width()} px wide"
+
+
+def test_page_inspector_moves_nothing(browser, scripted_server):
+    """Opening the inspector leaves the chat where it was: the clicked token stays under the pointer,
+    and a token under the panel's usual place sends the panel to the other side."""
+    open_page(browser, scripted_server, size=(1280, 900))
+    answer = ask(browser, "Q-WIDE: some tokens", max_tokens=400)
+    answer.find_element("css selector", ".tokens-toggle").click()
+    chat, inspector = browser.find_element("id", "chat"), browser.find_element("id", "inspector")
+    spans = answer.find_elements("css selector", ".tok")
+    tops = browser.execute_script("return arguments[0].map(s => s.getBoundingClientRect().top)", spans)
+    rightmost = spans[max(i for i, top in enumerate(tops) if top == tops[0])]
+    assert box(browser, rightmost)["right"] > 1000, box(browser, rightmost)   # the end of the first line
+    middle = spans[len([t for t in tops if t == tops[0]]) // 2]
+    for span, side in ((spans[2], "right"), (rightmost, "left"), (middle, "right")):
+        before = box(browser, chat), box(browser, span)
+        if span is rightmost:   # under the open panel: close it first, as a user would
+            browser.find_element("id", "inspector-close").click()
+        span.click()
+        assert "selected" in span.get_attribute("class")
+        assert (box(browser, chat), box(browser, span)) == before, "opening the inspector moved the chat"
+        assert under_pointer(browser, span), f"the inspector covers the token clicked ({side})"
+        assert inspector.is_displayed()
+        assert ("left" in inspector.get_attribute("class").split()) == (side == "left"), side
+    # on a wide screen the panel sits beside the centred column, covering none of it
+    browser.set_window_size(1800, 900)
+    spans[2].click()
+    panel, column = box(browser, inspector), box(browser, chat)
+    assert panel["left"] >= column["right"] and abs(column["left"] - (1800 - column["right"])) < 2, (panel, column)
+    assert console_errors(browser) == []
+
+
+def test_page_default_max_tokens_is_what_fits(browser, scripted_server):
+    """Max tokens starts empty, so the server lets an answer run as far as the context has room
+    (the tiny model's is 4096 tokens); a refused request's error shows in its card, above the footer."""
+    open_page(browser, scripted_server)
+    question = "Q-PARIS: " + "a long question " * 150
+    ask(browser, question, max_tokens=None, paste=True)
+    got = page_answer(browser)
+    assert len(got["prompt_ids"]) > 2048 and got["content"] == "The capital of France is Paris.", len(got["prompt_ids"])
+    assert browser.find_element("id", "max-tokens").get_attribute("value") == ""
+    browser.find_element("id", "new-chat").click()
+    context = scripted_server.llm.config.max_position_embeddings
+    answer = ask(browser, question, max_tokens=context, paste=True, wait_done=False)
+    wait(browser, lambda: answer.get_attribute("data-state") != "streaming", what="the refusal")
+    assert answer.get_attribute("data-state") == "error"
+    error, footer = answer.find_element("css selector", ".error"), answer.find_element("css selector", ".msg-footer")
+    assert "context is 4096 tokens" in error.text and footer.text.startswith("0 tokens"), (error.text, footer.text)
+    assert browser.execute_script("return arguments[0].nextElementSibling", error) == footer
+    assert box(browser, error)["bottom"] <= box(browser, footer)["top"]
+    assert all("400" in e["message"] for e in console_errors(browser))   # the browser logs the refused fetch itself
 
 
 def test_page_with_an_api_key(browser, reference):
@@ -459,13 +599,21 @@ def test_page_with_an_api_key(browser, reference):
     try:
         for path in ("/", "/static/app.js", "/static/markdown.js", "/static/style.css"):
             assert http_json("GET", server.url + path)[0] == 200, path
-        assert http_json("GET", server.url + "/v1/models")[0] == 401
+        status, error = http_json("GET", server.url + "/v1/models")
+        assert status == 401 and error["error"]["message"].startswith("no API key was sent"), error
+        status, error = http_json("GET", server.url + "/v1/models", headers={"Authorization": "Bearer s3cre7"})
+        assert status == 401 and error["error"]["message"].startswith("the API key was refused"), error
         assert http_json("GET", server.url + "/static/other.js")[0] == 401   # only the page's own files are open
         browser.set_window_size(1280, 900)
         browser.get(server.url + "/")
-        wait(browser, lambda: browser.find_element("id", "notice").is_displayed(), what="the API key notice")
-        assert "API key" in browser.find_element("id", "notice").text
+        notice = browser.find_element("id", "notice")
+        wait(browser, lambda: notice.is_displayed(), what="the API key notice")
+        assert "needs an API key" in notice.text, notice.text
         assert browser.find_element("id", "settings").is_displayed()
+        browser.find_element("id", "api-key").send_keys("s3cre7\n")      # a wrong key: refused, and it says so
+        wait(browser, lambda: "refused" in notice.text, what="the refused-key notice")
+        assert notice.text == "The server refused this API key: check it in Settings."
+        browser.find_element("id", "api-key").clear()
         browser.find_element("id", "api-key").send_keys("s3cret\n")
         wait(browser, lambda: browser.execute_script("return window.npqwen.model") == "test-model")
         assert not browser.find_element("id", "notice").is_displayed()

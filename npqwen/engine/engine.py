@@ -52,6 +52,7 @@ class Engine:
         self.cache = PrefixCache(self.pool, page_size, enabled=prefix_cache)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens)
         self.requests: dict[str, Request] = {}       # unfinished requests by id
+        self.last_batch: Batch | None = None         # what the last step ran, for a reader (docs/engine.md, 3)
         self._ids = itertools.count()
 
     def add_request(self, prompt, max_new_tokens: int = 512, temperature=None, top_k=None, top_p=None,
@@ -92,7 +93,8 @@ class Engine:
         return req.request_id
 
     def step(self) -> list[StepOutput]:
-        """Run one scheduling step; one output per request that advanced."""
+        """Run one scheduling step; one output per request that advanced, in the order of its sequences
+        in the step's Batch (self.last_batch)."""
         plan = self.scheduler.schedule()
         if not plan:
             return []
@@ -104,6 +106,7 @@ class Engine:
                       starts=[req.cached_len for req, _ in plan], lengths=lengths,
                       page_tables=[np.array(req.page_table) for req, _ in plan], page_size=self.page_size,
                       sample_rows=(ends - 1)[samples])
+        self.last_batch = batch
         # 2. one forward pass for all of them; logits only for the rows that sample
         logits = to_numpy(self.model.forward_batch(batch, self.kv))                   # (sampling requests, V)
         # 3. each request takes its tokens' keys/values as computed and, if its turn, samples

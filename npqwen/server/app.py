@@ -476,6 +476,7 @@ class Server:
         decode = self.tokenizer.decode
         return {"object": "npqwen.attention", "model": self.model_name, "layer": body.layer, "position": p,
                 "num_layers": layers, "num_heads": heads, "tokens": [decode([t]) for t in ids[:p + 1]],
+                "token_bytes": [list(self.tokenizer.token_bytes(t)) for t in ids[:p + 1]],   # as logprobs' "bytes"
                 "heads": rows.tolist(), "mean": rows.mean(axis=0).tolist()}
 
     # -- tokenizer --
@@ -639,7 +640,8 @@ class APIKey:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
-                e = APIError(401, "a missing or wrong API key: send the server's --api-key as "
-                                  "'Authorization: Bearer KEY'", None, "invalid_api_key")
+                said = "the API key was refused" if given else "no API key was sent"
+                e = APIError(401, f"{said}: send the server's --api-key as 'Authorization: Bearer KEY'", None,
+                             "invalid_api_key")
                 return await JSONResponse(e.body(), 401)(scope, receive, send)
         await self.app(scope, receive, send)

@@ -38,16 +38,19 @@ async function errorMessage(response) {
 }
 
 async function api(path, body) {
-  const response = await fetch(path, body === undefined ? { headers: headers() }
-    : { method: "POST", headers: headers(), body: JSON.stringify(body) });
-  if (!response.ok) throw await apiError(response);
+  const sent = headers();
+  const response = await fetch(path, body === undefined ? { headers: sent }
+    : { method: "POST", headers: sent, body: JSON.stringify(body) });
+  if (!response.ok) throw await apiError(response, sent);
   return response.json();
 }
 
-async function apiError(response) {
+// The error of a refused request; a 401 asks for the key (`sent`: the request's headers, which
+// tell a missing key from a refused one).
+async function apiError(response, sent) {
   const error = new Error(await errorMessage(response));
   error.status = response.status;
-  if (response.status === 401) askForKey();
+  if (response.status === 401) askForKey(Boolean(sent.Authorization));
   return error;
 }
 
@@ -81,8 +84,9 @@ async function loadModel() {
   }
 }
 
-function askForKey() {
-  showNotice("This server needs an API key: type it in Settings (it stays in this page).");
+function askForKey(refused) {
+  showNotice(refused ? "The server refused this API key: check it in Settings."
+    : "This server needs an API key: type it in Settings (it stays in this page).");
   toggleSettings(true);
   $("api-key").focus();
 }
@@ -142,7 +146,7 @@ function newAnswer() {
   node.append(reasoning, body, tokens, footer);
   node.dataset.state = "streaming";
   const answer = {
-    node, reasoning, summary, reasoningText, body, tokens, stats, toggle,
+    node, reasoning, summary, reasoningText, body, tokens, footer, stats, toggle,
     reasoningSoFar: "", content: "", rendered: null,
     promptIds: [],       // the prompt as the model read it (prompt_token_ids)
     generated: [],       // per token: {id, text, logprob, top: [{id, text, logprob}]}
@@ -172,10 +176,11 @@ async function send(text) {
   answer.sent = performance.now();
   let finish = "done";
   try {
+    const sent = headers();
     const response = await fetch("v1/chat/completions", {
-      method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal,
+      method: "POST", headers: sent, body: JSON.stringify(body), signal: controller.signal,
     });
-    if (!response.ok) throw await apiError(response);
+    if (!response.ok) throw await apiError(response, sent);
     for await (const chunk of events(response)) {
       if (chunk.error) throw new Error(chunk.error.message);
       take(answer, chunk);
@@ -188,7 +193,7 @@ async function send(text) {
       const error = document.createElement("p");
       error.className = "error";
       error.textContent = e.message;
-      answer.node.append(error);
+      answer.footer.before(error);   // in the card, above its footer
     }
   }
   if (finish === "error" && !answer.generated.length) {
@@ -347,6 +352,7 @@ function inspect(answer, index) {
   if (span) span.classList.add("selected");
   $("inspector").hidden = false;
   document.body.classList.add("inspecting");
+  if (span) keepInSight(span);
   const token = answer.generated[index];
   const chosen = $("chosen");
   const code = document.createElement("code");
@@ -355,6 +361,17 @@ function inspect(answer, index) {
     token.logprob === null ? "" : ` with probability ${(100 * Math.exp(token.logprob)).toFixed(2)}\u00a0%`);
   drawAlternatives(token);
   loadAttention();
+}
+
+// The inspector floats over the page, so opening it moves nothing under the pointer. Beside a
+// wide screen's chat it covers nothing; on a narrower one it goes to the side away from the
+// clicked token; on a phone it is a sheet over the bottom half, and the token scrolls above it
+// (style.css gives the page the sheet's height as scroll-padding-bottom).
+function keepInSight(span) {
+  const inspector = $("inspector");
+  inspector.classList.remove("left");
+  inspector.classList.toggle("left", span.getBoundingClientRect().right > inspector.getBoundingClientRect().left);
+  span.scrollIntoView({ block: "nearest" });
 }
 
 function drawAlternatives(token) {
@@ -433,7 +450,7 @@ function drawHeatmap() {
   const spans = attention.tokens.map((text, j) => {
     const span = document.createElement("span");
     span.className = "heat";
-    span.textContent = shown(text);
+    span.textContent = shown(text, attention.token_bytes[j]);
     span.dataset.position = j;
     span.dataset.weight = String(row[j]);
     span.title = `position ${j}: ${(100 * row[j]).toFixed(2)} %`;
