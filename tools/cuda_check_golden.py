@@ -107,8 +107,7 @@ class Reference:
 
         with torch.no_grad():
             out = self.model(input_ids.to(self.device), **kwargs)
-        return SimpleNamespace(logits=out.logits.float().cpu(),
-                               hidden_states=tuple(h.float().cpu() for h in out.hidden_states or ()))
+        return SimpleNamespace(**{key: to_host(value) for key, value in out.items()})
 
     def generate(self, input_ids, attention_mask, **kwargs):
         return self.model.generate(input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
@@ -118,6 +117,13 @@ class Reference:
         import torch
 
         return self(torch.tensor(np.asarray(ids))[None]).logits[0].numpy()
+
+
+def to_host(value):
+    """A tensor, or a tuple of them (hidden states, router logits), on the host in float32."""
+    if isinstance(value, tuple):
+        return tuple(to_host(v) for v in value)
+    return value.float().cpu() if hasattr(value, "cpu") else value
 
 
 def hf_reference(path: Path, device: str, dtype: str = "float32") -> Reference:
@@ -203,53 +209,56 @@ def sampling_equals_cpu(path: Path):
 
 # ---------------------------------------------------------------------------- features added elsewhere
 
-def present(*modules: str) -> str | None:
-    """The first of `modules` that exists in this working tree, or None."""
-    return next((m for m in modules if importlib.util.find_spec(m) is not None), None)
-
-
 def moe_equals_hf(work: Path, ref_device: str):
-    """A tiny Qwen3-MoE checkpoint written by transformers: logits and hidden states as test_forward_golden."""
+    """test_moe's cases: logits, every layer's output, the router's logits and choices equal HF's
+    (test_moe.check_against_hf), on the device."""
+    from test_moe import CASES, check_against_hf, hf_forward, moe_checkpoint
+
+    worst = 0.0
+    for case in CASES:
+        path = moe_checkpoint(work / f"moe-{case}", case)
+        llm = npqwen.load(path, device="cuda")
+        ids = np.random.default_rng(1).integers(0, llm.config.vocab_size, size=33)
+        worst = max(worst, check_against_hf(llm, ids, hf_forward(hf_reference(path, ref_device), ids)))
+    return f"{len(CASES)} checkpoints: max |logit diff| {worst:.2e}, the same experts chosen"
+
+
+def embeddings_equal_hf(path: Path, ref_device: str):
+    """llm.embed (last-token pooling, not normalised: a checkpoint without sentence-transformers files)
+    equals HF's final-norm hidden state at each input's last position."""
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from conftest import TINY
-    from test_forward_golden import compare
-
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(**TINY, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                            decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[])
-    model = Qwen3MoeForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p)) if name.endswith("norm.weight") else p.normal_(0.0, 0.05)
-    model.to(torch.bfloat16).save_pretrained(work / "moe")
-    ref = Reference(Qwen3MoeForCausalLM.from_pretrained(work / "moe", dtype=torch.float32).eval(), ref_device)
-    llm = npqwen.load(work / "moe", device="cuda")
-    diff = compare(llm, ref, np.random.default_rng(1).integers(0, TINY["vocab_size"], size=33), "cuda")
-    return f"max |logit diff| {diff:.2e}"
-
-
-def embeddings_equal_cpu(path: Path):
-    """The embedding of each text on the device within 1e-4 of the CPU's (the CPU's is golden-tested)."""
-    cpu, cuda = npqwen.load(path, device="cpu"), npqwen.load(path, device="cuda")
+    llm, ref = npqwen.load(path, device="cuda"), hf_reference(path, ref_device)
     inputs = [np.random.default_rng(n).integers(0, 512, size=n).tolist() for n in (3, 40, 200)]
-    want, got = np.asarray(cpu.embed(inputs)), to_numpy(cuda.embed(inputs))
-    err = np.abs(np.asarray(got) - want).max()
-    print(f"{len(inputs)} embeddings of width {want.shape[-1]}: max |diff| from the CPU's {err:.2e}")
-    assert err <= 1e-4, f"max |diff| {err:.2e} > 1e-4"
-    return f"max |diff| from the CPU's {err:.2e}"
+    got = to_numpy(llm.embed(inputs))
+    want = np.stack([ref(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1].numpy()
+                     for ids in inputs])
+    err, scale = np.abs(got - want).max(), np.abs(want).max()
+    print(f"{len(inputs)} embeddings of width {want.shape[-1]}: max |diff| from HF {err:.2e} (max |value| {scale:.2e})")
+    assert got.shape == want.shape and err <= 1e-5 * max(1.0, scale), f"max |diff| {err:.2e} from HF"
+    return f"{len(inputs)} inputs: max |diff| from HF's last-token hidden state {err:.2e}"
 
 
-def structured_equals_cpu(path: Path):
-    """A JSON-schema constrained greedy request: the device's tokens equal the CPU's and parse as the schema asks."""
+def structured_equals_cpu():
+    """A JSON-schema and a regex constraint on the built-in tiny model (it has a tokenizer): greedy answers
+    on the device equal the CPU's, token for token, and match the constraint."""
+    import json
+    import re
+
+    if importlib.util.find_spec("llguidance") is None:
+        raise Skipped("llguidance is not installed (pip install 'npqwen[structured]')")
+    cpu, cuda = npqwen.load("tiny", device="cpu"), npqwen.load("tiny", device="cuda")
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    cpu, cuda = npqwen.load(path, device="cpu"), npqwen.load(path, device="cuda")
-    kwargs = dict(max_new_tokens=24, temperature=0, response_format={"type": "json_schema", "schema": schema})
-    want, got = cpu.generate("x", **kwargs), cuda.generate("x", **kwargs)
-    print(f"cpu {want.text!r}\ncuda {got.text!r}")
-    assert got.token_ids == want.token_ids, f"cpu {want.text!r}, cuda {got.text!r}"
-    return f"equal tokens: {got.text!r}"
+    for constraint in (dict(json_schema=schema), dict(regex="[0-9]{3}-[a-z]{2}")):
+        want = cpu.generate("Answer:", max_new_tokens=32, temperature=0, **constraint)
+        got = cuda.generate("Answer:", max_new_tokens=32, temperature=0, **constraint)
+        print(f"{constraint}: cpu {want.text!r}, cuda {got.text!r}")
+        assert got.token_ids == want.token_ids, f"{constraint}: cpu {want.text!r}, cuda {got.text!r}"
+        if "regex" in constraint:
+            assert re.fullmatch(constraint["regex"], got.text), got.text
+        else:
+            assert isinstance(json.loads(got.text)["n"], int), got.text
+    return "a JSON schema and a regex: answers valid, equal to the CPU's"
 
 
 # ---------------------------------------------------------------------------- the list, and running it
@@ -303,20 +312,17 @@ def checks(args) -> list[tuple[str, callable]]:
             (f"engine batched = alone: {name}, prompts of 3, 40, 130, 300 tokens",
              lambda: batched_equals_alone(shape, [3, 40, 130, 300], 151_643, lambda i: 6, 64))]
 
-    features = [("MoE = HF: tiny Qwen3-MoE", ("npqwen.moe",), lambda: moe_equals_hf(work, ref)),
-                ("embeddings = CPU: tiny", ("npqwen.embeddings", "npqwen.embed", "npqwen.pooling"),
-                 lambda: embeddings_equal_cpu(gen_tiny())),
-                ("structured output = CPU: tiny", ("npqwen.structured", "npqwen.engine.constraint"),
-                 lambda: structured_equals_cpu(gen_tiny()))]
-    for label, modules, check in features:
-        found = present(*modules)
-        out.append((label, check if found else not_present(modules)))
+    features = [("MoE = HF: test_moe's tiny checkpoints", "npqwen.moe", lambda: moe_equals_hf(work, ref)),
+                ("embeddings = HF: tiny", "npqwen.embed", lambda: embeddings_equal_hf(gen_tiny(), ref)),
+                ("structured output = CPU: the built-in tiny model", "npqwen.structured", structured_equals_cpu)]
+    for label, module, check in features:
+        out.append((label, check if importlib.util.find_spec(module) else not_present(module)))
     return out
 
 
-def not_present(modules):
+def not_present(module: str):
     def check():
-        raise NotPresent(f"none of {', '.join(modules)} is in this working tree")
+        raise NotPresent(f"{module} is not in this working tree")
     return check
 
 
