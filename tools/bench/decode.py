@@ -1,6 +1,7 @@
 """decode: tokens/s of one sequence decoding greedily after each --decode-prompts prompt
 (prefill, then decode_one_token), against the bandwidth bound and the peers."""
 from tools.bench import batch1
+from tools.bench.engines import PEERS
 from tools.bench.tables import rate_rows
 
 NAME, WORKER, NEEDS = "decode", "single", ()
@@ -8,6 +9,7 @@ NAME, WORKER, NEEDS = "decode", "single", ()
 TARGETS = [  # (figure, comparison, threshold, label)
     ("decode_vs_hf-bfloat16", ">=", 1.1, "decode (short prompt) vs HF bfloat16"),
     ("decode_vs_hf-float32", ">=", 1.8, "decode (short prompt) vs HF float32"),
+    ("decode_vs_hf-float16", ">=", 0, "decode (short prompt) vs HF float16"),
     ("decode_pct_of_bound", ">=", 85, "decode, % of the bandwidth bound"),
     ("long_over_short_decode_pct", ">=", 70, "decode after the long prompt, % of short"),
     ("rss_over_weights_plus_kv", "<=", 1.2, "peak RSS / (float32 weights + KV cache)"),
@@ -51,10 +53,11 @@ def figures(report) -> dict:
         f["decode_pct_of_bound"] = 100 * ours[short] / f["decode_bound_tps"]
     if long != short:
         f["long_over_short_decode_pct"] = 100 * ours[long] / ours[short]
-    for peer in ("hf-bfloat16", "hf-float32"):
+    for peer in PEERS:
         if short in e.get(peer, {}):
             f[f"decode_vs_{peer}"] = ours[short] / e[peer][short]
-    if "step_batch_s" not in ours:   # the step suite's KV pool would be in the same peak RSS
+    # (the step suite's KV pool would be in the same peak RSS; on a GPU the weights and the cache are not in it)
+    if "step_batch_s" not in ours and m.get("device") != "cuda":
         f["rss_over_weights_plus_kv"] = ours["peak_rss_bytes"] / (ours["weight_bytes"] + ours["kv_cache_bytes"])
     return f
 

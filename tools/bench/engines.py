@@ -6,7 +6,10 @@ import sys
 import time
 from pathlib import Path
 
-ENGINES = ("npqwen", "hf-float32", "hf-bfloat16")
+ENGINES = ("npqwen", "hf-float32", "hf-bfloat16")       # the default set
+# Every engine --engines takes: hf-float16 too, HF's native dtype on a GPU (on a CPU torch has no fast float16).
+KNOWN_ENGINES = ENGINES + ("hf-float16",)
+PEERS = ("hf-bfloat16", "hf-float32", "hf-float16")     # npqwen's figures are ratios over these, where they ran
 CACHE_DIR = Path(os.environ.get("NPQWEN_CACHE", Path.home() / ".cache" / "npqwen"))
 
 
@@ -90,8 +93,8 @@ class HFEngine:
         torch.set_num_threads(args.threads)
         self.name, self.torch = args.worker, torch
         dtype = getattr(torch, args.worker.split("-")[1])
-        self.device = args.device
-        self.model = Qwen3ForCausalLM.from_pretrained(args.model, dtype=dtype).eval().to(args.device)
+        self.device = args.hf_device or args.device
+        self.model = Qwen3ForCausalLM.from_pretrained(args.model, dtype=dtype).eval().to(self.device)
         self.vocab_size = self.model.config.vocab_size
         params = {p.data_ptr(): p for p in self.model.parameters()}.values()
         self.sizes = {"weight_bytes": sum(p.numel() * p.element_size() for p in params),

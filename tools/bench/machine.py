@@ -1,5 +1,5 @@
-"""The machine, measured on the spot: float32 matmul rate, streaming bandwidth, peak RSS, and the
-FLOPs a workload needs, which those rates turn into bounds."""
+"""The machine, measured on the spot: float32 matmul rate, streaming bandwidth (on a GPU: its own
+bandwidth and matrix rate), peak RSS, and the FLOPs a workload needs, which those rates turn into bounds."""
 import math
 import os
 import resource
@@ -14,7 +14,7 @@ def machine(args) -> dict:
     import numpy as np
 
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": args.threads, "python": platform.python_version(),
-            "numpy": np.__version__}
+            "numpy": np.__version__, "device": args.device, "dtype": args.dtype}
 
 
 def merge_machine(machine: dict, measured: dict):
@@ -50,6 +50,46 @@ def bandwidth_probe(weights: dict):
         big @ x
         return big.nbytes / (time.perf_counter() - started) / 1e9
     return probe
+
+
+def measure_device(xp, dtype) -> dict:
+    """A GPU's own limits, measured with CuPy (xp): its memory bandwidth by a device-to-device copy
+    (bytes read plus bytes written), and its matrix rate by a square product in the compute dtype.
+    Each doubles its size until one run takes 20 ms or it reaches its cap (a 1 GiB copy, 8192 x 8192:
+    a GPU gets there in well under 20 ms; the dry run's stand-in, on the CPU, stops at once); then
+    the mean of 10 runs counts (2 of those that took 20 ms)."""
+    def seconds_per_run(run, n):
+        """Mean time of n runs of `run` (it returns an array), from an idle GPU to its last result."""
+        float(run()[0, 0])   # a warm-up, and a wait: reading one element back returns once the work is done
+        started = time.perf_counter()
+        for _ in range(n):
+            last = run()
+        float(last[0, 0])
+        return (time.perf_counter() - started) / n
+
+    rows = 1 << 12                                             # the copy: (rows, 4096) elements
+    while True:
+        src, dst = xp.ones((rows, 4096), dtype=dtype), xp.empty((rows, 4096), dtype=dtype)
+
+        def copy():
+            dst[...] = src
+            return dst
+        once = seconds_per_run(copy, 1)
+        if 2 * src.nbytes >= 1 << 30 or once >= 0.02:
+            break
+        rows *= 2
+    copied = 2 * src.nbytes
+    bandwidth = copied / seconds_per_run(copy, 10 if once < 0.02 else 2) / 1e9
+    del src, dst
+    n = 256                                                    # the product: (n, n) @ (n, n)
+    while True:
+        a = xp.ones((n, n), dtype=dtype)
+        once = seconds_per_run(lambda: a @ a, 1)
+        if n >= 8192 or once >= 0.02:
+            break
+        n *= 2
+    matmul = 2 * n ** 3 / seconds_per_run(lambda: a @ a, 10 if once < 0.02 else 2) / 1e9
+    return {"bandwidth_GBps": bandwidth, "matmul_GFLOPs": matmul, "copy_bytes": copied, "matmul_size": n}
 
 
 def peak_rss_bytes() -> int:

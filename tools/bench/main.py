@@ -9,8 +9,8 @@ from pathlib import Path
 
 import tools.bench
 from tools.bench import SUITES
-from tools.bench.engines import ENGINES, default_checkpoint, load_engine
-from tools.bench.machine import bandwidth_probe, machine, measure_matmul, merge_machine, peak_rss_bytes
+from tools.bench.engines import ENGINES, KNOWN_ENGINES, default_checkpoint, load_engine
+from tools.bench.machine import bandwidth_probe, machine, measure_device, measure_matmul, merge_machine, peak_rss_bytes
 from tools.bench.report import figures, markdown, table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +20,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tools.bench", description=tools.bench.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint directory (default: a random Qwen3-0.6B-shape one, built once)")
-    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, from {', '.join(ENGINES)}")
+    p.add_argument("--engines", default=",".join(ENGINES),
+                   help=f"comma-separated, from {', '.join(KNOWN_ENGINES)} (default: {','.join(ENGINES)})")
     p.add_argument("--suites", default="prefill,decode", help=f"comma-separated, from {', '.join(SUITES)}; or all")
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each prefill and step; the best counts")
     p.add_argument("--rounds", type=int, default=1,
@@ -29,6 +30,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS threads = torch threads")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", help="npqwen compute dtype (cuda: float16 or float32)")
+    p.add_argument("--hf-device", help="torch device of the HF engines (default: --device); cpu beside a device "
+                                       "'cuda' that is the strict CuPy stand-in (tools/cuda_check.sh --dry-run)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--markdown", action="store_true", help="print the README table")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -42,7 +45,7 @@ def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
     engines = [e for e in args.engines.split(",") if e]
-    unknown = set(engines) - set(ENGINES)
+    unknown = set(engines) - set(KNOWN_ENGINES)
     if unknown:
         p.error(f"unknown engine(s) {', '.join(sorted(unknown))}")
     suites = set(SUITES) if args.suites == "all" else {s for s in args.suites.split(",") if s}
@@ -117,8 +120,9 @@ def run_worker(args) -> dict:
 
 
 def one_sequence(engine, args, suites) -> dict:
-    """The one-sequence suites, after a warm-up, on prompts from one generator; for npqwen on the CPU
-    the machine's figures too, measured with npqwen's own arrays, around and during its own runs."""
+    """The one-sequence suites, after a warm-up, on prompts from one generator; for npqwen the
+    machine's figures too: on the CPU measured with npqwen's own arrays, around and during its own
+    runs; on the GPU its own limits, measured with CuPy before the runs."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -127,6 +131,8 @@ def one_sequence(engine, args, suites) -> dict:
     if on_cpu:
         engine.probe = bandwidth_probe(engine.llm.weights)   # decode runs it every 8 steps
         matmul = measure_matmul(engine.llm.weights)
+    if engine.name == "npqwen" and args.device == "cuda":
+        out["machine"] = measure_device(engine.model.xp, engine.model.dtype)
     engine.prefill(rng.integers(0, engine.vocab_size, 16).tolist(), capacity=16)   # warm-up
     for suite in suites:
         out.update(suite.run(engine, args, rng))

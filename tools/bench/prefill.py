@@ -1,6 +1,7 @@
 """prefill: tokens/s of one sequence's prefill of each --prefill prompt (the best of --repeats runs),
 against the peers and the measured float32 matmul rate."""
 from tools.bench.decode import lengths
+from tools.bench.engines import PEERS
 from tools.bench.machine import best_time, prefill_flops
 from tools.bench.tables import rate_rows
 
@@ -8,6 +9,7 @@ NAME, WORKER, NEEDS = "prefill", "single", ()
 
 TARGETS = [  # (figure, comparison, threshold, label)
     ("prefill_1024_vs_hf-float32", ">=", 1.1, "prefill 1024 vs HF float32"),
+    ("prefill_1024_vs_hf-float16", ">=", 0, "prefill 1024 vs HF float16"),
     ("prefill_1024_pct_of_matmul", ">=", 75, "prefill 1024, % of float32 matmul throughput"),
 ]
 
@@ -36,7 +38,7 @@ def figures(report) -> dict:
     if not pre:
         return f
     T = pre[-1]
-    for peer in ("hf-bfloat16", "hf-float32"):
+    for peer in PEERS:
         if f"prefill_{T}_tps" in e.get(peer, {}):
             f[f"prefill_{T}_vs_{peer}"] = ours[f"prefill_{T}_tps"] / e[peer][f"prefill_{T}_tps"]
     if "matmul_GFLOPs" in m:

@@ -48,8 +48,11 @@ def target_lines(report) -> list:
 
 
 def machine_line(m, sep=", ") -> str:
-    measured = ([f"streaming read {m['bandwidth_GBps']:.1f} GB/s"] if "bandwidth_GBps" in m else []) + \
-        ([f"float32 matmul {m['matmul_GFLOPs']:.0f} GFLOP/s"] if "matmul_GFLOPs" in m else [])
+    gpu = m.get("device") == "cuda"   # then the figures are the GPU's (machine.measure_device)
+    measured = ([f"{'device-to-device copy' if gpu else 'streaming read'} {m['bandwidth_GBps']:.1f} GB/s"]
+                if "bandwidth_GBps" in m else []) + \
+        ([f"{m.get('dtype', 'float32') if gpu else 'float32'} matmul {m['matmul_GFLOPs']:.0f} GFLOP/s"]
+         if "matmul_GFLOPs" in m else [])
     return sep.join(measured)
 
 

@@ -5,7 +5,7 @@ import argparse
 import time
 
 from tools.bench.engines import add_fixed, run_to_end, warm_up, whole_pages
-from tools.bench.machine import linear_flops, measure_matmul, peak_rss_bytes
+from tools.bench.machine import linear_flops, measure_device, measure_matmul, peak_rss_bytes
 
 NAME, WORKER, NEEDS = "serving", "serving", ()
 SEED = 0   # the serving workload is fixed: the same requests in every worker and run
@@ -115,6 +115,8 @@ def run(engine, args, rng) -> dict:
         out["serving"]["npqwen-sequential"] = serve_one_by_one(llm, prompts[:N], outputs[:N])
     if on_cpu:
         out["machine"] = {"matmul_GFLOPs": max(matmul, measure_matmul(llm.weights))}
+    else:   # the GPU's own matrix rate, for the bound
+        out["machine"] = measure_device(llm.model.xp, llm.model.dtype)
     return out
 
 
@@ -225,7 +227,7 @@ def figures(report) -> dict:
             f["serving_linear_bound_s"] = f["serving_linear_flops"] / (m["matmul_GFLOPs"] * 1e9)
             f["serving_pct_of_linear_bound"] = 100 * f["serving_linear_bound_s"] / ours["total_s"]
     mem = s.get("memory")
-    if mem:
+    if mem and m.get("device") != "cuda":   # on a GPU the weights and the pool are not in the host's RSS
         f["serving_rss_over_weights_plus_kv_pool"] = \
             mem["peak_rss_bytes"] / (mem["weight_bytes"] + mem["kv_pool_bytes"])
     return f
@@ -280,6 +282,7 @@ def notes(report) -> list[str]:
         mem = s["memory"]
         notes.append(f"Memory: KV pool of {mem['kv_cache_tokens']} positions = {mem['kv_pool_bytes'] / 1e9:.2f} GB "
                      f"(allocated up front, touched as used), weights {mem['weight_bytes'] / 1e9:.2f} GB, peak RSS "
-                     f"{mem['peak_rss_bytes'] / 1e9:.2f} GB after the engine's run "
-                     f"({f['serving_rss_over_weights_plus_kv_pool']:.2f}x their sum).")
+                     f"{mem['peak_rss_bytes'] / 1e9:.2f} GB after the engine's run " +
+                     (f"({f['serving_rss_over_weights_plus_kv_pool']:.2f}x their sum)."
+                      if "serving_rss_over_weights_plus_kv_pool" in f else "(on the host: both are on the GPU)."))
     return notes

@@ -3,6 +3,7 @@ sequences with --step-context cached positions each; for npqwen, each beside its
 at the same shapes (ops.linear on the model's own weights)."""
 import sys
 
+from tools.bench.engines import PEERS
 from tools.bench.machine import best_time
 from tools.bench.tables import row
 
@@ -15,6 +16,8 @@ TARGETS = [  # (figure, comparison, threshold, label); threshold 0: reported, no
     ("step_prefill_vs_hf-bfloat16", ">=", 0, "prefill step vs HF bfloat16 (time ratio)"),
     ("step_batch_vs_hf-float32", ">=", 0, "batched decode step vs HF float32 (time ratio)"),
     ("step_batch_vs_hf-bfloat16", ">=", 0, "batched decode step vs HF bfloat16 (time ratio)"),
+    ("step_prefill_vs_hf-float16", ">=", 0, "prefill step vs HF float16 (time ratio)"),
+    ("step_batch_vs_hf-float16", ">=", 0, "batched decode step vs HF float16 (time ratio)"),
 ]
 ROWS = {"step_prefill_s": "prefill step (s)", "step_prefill_matmul_s": "  its linear layers alone (s)",
         "step_batch_s": "batched decode step (s)", "step_batch_matmul_s": "  its linear layers alone (s)"}
@@ -132,7 +135,7 @@ def figures(report) -> dict:
     for step in ("prefill", "batch"):
         if f"step_{step}_s" in ours:
             f[f"step_{step}_pct_of_matmul"] = 100 * ours[f"step_{step}_matmul_s"] / ours[f"step_{step}_s"]
-            for peer in ("hf-bfloat16", "hf-float32"):
+            for peer in PEERS:
                 if f"step_{step}_s" in e.get(peer, {}):
                     f[f"step_{step}_vs_{peer}"] = e[peer][f"step_{step}_s"] / ours[f"step_{step}_s"]
     return f
