@@ -45,7 +45,7 @@ DEFAULT_BUDGET_S = 480
 REPORT_RESERVE_S = 10        # kept free at the end for the last report
 ENGINES = "npqwen,hf-float16,hf-bfloat16"
 # (step, planned seconds at the default budget; scaled with --budget)
-PLAN = [("install", 15), ("environment", 20), ("checkpoint", 40), ("golden", 135),
+PLAN = [("install", 15), ("environment", 25), ("checkpoint", 40), ("golden", 130),
         ("bench-single", 80), ("bench-step", 50), ("bench-serving", 130)]
 # The benchmark's sizes: on the GPU its defaults (the CPU tables' sizes); in a dry run, tiny ones.
 SIZES = {
