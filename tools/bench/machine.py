@@ -55,7 +55,7 @@ def bandwidth_probe(weights: dict):
 def measure_device(xp, dtype) -> dict:
     """A GPU's own limits, measured with CuPy (xp): its memory bandwidth by a device-to-device copy
     (bytes read plus bytes written), and its matrix rate by a square product in the compute dtype.
-    Each doubles its size until one run takes 20 ms or it reaches its cap (a 1 GiB copy, 8192 x 8192:
+    Each doubles its size until one run takes 20 ms or it reaches its cap (4 GiB copied, 8192 x 8192:
     a GPU gets there in well under 20 ms; the dry run's stand-in, on the CPU, stops at once); then
     the mean of 10 runs counts (2 of those that took 20 ms)."""
     def seconds_per_run(run, n):
@@ -75,12 +75,12 @@ def measure_device(xp, dtype) -> dict:
             dst[...] = src
             return dst
         once = seconds_per_run(copy, 1)
-        if 2 * src.nbytes >= 1 << 30 or once >= 0.02:
+        if 2 * src.nbytes >= 4 << 30 or once >= 0.02:
             break
         rows *= 2
     copied = 2 * src.nbytes
     bandwidth = copied / seconds_per_run(copy, 10 if once < 0.02 else 2) / 1e9
-    del src, dst
+    src = dst = None                                           # freed before the product
     n = 256                                                    # the product: (n, n) @ (n, n)
     while True:
         a = xp.ones((n, n), dtype=dtype)
