@@ -312,23 +312,29 @@ def environment(dry_run: bool) -> dict:
            "npqwen_from_this_tree": Path(npqwen.__file__).resolve().is_relative_to(ROOT)}
     env.update({name: version(name) for name in ("torch", "transformers", "safetensors", "tokenizers", "jinja2",
                                                  "pytest", "cupy-cuda12x", "cupy-cuda13x")})
-    import torch
-    env["torch_cuda"] = torch.version.cuda
-    env["torch_sees_gpu"] = torch.cuda.is_available()
-    if torch.cuda.is_available():
-        env["torch_gpu"] = torch.cuda.get_device_name(0)
-    import cupy
-    if dry_run:
-        env["gpu"] = "none: dry run on the CPU, cupy is tests/strict_cupy.py"
-    else:
-        runtime = cupy.cuda.runtime
-        props = runtime.getDeviceProperties(0)
-        name = props["name"]
-        env.update(cupy=cupy.__version__, cuda_runtime=runtime.runtimeGetVersion(),
-                   cuda_driver=runtime.driverGetVersion(), gpu=name.decode() if isinstance(name, bytes) else name,
-                   gpu_memory_GiB=round(props["totalGlobalMem"] / 2**30, 1), gpus=runtime.getDeviceCount())
-    x = cupy.arange(4, dtype=np.float32)
-    env["first_kernel_ok"] = float((x * 2).sum()) == 12.0
+    try:
+        import torch
+        env.update(torch_cuda=torch.version.cuda, torch_sees_gpu=torch.cuda.is_available())
+        if torch.cuda.is_available():
+            env["torch_gpu"] = torch.cuda.get_device_name(0)
+    except Exception as e:   # noqa: BLE001  what is wrong goes into the report; the later steps will say more
+        env["torch_error"] = f"{type(e).__name__}: {e}"
+    try:
+        import cupy
+        if dry_run:
+            env["gpu"] = "none: dry run on the CPU, cupy is tests/strict_cupy.py"
+        else:
+            runtime = cupy.cuda.runtime
+            props = runtime.getDeviceProperties(0)
+            name = props["name"]
+            env.update(cupy=cupy.__version__, cuda_runtime=runtime.runtimeGetVersion(),
+                       cuda_driver=runtime.driverGetVersion(), gpus=runtime.getDeviceCount(),
+                       gpu=name.decode() if isinstance(name, bytes) else name,
+                       gpu_memory_GiB=round(props["totalGlobalMem"] / 2**30, 1))
+        x = cupy.arange(4, dtype=np.float32)
+        env["first_kernel_ok"] = float((x * 2).sum()) == 12.0
+    except Exception as e:   # noqa: BLE001  (no GPU, no driver, no NVRTC to compile the first kernel)
+        env["cupy_error"] = f"{type(e).__name__}: {e}"
     return env
 
 
@@ -398,9 +404,10 @@ def markdown(report) -> str:
         f"float16 matrix product {gpu['matmul_GFLOPs'] / 1e3:.1f} TFLOP/s" if "matmul_GFLOPs" in gpu else "") if x)
     versions = ", ".join(f"{k} {env[k]}" for k in ("python", "numpy", "cupy", "cuda_runtime", "cuda_driver", "torch",
                                                   "torch_cuda", "transformers") if env.get(k))
+    problems = "; ".join(f"{k.split('_')[0]}: {env[k]}" for k in ("cupy_error", "torch_error") if k in env)
     out = [f"## {title}", "",
            f"GPU: {env.get('gpu', 'unknown')}" + (f" ({env['gpu_memory_GiB']} GiB)" if "gpu_memory_GiB" in env else "")
-           + (f"; measured: {measured}" if measured else "") + ".",
+           + (f"; measured: {measured}" if measured else "") + "." + (f" PROBLEM: {problems}." if problems else ""),
            f"Versions: {versions}." if versions else "",
            f"Started {report['started']}; {report['elapsed_s']:.0f} s of a {report['budget_s']:.0f} s budget.", "",
            "| step | result | s |", "|---|---|---:|"]
