@@ -47,10 +47,11 @@ class Skipped(Exception):
 
 def placeholder_pytest() -> types.ModuleType:
     """A `pytest` module with what the test modules use when they are imported: their decorators and
-    marks change nothing, importorskip imports, skip raises Skipped. Nothing here runs a test."""
+    marks change nothing, importorskip imports, skip raises Skipped (and fail AssertionError, for the
+    helpers that call it). Nothing here runs a test."""
     pytest = types.ModuleType("pytest", placeholder_pytest.__doc__)
 
-    def skip(reason=""):
+    def skip(reason="", **kwargs):                          # (allow_module_level=...)
         raise Skipped(reason)
 
     def importorskip(name, *args, **kwargs):
@@ -62,8 +63,11 @@ def placeholder_pytest() -> types.ModuleType:
     def fixture(function=None, **kwargs):                  # @pytest.fixture and @pytest.fixture(scope=...)
         return function if function is not None else (lambda f: f)
 
+    def fail(reason=""):                                   # a helper's own failure: the check FAILs
+        raise AssertionError(reason)
+
     skip.Exception = Skipped
-    pytest.skip, pytest.importorskip, pytest.fixture = skip, importorskip, fixture
+    pytest.skip, pytest.importorskip, pytest.fixture, pytest.fail = skip, importorskip, fixture, fail
     pytest.mark = SimpleNamespace(parametrize=lambda *a, **k: (lambda f: f), skipif=lambda *a, **k: (lambda f: f))
     pytest.param = lambda *values, **kwargs: values[0] if len(values) == 1 else values
     return pytest
@@ -165,8 +169,8 @@ def forward_float16(path: Path, ids, ref_device: str):
 
 
 def greedy(path: Path, prompts: list, ref_device: str, recompute: bool):
-    """test_generate_golden.check_greedy for each prompt (32 new tokens, equal token for token), and its
-    KV-cache check (decode steps vs one full forward) after the first."""
+    """test_generate_golden.check_greedy for each prompt (32 new tokens, equal token for token), and, with
+    `recompute` (the tiny model's vocabulary), its KV-cache check: decode steps vs one full forward."""
     from test_generate_golden import check_cache_equals_recompute, check_greedy
 
     llm, ref = npqwen.load(path, device="cuda"), hf_reference(path, ref_device)
