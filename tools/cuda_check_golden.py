@@ -124,10 +124,13 @@ class Reference:
 
 
 def to_host(value):
-    """A tensor, or a tuple of them (hidden states, router logits), on the host in float32."""
+    """A tensor, or a tuple of them (hidden states, router logits), on the host in float32; anything
+    else (the KV cache) as it is."""
+    import torch
+
     if isinstance(value, tuple):
         return tuple(to_host(v) for v in value)
-    return value.float().cpu() if hasattr(value, "cpu") else value
+    return value.float().cpu() if isinstance(value, torch.Tensor) else value
 
 
 def hf_reference(path: Path, device: str, dtype: str = "float32") -> Reference:
