@@ -244,3 +244,24 @@ def logprobs(ids, logits, token: int, top: int) -> tuple[float, list[tuple[int, 
     chosen = float(logp[at[0]]) if at.size else -math.inf
     order = np.argsort(-logp, kind="stable")[:top]
     return chosen, [(int(ids[j]), float(logp[j])) for j in order if np.isfinite(logp[j])]
+
+
+def score_rows(logits, targets, top: int, block: int = 32) -> list[tuple[float, list[tuple[int, float]], int]]:
+    """For each row of logits (R, V) and its target token: (log p(target), the `top` most likely
+    (id, log p), most likely first, the target's rank: 1 + how many tokens are more likely), under
+    the model's own distribution (log-softmax of the raw logits: no penalty, temperature or filter).
+    This scores given text (prompt logprobs, llm.score); float64, `block` rows at a time."""
+    out = []
+    for b in range(0, len(targets), block):
+        x = np.asarray(logits[b:b + block], dtype=np.float64)                              # (B, V)
+        m = x.max(axis=1, keepdims=True)
+        logp = x - (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))                   # log-softmax
+        t = np.asarray(targets[b:b + block])
+        chosen = logp[np.arange(len(t)), t]                                                 # (B,)
+        ranks = (logp > chosen[:, None]).sum(axis=1) + 1
+        k = min(top, logp.shape[1])
+        best = np.argpartition(-logp, k - 1, axis=1)[:, :k] if k else np.empty((len(t), 0), np.int64)
+        for row, ids in enumerate(best):
+            ids = ids[np.argsort(-logp[row, ids], kind="stable")]
+            out.append((float(chosen[row]), [(int(i), float(logp[row, i])) for i in ids], int(ranks[row])))
+    return out

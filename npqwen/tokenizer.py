@@ -2,6 +2,7 @@
 checkpoint's own jinja chat template from tokenizer_config.json, rendered as transformers does.
 """
 import json
+import unicodedata
 from datetime import datetime
 from pathlib import Path
 
@@ -17,6 +18,7 @@ class Tokenizer:
         self.special_tokens = special_tokens or {}   # e.g. {"eos_token": "<|im_end|>", "pad_token": ...}
         self._template = None
         self._byte_of_char = self._added = None   # for token_bytes, made on first use
+        self._longest_token = None                # for fewest_tokens, found on first use
 
     @classmethod
     def from_dir(cls, directory) -> "Tokenizer":
@@ -56,18 +58,56 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special tokens written in the text (<|im_start|>) become their ids."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (<|im_start|>) become their ids.
+        `add_special_tokens` adds what the tokenizer's post-processor adds (for Qwen3: nothing)."""
         if not isinstance(text, str):
             raise NpqwenError(f"encode expects a str, got {type(text).__name__}")
         try:
-            return self.backend.encode(text, add_special_tokens=False).ids
+            # encode_batch, not encode: it lets go of the GIL while it works, so a long text
+            # tokenized in one thread does not stop every other thread for seconds
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except Exception as e:   # e.g. lone surrogates, which are not valid UTF-8
             raise NpqwenError(f"cannot tokenize the text: it is not valid Unicode ({e})") from e
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         """Text of `ids`; bytes that do not form complete UTF-8 characters become U+FFFD."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)), found without tokenizing (a 15 MB prompt takes seconds
+        and GBs to tokenize): the text's UTF-8 bytes over the most bytes one token stands for. It
+        holds for a byte-level BPE (Qwen3's), whose tokens are runs of the text's bytes after
+        normalization; NFC can shrink text, by at most 3x (three 3-byte Hangul jamo into one
+        3-byte syllable), so text that NFC would change counts a third. Another kind of
+        tokenizer, which might drop bytes, gives no bound (0)."""
+        if self._longest_token is None:
+            self._longest_token = self._most_bytes_per_token() if self._keeps_every_byte() else 0
+        if not self._longest_token:
+            return 0
+        size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))   # isascii: no copy
+        if self.backend.normalizer is not None and not unicodedata.is_normalized("NFC", text):
+            size //= 3
+        return size // self._longest_token
+
+    def _keeps_every_byte(self) -> bool:
+        """No normalizer or NFC, and a byte-level pre-tokenizer, maybe after regex splits that keep
+        what they match (Qwen3's): then the tokens cover every byte of the text."""
+        normalizer, pre = self.backend.normalizer, self.backend.pre_tokenizer
+        normalizer = json.loads(normalizer.__getstate__()) if normalizer is not None else None
+        pre = json.loads(pre.__getstate__()) if pre is not None else {}
+        parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        return ((normalizer is None or normalizer.get("type") == "NFC")
+                and any(p.get("type") == "ByteLevel" for p in parts)
+                and all(p.get("type") == "ByteLevel" or (p.get("type") == "Split" and p.get("behavior") == "Isolated")
+                        for p in parts))
+
+    def _most_bytes_per_token(self) -> int:
+        """A vocabulary entry of a byte-level BPE writes each byte as one character; an added token
+        is its text."""
+        added = [t.content for t in self.backend.get_added_tokens_decoder().values()]
+        return max(max(map(len, self.backend.get_vocab(with_added_tokens=False))),
+                   max((len(t.encode("utf-8")) for t in added), default=0))
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a byte-level BPE entry writes each byte as one character;

@@ -40,24 +40,33 @@ class ScriptedModel:
     next token continues that answer's bytes after what the sequence already holds past its last
     "<|im_start|>assistant\\n", then comes eos. An answer may start with what the prompt itself
     ends with (the empty think block of enable_thinking false, a forced tool-call start).
+    The real model runs underneath every batch, so the KV cache holds its keys and values; a
+    pass with a recorder (the attention endpoint's) is the real model's alone.
     """
 
     def __init__(self, real, tokenizer, answers: dict[str, str], eos_id: int):
         self.config, self.dtype, self.xp, self.weights = real.config, real.dtype, real.xp, real.weights
-        self.tokenizer, self.answers, self.eos_id = tokenizer, answers, eos_id
+        self.real, self.tokenizer, self.answers, self.eos_id = real, tokenizer, answers, eos_id
         self.assistant = tokenizer.encode("<|im_start|>assistant\n")
         self.store = None    # (pages, page size) token ids
 
     def forward_batch(self, batch, kv, recorder=None):
+        real = self.real.forward_batch(batch, kv, recorder)
+        if recorder is not None:
+            return real
         if self.store is None:
             self.store = np.zeros((kv.num_pages, kv.page_size), np.int64)
         self.store[batch.write_pages, batch.write_offsets] = batch.token_ids
         ends = np.cumsum(batch.lengths)
-        logits = np.full((len(batch.sample_rows), self.config.vocab_size), -10.0, np.float32)
-        for row, seq in enumerate(int(np.searchsorted(ends - 1, r)) for r in batch.sample_rows):
+        logits = np.array(real, np.float32)   # a row inside a sequence (a prompt being scored) stays the real one
+        for row, r in enumerate(batch.sample_rows):
+            seq = int(np.searchsorted(ends - 1, r))
+            if r != ends[seq] - 1:
+                continue
             n = batch.starts[seq] + batch.lengths[seq]
             pages = np.asarray(batch.page_tables[seq])
             tokens = self.store[pages[np.arange(n) // kv.page_size], np.arange(n) % kv.page_size].tolist()
+            logits[row] = -10.0
             logits[row, self.next_token(tokens)] = 10.0
         return logits
 
@@ -88,7 +97,7 @@ class SlowModel:
 
     def forward_batch(self, batch, kv, recorder=None):
         time.sleep(self.seconds)
-        return self.real.forward_batch(batch, kv)
+        return self.real.forward_batch(batch, kv, recorder)
 
 
 class LiveServer:
@@ -159,3 +168,31 @@ def tiny_server():
 def reference():
     """A second copy of the tiny model (same seeded weights), for expected values outside the server."""
     return npqwen.load("tiny")
+
+
+def main(spec: dict):
+    """A LiveServer in a process of its own, over a model whose answers are scripted (`answers`) and
+    whose steps take `step_seconds` at least (the real weights of `model` run underneath): prints
+    its URL, serves until stdin closes. Measurements of stalls use it, so that the test's own
+    threads never hold the server's GIL."""
+    import sys
+
+    from npqwen.tiny import tiny_tokenizer
+
+    llm = npqwen.load(spec["model"])
+    if llm.tokenizer is None:
+        llm.tokenizer = tiny_tokenizer()
+    eos, real = (llm.eos_token_ids or [llm.tokenizer.token_to_id("<|im_end|>")])[0], llm.model
+    llm.model = SlowModel(ScriptedModel(real, llm.tokenizer, spec["answers"], eos_id=eos), spec.get("step_seconds", 0.0))
+    engine = Engine(llm, **spec.get("engine", {}))
+    llm.model = real   # the engine keeps the scripted one; llm.forward is the real model's
+    server = LiveServer(llm, engine=engine)
+    print(server.url, flush=True)
+    sys.stdin.read()
+    server.close()
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(json.loads(sys.argv[1]))

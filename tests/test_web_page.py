@@ -54,13 +54,11 @@ SCRIPT = {   # the first trigger found in the prompt wins: a later turn's trigge
 
 @pytest.fixture(scope="module")
 def scripted_server():
-    """The engine answers from SCRIPT, a step every 10 ms (slow enough to press Stop); the attention
-    endpoint (llm.forward) runs the real tiny weights."""
+    """The engine answers from SCRIPT, a step every 10 ms (slow enough to press Stop); the real tiny
+    weights run underneath (the attention endpoint reads them)."""
     llm = npqwen.load("tiny")
-    real = llm.model
-    llm.model = SlowModel(ScriptedModel(real, llm.tokenizer, SCRIPT, eos_id=llm.eos_token_ids[0]), 0.01)
+    llm.model = SlowModel(ScriptedModel(llm.model, llm.tokenizer, SCRIPT, eos_id=llm.eos_token_ids[0]), 0.01)
     engine = Engine(llm, kv_cache_tokens=8192, page_size=16, prefix_cache=False)
-    llm.model = real
     server = LiveServer(llm, engine=engine)
     yield server
     server.close()
@@ -123,12 +121,14 @@ def test_attention_endpoint_equals_trace_and_runs_on_the_engine_thread(tiny_serv
     trace = Trace()
     reference.forward(ids, recorder=trace)
     threads = []
-    forward = tiny_server.llm.forward
+    model = tiny_server.engine.model
+    forward = model.forward_batch
 
-    def watched(*args, **kwargs):
-        threads.append(threading.current_thread().name)
-        return forward(*args, **kwargs)
-    tiny_server.llm.forward = watched
+    def watched(batch, kv, recorder=None):   # the passes with a recorder: each probe's last token
+        if recorder is not None:
+            threads.append(threading.current_thread().name)
+        return forward(batch, kv, recorder)
+    model.forward_batch = watched
     try:
         for layer, position in ((0, 5), (1, len(ids) - 1), (1, 0)):
             status, got = http_json("POST", tiny_server.url + "/v1/npqwen/attention",
@@ -146,7 +146,7 @@ def test_attention_endpoint_equals_trace_and_runs_on_the_engine_thread(tiny_serv
         status, last = http_json("POST", tiny_server.url + "/v1/npqwen/attention", {"tokens": ids, "layer": 0})
         assert last["position"] == len(ids) - 1           # the default: the last token
     finally:
-        tiny_server.llm.forward = forward
+        del model.forward_batch
     assert threads == ["npqwen-engine"] * 4, threads
 
 

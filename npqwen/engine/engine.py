@@ -21,7 +21,7 @@ from ..backend import free_memory_bytes, to_numpy
 from ..errors import NpqwenError
 from ..generate import StopStrings, check_request, is_integer
 from ..model import Batch, KVCache
-from ..sampling import candidates, draw, sampling_params
+from ..sampling import candidates, draw, sampling_params, score_rows
 from ..sampling import logprobs as sampling_logprobs
 from .pages import PagePool
 from .prefix_cache import PrefixCache
@@ -57,24 +57,27 @@ class Engine:
 
     def add_request(self, prompt, max_new_tokens: int = 512, temperature=None, top_k=None, top_p=None,
                     min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None,
-                    frequency_penalty=None, logprobs=None) -> str:
+                    frequency_penalty=None, logprobs=None, prompt_logprobs=None) -> str:
         """Queue a prompt (text, used as is, or token ids); its request id. Everything is checked now."""
         return self.add(self.new_request(prompt, max_new_tokens, temperature, top_k, top_p, min_p,
                                          repetition_penalty, presence_penalty, seed, stop, frequency_penalty,
-                                         logprobs))
+                                         logprobs, prompt_logprobs))
 
     def new_request(self, prompt, max_new_tokens: int = 512, temperature=None, top_k=None, top_p=None,
                     min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None,
-                    frequency_penalty=None, logprobs=None) -> Request:
+                    frequency_penalty=None, logprobs=None, prompt_logprobs=None) -> Request:
         """A checked Request, not queued yet (see add). `logprobs` (an int k >= 0) makes each output
-        carry the sampled token's log probability and the k most likely alternatives."""
+        carry the sampled token's log probability and the k most likely alternatives;
+        `prompt_logprobs` (an int k >= 0) the same for every prompt token after the first, under the
+        model's own distribution, as the prompt is read (StepOutput.prompt_logprobs)."""
         ids = self.llm.prompt_ids(prompt)
         stop, max_new_tokens = check_request(self.config, ids, max_new_tokens, stop)
         params = sampling_params(self.llm.generation_defaults, temperature=temperature, top_k=top_k, top_p=top_p,
                                  min_p=min_p, repetition_penalty=repetition_penalty,
                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
-        if logprobs is not None and (not is_integer(logprobs) or logprobs < 0):
-            raise NpqwenError(f"logprobs must be None or an integer >= 0 (alternatives per token), got {logprobs!r}")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and (not is_integer(value) or value < 0):
+                raise NpqwenError(f"{name} must be None or an integer >= 0 (alternatives per token), got {value!r}")
         need = math.ceil((len(ids) + max_new_tokens) / self.page_size)
         if need > self.pool.num_pages:
             raise NpqwenError(f"a prompt of {len(ids)} tokens plus max_new_tokens {max_new_tokens} needs {need} KV "
@@ -84,7 +87,8 @@ class Engine:
         tokenizer = self.llm.tokenizer
         return Request(f"req-{next(self._ids)}", ids, max_new_tokens, params, frozenset(self.llm.eos_token_ids),
                        StopStrings(stop), tokenizer.stream_decoder() if tokenizer is not None else None,
-                       None if logprobs is None else int(logprobs))
+                       None if logprobs is None else int(logprobs),
+                       prompt_logprobs=None if prompt_logprobs is None else int(prompt_logprobs))
 
     def add(self, req: Request) -> str:
         """Queue a request made by new_request; its id."""
@@ -94,21 +98,26 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Run one scheduling step; one output per request that advanced, in the order of its sequences
-        in the step's Batch (self.last_batch)."""
+        in the step's Batch (self.last_batch), then one per attention probe that ended (its last token
+        ran alone, Engine._attention_pass)."""
         plan = self.scheduler.schedule()
+        plan, probes = hold_back_probes(plan)   # an attention probe's last token runs alone, after the batch
         if not plan:
-            return []
+            return [self._attention_pass(req) for req in probes]
         # 1. pack: each request's next n tokens, its cached length and its pages
         samples = [req.cached_len + n == len(req.tokens) for req, n in plan]   # its last known token is in?
         lengths = [n for _, n in plan]
         ends = np.cumsum(lengths)
+        scoring = [prompt_rows(req, n, end - n) for (req, n), end in zip(plan, ends)]   # rows scoring a prompt token
+        rows = np.sort(np.concatenate([(ends - 1)[samples], *scoring])).astype(np.int64)
         batch = Batch(np.array([t for req, n in plan for t in req.tokens[req.cached_len:req.cached_len + n]]),
                       starts=[req.cached_len for req, _ in plan], lengths=lengths,
                       page_tables=[np.array(req.page_table) for req, _ in plan], page_size=self.page_size,
-                      sample_rows=(ends - 1)[samples])
+                      sample_rows=rows)
         self.last_batch = batch
-        # 2. one forward pass for all of them; logits only for the rows that sample
+        # 2. one forward pass for all of them; logits only for the rows that sample (or score their prompt)
         logits = to_numpy(self.model.forward_batch(batch, self.kv))                   # (sampling requests, V)
+        logits, prompt_scores = self._score_prompts(plan, scoring, rows, logits, (ends - 1)[samples])
         # 3. each request takes its tokens' keys/values as computed and, if its turn, samples
         outputs, row = [], 0
         for (req, n), sample in zip(plan, samples):
@@ -126,7 +135,9 @@ class Engine:
             outputs.append(out)
             if req.finished:
                 self._finish(req)
-        return outputs
+        for i, scores in prompt_scores.items():   # one output per request of the plan, in its order
+            outputs[i].prompt_logprobs = scores
+        return outputs + [self._attention_pass(req) for req in probes]
 
     def abort(self, request_id: str) -> StepOutput:
         """End a request now and give its pages back; its final output (finish_reason "abort")."""
@@ -153,6 +164,41 @@ class Engine:
                         self.cache.unused)
         self.cache.check()
 
+    def _score_prompts(self, plan, scoring, rows, logits, sample_rows) -> tuple:
+        """(the sampling rows' logits, {plan index: prompt logprobs}): requests that score their
+        prompt (Request.prompt_logprobs) had every prompt position of their chunk in the batch's
+        logit rows, so a long prompt is scored a chunk per step, never as one (T, V) array."""
+        if len(rows) == len(sample_rows):   # nobody scores: the rows are the sampling rows
+            return logits, {}
+        scores = {}
+        for i, ((req, _), mine) in enumerate(zip(plan, scoring)):
+            if len(mine):
+                targets = req.prompt_ids[req.prompt_scored:req.prompt_scored + len(mine)]
+                scores[i] = score_rows(logits[np.searchsorted(rows, mine)], targets, req.prompt_logprobs)
+                req.prompt_scored += len(mine)
+        return logits[np.searchsorted(rows, sample_rows)], scores
+
+    def _attention_pass(self, req: Request) -> StepOutput:
+        """An attention probe's last token, run alone with a recorder that keeps the attention
+        weights of its layer, (H, 1, S) -> (H, S); then the probe ends. Its prompt went through the
+        batches a chunk at a time like any other, so while a 2048-token probe runs, every stream
+        keeps getting a token per step (the web page's /v1/npqwen/attention)."""
+        name, kept = f"model.layers.{req.attention_layer}.self_attn.attn_probs", {}
+
+        def keep(step, array):
+            if step == name:
+                kept[step] = array
+
+        p = req.cached_len
+        batch = Batch(np.array(req.tokens[p:p + 1]), starts=[p], lengths=[1], page_tables=[np.array(req.page_table)],
+                      page_size=self.page_size, sample_rows=np.array([0]))
+        self.model.forward_batch(batch, self.kv, keep)
+        req.cached_len += 1
+        self._remember_full_pages(req)
+        req.finish_reason = "stop"
+        self._finish(req)
+        return StepOutput(req.request_id, [], "", True, "stop", req.result(), attention=to_numpy(kept[name])[:, 0])
+
     def _remember_full_pages(self, req: Request):
         """Pages filled by this step become known to the prefix cache (chain hash of the tokens up to their end)."""
         P = self.page_size
@@ -164,3 +210,27 @@ class Engine:
     def _finish(self, req: Request):
         self.scheduler.finish(req)
         del self.requests[req.request_id]
+
+
+def hold_back_probes(plan: list) -> tuple[list, list]:
+    """(the plan without the last token of each attention probe due now, those probes): that
+    token runs on its own after the batch (Engine._attention_pass)."""
+    kept, probes = [], []
+    for req, n in plan:
+        if req.attention_layer is not None and req.cached_len + n == len(req.tokens):
+            probes.append(req)
+            n -= 1
+        if n:
+            kept.append((req, n))
+    return kept, probes
+
+
+def prompt_rows(req: Request, n: int, first_row: int) -> np.ndarray:
+    """Rows of a step's batch (req's n tokens start at first_row) whose logits score one of req's
+    prompt tokens not scored yet: position j scores token j + 1. Empty unless it scores its prompt."""
+    if req.prompt_logprobs is None:
+        return np.empty(0, np.int64)
+    # positions before prompt_scored - 1 scored already (after a preemption they are read again);
+    # the prefix cache never supplies a position that is still to score (Request.reusable)
+    lo, hi = req.prompt_scored - 1, min(req.cached_len + n, len(req.prompt_ids) - 1)
+    return first_row + np.arange(lo, max(hi, lo)) - req.cached_len

@@ -24,6 +24,9 @@ class StepOutput:
     finish_reason: str | None = None     # "stop" (eos or stop string), "length" or "abort"
     result: GenerationResult | None = None   # the whole result, once finished
     logprobs: list | None = None         # per sampled token, when asked: (log p, [(id, log p) most likely first])
+    prompt_logprobs: list | None = None  # per prompt token scored in this step, when asked (Request.prompt_logprobs):
+                                         # (log p, [(id, log p) most likely first], rank) of the model's own distribution
+    attention: object = None             # an attention probe's weights (H, S): its last token over positions 0 .. S - 1
 
 
 @dataclass(eq=False)
@@ -37,6 +40,11 @@ class Request:
     decoder: object = None               # the tokenizer's StreamDecoder, or None without a tokenizer
     logprobs: int | None = None          # report log p of each sampled token and this many alternatives; None: off
     leader: "Request | None" = None      # one of n choices: admitted once the leader has read the shared prompt
+    prompt_logprobs: int | None = None   # score the prompt: log p of each prompt token after the first, and this
+                                         # many alternatives (Engine._score_prompt); None: off
+    prompt_scored: int = 1               # prompt tokens scored so far (the first has no context: never scored)
+    attention_layer: int | None = None   # an attention probe: its last token runs alone, and the request ends with
+                                         # that token's attention in every head of this layer (Engine._attention_pass)
     tokens: list[int] = field(init=False)       # prompt + generated
     output_ids: list[int] = field(default_factory=list)
     cached_len: int = 0                  # positions whose keys/values are in the pages
@@ -56,6 +64,15 @@ class Request:
     def uncomputed(self) -> int:
         """Tokens whose keys/values are not in the cache yet: the prompt's rest, or the last sampled token."""
         return len(self.tokens) - self.cached_len
+
+    @property
+    def reusable(self) -> int:
+        """Leading positions whose keys/values may come from the prefix cache: all but the last token
+        (its logits are needed), and while the prompt is being scored, only the positions that
+        scored it already (a cached position computes no logits)."""
+        if self.prompt_logprobs is not None and self.prompt_scored < len(self.prompt_ids):
+            return self.prompt_scored - 1
+        return len(self.tokens) - 1
 
     @property
     def finished(self) -> bool:

@@ -12,17 +12,18 @@
 A thin layer: a handler checks the body (protocol.py), turns it into engine Requests
 (tokenizing and the chat template happen here; model code never does), hands them to the engine
 thread (engine_loop.py), and writes what comes back in OpenAI's shapes. A client that goes away
-has its requests aborted before the next engine step. The attention endpoint's forward pass also
-runs on the engine thread, between two steps.
+has its requests aborted before the next engine step. The chat template and the tokenizer run in
+worker threads (Server.off_loop), so that a prompt of megabytes never holds up the event loop;
+the attention endpoint is an engine request like the others, read a chunk per step.
 """
 import asyncio
 import contextlib
+import functools
 import json
 import secrets
-import sys
 import time
-import traceback
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -34,15 +35,16 @@ from starlette.exceptions import HTTPException
 
 from ..errors import NpqwenError
 from ..generate import check_token_ids
-from ..backend import to_numpy
 from .engine_loop import EngineLoop, EngineStopped
 from .parsers import StreamParser, finish_reason, parse_output
+from .tokenizer_process import LONG_TEXT_CHARS, TokenizerProcess
 from .protocol import (MAX_ATTENTION_TOKENS, APIError, AttentionRequest, ChatCompletionRequest, CompletionRequest,
                        DetokenizeRequest, NamedToolChoice, TokenizeRequest, template_messages)
 
 DEFAULT_MAX_QUEUE = 256                    # waiting requests; one more is a 429
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # a bigger body is a 413
 DISCONNECT_POLL_SECONDS = 0.05             # how often a waiting handler checks that its client is still there
+PROMPT_WORKERS = 4                         # threads that apply the chat template and tokenize (see Server.off_loop)
 STATIC = Path(__file__).parent / "static"   # the web page: plain files, no build step
 PAGE_FILES = {"app.js": "text/javascript", "markdown.js": "text/javascript", "style.css": "text/css"}
 OPEN_PATHS = ("/health", "/metrics", "/", *(f"/static/{name}" for name in PAGE_FILES))   # answered without the API key
@@ -104,6 +106,7 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
             on_ready()
         yield
         loop.stop()
+        server.close()
 
     app = FastAPI(title="npqwen", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server, app.state.loop, app.state.metrics = server, loop, metrics
@@ -155,11 +158,11 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        return server.tokenize(body)
+        return await server.off_loop(server.tokenize, body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        return server.detokenize(body)
+        return await server.off_loop(server.detokenize, body)
 
     return app
 
@@ -183,6 +186,27 @@ class Server:
         self.tokenizer, self.config = llm.tokenizer, llm.config
         self.model_name, self.max_queue = model_name, max_queue
         self.created = int(time.time())
+        self.workers = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="npqwen-prompt")
+        self.tokenizer_process = TokenizerProcess(self.tokenizer) if self.tokenizer is not None else None
+        if self.tokenizer is not None:   # it reads the whole vocabulary once: now, not in a request's time
+            self.tokenizer.fewest_tokens("")
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The tokenizer's ids of a text; a long one is tokenized in the tokenizer process (see there why)."""
+        if len(text) > LONG_TEXT_CHARS:
+            return self.tokenizer_process.encode(text, add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) in a worker thread. Applying the chat template to a long conversation and
+        tokenizing it take seconds for megabytes of text; on the event loop every other client's
+        stream and /health would wait that long (the tokenizer lets go of the GIL while it works)."""
+        return await asyncio.get_running_loop().run_in_executor(self.workers, functools.partial(fn, *args))
+
+    def close(self):
+        self.workers.shutdown(wait=False, cancel_futures=True)
+        if self.tokenizer_process is not None:
+            self.tokenizer_process.close()
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "npqwen",
@@ -202,25 +226,41 @@ class Server:
 
     # -- making engine requests --
 
+    def check_room(self, tokens: int, max_tokens: int | None, param: str, at_least: str = "") -> int:
+        """max_tokens, or when unset what the context and the KV pool leave; a 400 if the prompt's
+        `tokens` (or, before tokenizing, a lower bound on them: `at_least` says so) leave no room."""
+        context = self.config.max_position_embeddings
+        if max_tokens is not None and tokens + max_tokens > context:
+            raise APIError(400, f"this model's context is {context} tokens, but the request has {at_least}{tokens} "
+                                f"prompt tokens and asks for {max_tokens} more ({tokens + max_tokens}); shorten "
+                                f"the {param} or lower max_tokens", param, "context_length_exceeded")
+        if max_tokens is None:   # as much as the context and the KV pool allow
+            max_tokens = min(context, self.engine.pool.num_pages * self.engine.page_size) - tokens
+            if max_tokens < 1:
+                raise APIError(400, f"the {param} has {at_least}{tokens} tokens, which leaves no room to generate "
+                                    f"in this server's context or KV cache; shorten it", param,
+                               "context_length_exceeded")
+        return max_tokens
+
+    def check_size(self, prompt, max_tokens: int | None, param: str):
+        """Refuse a prompt that cannot fit before tokenizing it, or checking its every id: a list of ids
+        has its length; a long text at least Tokenizer.fewest_tokens (from its size in bytes)."""
+        if not isinstance(prompt, str):
+            self.check_room(len(prompt), max_tokens, param)
+        elif len(prompt) > LONG_TEXT_CHARS and self.tokenizer is not None:
+            fewest = self.tokenizer.fewest_tokens(prompt)
+            self.check_room(fewest, max_tokens, param, f"{len(prompt)} characters, so at least ")
+
     def requests(self, prompt, body, max_tokens: int | None, logprobs: int | None, param: str) -> list:
         """The n engine requests of one prompt (choices after the first follow it, sharing its pages)."""
+        self.check_size(prompt, max_tokens, param)
         try:
-            ids = self.llm.prompt_ids(prompt)
+            ids = self.encode(prompt) if isinstance(prompt, str) else self.llm.prompt_ids(prompt)
         except NpqwenError as e:
             raise APIError(400, str(e), param) from None
         if not ids:
             raise APIError(400, f"{param} is empty", param)
-        context = self.config.max_position_embeddings
-        if max_tokens is not None and len(ids) + max_tokens > context:
-            raise APIError(400, f"this model's context is {context} tokens, but the request has {len(ids)} "
-                                f"prompt tokens and asks for {max_tokens} more ({len(ids) + max_tokens}); shorten "
-                                f"the {param} or lower max_tokens", param, "context_length_exceeded")
-        if max_tokens is None:   # as much as the context and the KV pool allow
-            max_tokens = min(context, self.engine.pool.num_pages * self.engine.page_size) - len(ids)
-            if max_tokens < 1:
-                raise APIError(400, f"the {param} has {len(ids)} tokens, which leaves no room to generate in "
-                                    f"this server's context or KV cache; shorten it", param,
-                               "context_length_exceeded")
+        max_tokens = self.check_room(len(ids), max_tokens, param)
         made = []
         for i in range(body.n):
             seed = None if body.seed is None else (body.seed + i) % 2 ** 64   # each choice its own draw
@@ -294,14 +334,8 @@ class Server:
         elif tools_on and isinstance(body.tool_choice, NamedToolChoice):
             prefix = '<tool_call>\n{"name": ' + json.dumps(body.tool_choice.function.name) + ', "arguments": '
         thinking = body.thinking and not prefix
-        try:
-            prompt = self.llm.chat_prompt(template_messages(body.messages), enable_thinking=thinking, tools=tools)
-        except NpqwenError as e:
-            raise APIError(400, str(e), "messages") from None
-        opened = thinking and prompt.rstrip("\n").endswith("<think>")   # a template that opens the reasoning
-        prompt += prefix
         top = (body.top_logprobs or 0) if body.logprobs else None
-        requests = self.requests(prompt, body, body.max_new_tokens, top, "messages")
+        opened, requests = await self.off_loop(self.chat_requests, body, thinking, tools, prefix, top)
         one_call = body.parallel_tool_calls is False
         choices = [Choice(i, r, StreamParser(thinking, tools=tools_on, opened=opened)) for i, r in enumerate(requests)]
         for c in choices:
@@ -330,6 +364,20 @@ class Server:
                             **({"token_ids": c.token_ids} if body.return_token_ids else {})})
         prompt_ids = {"prompt_token_ids": requests[0].prompt_ids} if body.return_token_ids else {}
         return {**call, "object": "chat.completion", **prompt_ids, "choices": answers, "usage": usage(requests)}
+
+    def chat_requests(self, body: ChatCompletionRequest, thinking: bool, tools, prefix: str, top) -> tuple:
+        """(whether the template opened the reasoning, the engine requests); runs off the event loop."""
+        texts = [m.content if isinstance(m.content, str) else "".join(getattr(p, "text", "") for p in m.content)
+                 for m in body.messages if m.content]
+        if sum(map(len, texts)) > LONG_TEXT_CHARS:   # the template only adds text: a bound before it runs
+            fewest = sum(self.tokenizer.fewest_tokens(t) for t in texts)
+            self.check_room(fewest, body.max_new_tokens, "messages", f"{sum(map(len, texts))} characters, so at least ")
+        try:
+            prompt = self.llm.chat_prompt(template_messages(body.messages), enable_thinking=thinking, tools=tools)
+        except NpqwenError as e:
+            raise APIError(400, str(e), "messages") from None
+        opened = thinking and prompt.rstrip("\n").endswith("<think>")   # a template that opens the reasoning
+        return opened, self.requests(prompt + prefix, body, body.max_new_tokens, top, "messages")
 
     async def chat_stream(self, queue, choices: list[Choice], call: dict, include_usage: bool, logprobs: bool,
                           one_call: bool, return_ids: bool, http: HTTPRequest):
@@ -379,9 +427,7 @@ class Server:
     async def complete(self, body: CompletionRequest, http: HTTPRequest):
         self.check_model(body.model)
         body.check_supported()
-        requests = []
-        for prompt in body.prompts():
-            requests += self.requests(prompt, body, body.max_tokens, body.logprobs, "prompt")
+        requests = await self.off_loop(self.completion_requests, body)
         choices = [Choice(i, r) for i, r in enumerate(requests)]
         call = dict(id="cmpl-" + uuid.uuid4().hex, created=int(time.time()), model=self.model_name)
         queue = self.submit(requests)
@@ -398,6 +444,11 @@ class Server:
                        if body.return_token_ids else {})}
                    for c in choices]
         return {**call, "object": "text_completion", "choices": answers, "usage": usage(requests)}
+
+    def completion_requests(self, body: CompletionRequest) -> list:
+        """Every prompt's n engine requests, in order; runs off the event loop."""
+        return [r for prompt in body.prompts() for r in self.requests(prompt, body, body.max_tokens, body.logprobs,
+                                                                     "prompt")]
 
     async def completion_stream(self, queue, choices, call, include_usage: bool, logprobs: bool, return_ids: bool,
                                 http):
@@ -432,7 +483,8 @@ class Server:
 
     async def attention(self, body: AttentionRequest, http: HTTPRequest) -> dict:
         """The attention row of `position` over positions 0 .. position in every head of `layer`, and
-        their mean: a forward pass with a recorder over tokens[:position + 1], run on the engine thread."""
+        their mean: an engine request over tokens[:position + 1], read a chunk per step like any
+        prompt, whose last token runs with a recorder (Engine._attention_pass)."""
         self.check_model(body.model)
         ids, layers, heads = body.tokens, self.config.num_hidden_layers, self.config.num_attention_heads
         limit = min(MAX_ATTENTION_TOKENS, self.config.max_position_embeddings)
@@ -446,33 +498,18 @@ class Server:
                            "position")
         if not 0 <= body.layer < layers:
             raise APIError(400, f"layer {body.layer} does not exist: the model has layers 0 .. {layers - 1}", "layer")
-        name, kept = f"model.layers.{body.layer}.self_attn.attn_probs", {}
-
-        def keep(step, array):   # a recorder that keeps only the one array asked for
-            if step == name:
-                kept[step] = array
-
-        def run():   # on the engine thread, between two steps
-            self.llm.forward(ids[:p + 1], last_only=True, recorder=keep)
-            return to_numpy(kept[name])[:, p, :].astype("float64")   # (H, p + 1, p + 1) -> (H, p + 1)
-
-        future = self.loop.call(run)
         try:
-            while not future.done():   # checked on a clock, like outputs(): the client may go, the engine stop
-                await asyncio.wait([future], timeout=DISCONNECT_POLL_SECONDS)
-                if future.done():
-                    break
-                if not self.loop.thread.is_alive():
-                    raise EngineStopped("the server is shutting down")
-                if await http.is_disconnected():
-                    return Response(status_code=499)
-        finally:
-            future.cancel()   # nothing if it ran; skipped on the engine thread if it had not
-        if future.exception() is not None:   # not the client's doing (the request was checked): say so
-            traceback.print_exception(future.exception(), file=sys.stderr)
-            raise APIError(500, f"the attention pass failed ({future.exception()!r}); see the server log",
-                           type="server_error")
-        rows = future.result()
+            probe = self.engine.new_request(ids[:p + 1], 1, temperature=0)
+        except NpqwenError as e:
+            raise APIError(400, str(e), "tokens") from None
+        probe.attention_layer = body.layer
+        rows = None
+        async with contextlib.aclosing(self.outputs(self.submit([probe]), [probe], http)) as outputs:
+            async for _, out in outputs:
+                rows = out.attention
+        if rows is None:   # the client went away first
+            return Response(status_code=499)
+        rows = rows.astype("float64")                                                  # (H, p + 1)
         decode = self.tokenizer.decode
         return {"object": "npqwen.attention", "model": self.model_name, "layer": body.layer, "position": p,
                 "num_layers": layers, "num_heads": heads, "tokens": [decode([t]) for t in ids[:p + 1]],
@@ -494,10 +531,16 @@ class Server:
                 raise APIError(400, str(e), "messages") from None
         else:
             text = body.prompt
+        param, context = "messages" if body.messages is not None else "prompt", self.config.max_position_embeddings
+        fewest = self.tokenizer.fewest_tokens(text) if len(text) > LONG_TEXT_CHARS else 0
         try:
-            ids = self.tokenizer.encode(text)
+            ids = self.encode(text) if fewest <= context else None
         except NpqwenError as e:
             raise APIError(400, str(e), "prompt") from None
+        if ids is None or len(ids) > context:   # as vLLM: what could never be a prompt is not counted
+            count = f"{len(text)} characters, so at least {fewest}" if ids is None else len(ids)
+            raise APIError(400, f"the {param} has {count} tokens, more than this model's context of {context}",
+                           param, "context_length_exceeded")
         return {"tokens": ids, "count": len(ids), "max_model_len": self.config.max_position_embeddings}
 
     def detokenize(self, body: DetokenizeRequest) -> dict:

@@ -1,0 +1,76 @@
+"""Tokenizing a prompt of megabytes in a process of its own.
+
+A byte-level BPE tokenizer makes a few small objects per token (its text, its offsets): the
+600k tokens of a 3 MB prompt are about 1 GB of small allocations. Once freed, glibc keeps them
+(npqwen asks it to keep up to 1 GiB, see backend.keep_freed_memory), so a few such prompts would
+leave the server gigabytes larger; and handing them back (malloc_trim) locks the allocator's
+arenas for a tenth of a second, long enough to stall the engine thread and every stream. So
+a long text is tokenized in one child process, which gives its memory back after each prompt
+(there nobody waits on its locks), and the server only ever holds the ids. vLLM and SGLang also
+tokenize in worker processes. The child is started on the first long text, by spawning a fresh
+interpreter (forking a process that runs threads is unsafe).
+"""
+import contextlib
+import multiprocessing
+import os
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from ..backend import release_freed_memory
+from ..errors import NpqwenError
+from ..tokenizer import Tokenizer
+
+LONG_TEXT_CHARS = 64 * 1024   # a longer text is tokenized in the child process (and first checked by its size)
+CHILD_NICENESS = 10
+
+
+class TokenizerProcess:
+    """encode(text) in the child process, for the server's worker threads (each call blocks its thread)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.pool: ProcessPoolExecutor | None = None
+        self.lock = threading.Lock()
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        with self.lock:
+            if self.pool is None:
+                self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=load, initargs=(self.tokenizer.backend.to_str(),))
+            pool = self.pool
+        try:
+            return pool.submit(encode, text, add_special_tokens).result()
+        except BrokenProcessPool:   # the child died (killed for its memory?): the next long text starts another
+            with self.lock:
+                if self.pool is pool:
+                    self.pool = None
+            raise NpqwenError("the tokenizer process stopped while it read this prompt (out of memory?); "
+                              "send a shorter prompt") from None
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+# -- in the child process --
+
+_tokenizer: Tokenizer | None = None
+
+
+def load(spec: str):
+    """The child's copy of the tokenizer, from its tokenizer.json text; the child runs at a lower
+    CPU priority, so that when the cores are short the engine and the streams get them first."""
+    global _tokenizer
+    from tokenizers import Tokenizer as Backend
+
+    with contextlib.suppress(AttributeError, OSError):
+        os.nice(CHILD_NICENESS)
+    _tokenizer = Tokenizer(Backend.from_str(spec))
+
+
+def encode(text: str, add_special_tokens: bool) -> list[int]:
+    try:
+        return _tokenizer.encode(text, add_special_tokens)
+    finally:
+        release_freed_memory()

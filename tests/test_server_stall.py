@@ -1,0 +1,218 @@
+"""No request stalls the others and memory comes back: a stream stays open while a 15 MB prompt
+arrives, a prompt of megabytes is tokenized, or the page's attention endpoint reruns 2048 tokens;
+the server's RSS after twenty prompts of 4-15 MB (measured on `npqwen serve` in a subprocess)."""
+import contextlib
+import http.client
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("openai")
+
+import npqwen  # noqa: E402
+import npqwen.trace  # noqa: E402
+
+from conftest import add_qwen3_tokenizer, needs_qwen3_tokenizer, tiny_config, write_npqwen_checkpoint  # noqa: E402
+from test_server_cli import rss_mb, start, stop  # noqa: E402
+
+STALL_LIMIT = 0.3        # seconds: the largest gap of a stream, and the slowest /health, while a big request runs
+RSS_LIMIT_MB = 100       # RSS after the big prompts, over RSS before them
+LONG_ANSWER = "A steady stream of small tokens. " * 1500   # a chunk every step, until the context is full
+
+
+def post(url: str, path: str, body: bytes, timeout: float = 120) -> tuple[int, dict]:
+    target = urlparse(url)
+    conn = http.client.HTTPConnection(target.hostname, target.port, timeout=timeout)
+    conn.request("POST", path, body, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    status, answer = response.status, json.loads(response.read())
+    conn.close()
+    return status, answer
+
+
+def stalls_while(url: str, model: str, action) -> tuple[float, float, object]:
+    """(largest gap between two chunks of a chat stream, slowest /health answer, action's result),
+    over the time action() runs in this thread while the stream is open (5 chunks in already)."""
+    target = urlparse(url)
+    conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": "Q-STREAM"}], "stream": True}),
+        {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    chunks, health, done = [], [], threading.Event()
+
+    def read():
+        while not done.is_set():
+            line = response.readline()
+            if not line:
+                return
+            if line.startswith(b"data: "):
+                chunks.append(time.monotonic())
+
+    def poll():
+        while not done.is_set():
+            started = time.monotonic()
+            c = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+            c.request("GET", "/health")
+            c.getresponse().read()
+            c.close()
+            health.append((started, time.monotonic() - started))
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=read, daemon=True), threading.Thread(target=poll, daemon=True)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(chunks) < 5:   # the stream is streaming
+        assert time.monotonic() < deadline, "the stream did not start"
+        time.sleep(0.01)
+    began = time.monotonic()
+    result = action()
+    ended = time.monotonic()
+    time.sleep(0.1)
+    done.set()
+    for t in threads:
+        t.join(10)
+    conn.close()
+    assert chunks[-1] > ended, "the stream ended before the request did: the gaps were not all measured"
+    window = [b - a for a, b in zip(chunks, chunks[1:]) if b >= began and a <= ended]
+    return max(window), max(seconds for at, seconds in health if at <= ended), result
+
+
+@contextlib.contextmanager
+def scripted_server(model: str, **engine_sizes):
+    """The URL of a server in its own process (tests/serving.py) over `model`'s real weights, its
+    answer to "Q-STREAM" scripted as LONG_ANSWER, a step every 2 ms at least."""
+    spec = {"model": model, "answers": {"Q-STREAM": LONG_ANSWER}, "step_seconds": 0.002,
+            "engine": {"kv_cache_tokens": 8192, "page_size": 16, **engine_sizes}}
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "serving.py"), json.dumps(spec)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://"), f"the scripted server did not start: {url!r}"
+        post(url, "/v1/chat/completions", json.dumps({"model": "test-model", "max_tokens": 2, "messages": [
+            {"role": "user", "content": "Q-STREAM"}]}).encode())   # the first request compiles the template
+        yield url
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer_dir(tmp_path_factory):
+    """Tiny random weights under Qwen3's real tokenizer (151936 tokens) and context (40960)."""
+    needs_qwen3_tokenizer()
+    config = tiny_config(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=8, vocab_size=151936, max_position_embeddings=40960,
+                         eos_token_id=151645)
+    return add_qwen3_tokenizer(write_npqwen_checkpoint(tmp_path_factory.mktemp("qwen3-tokenizer"), config))
+
+
+def test_a_15_mb_prompt_stalls_no_stream():
+    text = "word " * 3_000_000                                                        # 15 MB
+    with scripted_server("tiny", max_batched_tokens=64) as url:
+        for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+                           ("/v1/completions", {"prompt": text})]:
+            raw = json.dumps({"model": "test-model", **body}).encode()
+            gap, health, (status, answer) = stalls_while(url, "test-model", lambda: post(url, path, raw))
+            print(f"\n{path}, a 15 MB prompt: largest gap of a concurrent stream {gap:.3f} s, slowest /health "
+                  f"{health:.3f} s")
+            assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+            assert "characters, so at least" in answer["error"]["message"], answer
+            assert gap < STALL_LIMIT and health < STALL_LIMIT, (gap, health)
+
+
+def test_a_prompt_of_megabytes_is_tokenized_off_the_event_loop(qwen3_tokenizer_dir):
+    """3 MB of text under Qwen3's tokenizer could fit its context by size (128 bytes per token at
+    most), so it is tokenized in full (600k tokens, seconds) and then refused."""
+    raw = json.dumps({"model": "test-model", "messages": [{"role": "user", "content": "word " * 600_000}]}).encode()
+    with scripted_server(str(qwen3_tokenizer_dir), kv_cache_tokens=40960) as url:
+        started = time.monotonic()
+        gap, health, (status, answer) = stalls_while(url, "test-model",
+                                                     lambda: post(url, "/v1/chat/completions", raw))
+        print(f"\na 3 MB prompt tokenized in {time.monotonic() - started:.1f} s: largest gap of a concurrent "
+              f"stream {gap:.3f} s, slowest /health {health:.3f} s")
+    assert status == 400 and "600009 tokens" in answer["error"]["message"], answer
+    assert gap < STALL_LIMIT and health < STALL_LIMIT, (gap, health)
+
+
+def test_the_attention_endpoint_is_read_a_chunk_per_step(tmp_path):
+    """A 2048-token attention pass of a model 16x as wide as the tiny one takes ~1 s in one piece;
+    as an engine request it is read 64 tokens a step beside the stream's tokens."""
+    path = write_npqwen_checkpoint(tmp_path, tiny_config(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                                         max_position_embeddings=4096))
+    ids = np.random.default_rng(0).integers(0, 256, 2048).tolist()
+    raw = json.dumps({"model": "test-model", "tokens": ids, "layer": 2}).encode()
+    with scripted_server(str(path), max_batched_tokens=64, page_size=256) as url:
+        gap, health, (status, answer) = stalls_while(url, "test-model",
+                                                     lambda: post(url, "/v1/npqwen/attention", raw))
+    print(f"\na 2048-token attention request: largest gap of a concurrent stream {gap:.3f} s, slowest "
+          f"/health {health:.3f} s")
+    assert status == 200, answer
+    trace = npqwen.trace.Trace()
+    npqwen.load(path).forward(ids, last_only=True, recorder=trace)
+    want = trace["model.layers.2.self_attn.attn_probs"][:, -1, :]                     # (H, 2048)
+    diff = np.abs(np.array(answer["heads"]) - want).max()
+    assert diff < 1e-5, f"the chunked pass differs from one forward pass by {diff}"
+    assert gap < STALL_LIMIT and health < STALL_LIMIT, (gap, health)
+
+
+def tree_rss_mb(pid: int) -> float:
+    """RSS of a process and its children (the server's tokenizer process), started by any of its threads."""
+    children = [c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    return rss_mb(pid) + sum(tree_rss_mb(int(c)) for c in children)
+
+
+def test_rss_comes_back_after_twenty_prompts_of_4_to_15_mb():
+    proc, url = start("--log-level", "warning")
+    try:
+        post(url, "/v1/chat/completions", json.dumps({"model": "tiny", "max_tokens": 2,
+                                                      "messages": [{"role": "user", "content": "hi"}]}).encode())
+        before = tree_rss_mb(proc.pid)
+        peak = before
+        for i in range(20):
+            size = 4_000_000 + i * 11_000_000 // 19
+            raw = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * size}]}).encode()
+            status, answer = post(url, "/v1/chat/completions", raw)
+            assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+            peak = max(peak, tree_rss_mb(proc.pid))
+        time.sleep(0.3)
+        after = tree_rss_mb(proc.pid)
+        print(f"\n20 prompts of 4-15 MB: RSS before {before:.0f} MB, highest between {peak:.0f} MB, after {after:.0f} MB")
+        assert after - before < RSS_LIMIT_MB, (before, after)
+    finally:
+        code, err = stop(proc)
+    assert code == 0 and "Traceback" not in err, err[-2000:]
+
+
+def test_rss_comes_back_after_prompts_tokenized_in_full(qwen3_tokenizer_dir):
+    """Two 3 MB prompts tokenized in full (600k tokens each, ~1 GB of the tokenizer's small objects,
+    which glibc would keep): the server's tokenizer process gives it back after each. Before is
+    measured with that process started (by a 90 kB prompt): its ~100 MB are a fixed cost."""
+    proc, url = start("--model", str(qwen3_tokenizer_dir), "--log-level", "warning")
+    try:
+        model = str(qwen3_tokenizer_dir)
+        status, _ = post(url, "/v1/chat/completions", json.dumps({"model": model, "max_tokens": 40_000, "messages": [
+            {"role": "user", "content": "hi " * 30_000}]}).encode())   # tokenized, then too long for max_tokens
+        assert status == 400
+        before = tree_rss_mb(proc.pid)
+        raw = json.dumps({"model": model, "messages": [{"role": "user", "content": "word " * 600_000}]}).encode()
+        for _ in range(2):
+            status, answer = post(url, "/v1/chat/completions", raw)
+            assert status == 400 and "600009 tokens" in answer["error"]["message"], answer
+        time.sleep(0.5)   # the memory is given back after the answer has gone out
+        after = tree_rss_mb(proc.pid)
+        print(f"\ntwo 3 MB prompts tokenized: RSS before {before:.0f} MB, after {after:.0f} MB")
+        assert after - before < RSS_LIMIT_MB, (before, after)
+    finally:
+        code, err = stop(proc)
+    assert code == 0 and "Traceback" not in err, err[-2000:]
