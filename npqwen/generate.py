@@ -8,6 +8,7 @@ runs through the engine (npqwen/engine/), which does the same for many requests 
 stop conditions are an eos id, a user stop string (excluded from the text, see StopStrings),
 and max_new_tokens (finish_reason "length").
 """
+import math
 import numbers
 from dataclasses import dataclass, field
 
@@ -44,6 +45,24 @@ class ChatResult(GenerationResult):
     reasoning: str = ""                 # what the model wrote inside <think> ... </think>
     content: str = ""                   # the answer after </think>
     messages: list = field(default_factory=list)   # the conversation including this answer
+
+
+@dataclass
+class ScoreResult:
+    """How likely the model finds a text (llm.score): the log probability of each of its tokens
+    given the ones before, under the model's own distribution (no sampling transform)."""
+    token_ids: list[int]                # the text's tokens
+    logprobs: list[float]               # log p(token i | tokens 0 .. i-1) for i = 1 .. T-1: the first has no context
+
+    @property
+    def total(self) -> float:
+        """Sum of the logprobs: the log probability of the text after its first token."""
+        return float(sum(self.logprobs))
+
+    @property
+    def perplexity(self) -> float:
+        """exp(-mean logprob) over the tokens scored; nan if there are none (a text of one token)."""
+        return math.exp(-self.total / len(self.logprobs)) if self.logprobs else math.nan
 
 
 def prefill(model, prompt_ids, cache, chunk: int = PREFILL_CHUNK):
@@ -98,7 +117,11 @@ def check_token_ids(token_ids, vocab_size: int) -> np.ndarray:
             hint = "; pass one sequence at a time" if isinstance(t, (list, tuple, range, np.ndarray)) else ""
             raise NpqwenError(f"token ids must be a 1-D sequence of integers, got {type(t).__name__} {str(t)[:40]} "
                               f"at index {i}{hint}")
-        ids = np.array(token_ids, dtype=np.int64).reshape(-1)
+        try:
+            ids = np.array(token_ids, dtype=np.int64).reshape(-1)
+        except OverflowError:   # an id beyond int64 (JSON has no limit): outside any vocabulary
+            bad = next(t for t in token_ids if not -2 ** 63 <= t < 2 ** 63)
+            raise NpqwenError(f"token id {bad} is outside the vocabulary 0 .. {vocab_size - 1}") from None
     elif getattr(token_ids, "ndim", 0) >= 1 and hasattr(token_ids, "dtype"):   # a NumPy or CuPy array
         ids = np.asarray(to_numpy(token_ids))
         if ids.ndim != 1:

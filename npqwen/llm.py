@@ -13,7 +13,7 @@ from .backend import array_module
 from .checkpoint import load_weights
 from .config import Qwen3Config
 from .errors import NpqwenError
-from .generate import ChatResult, GenerationResult, check_token_ids
+from .generate import ChatResult, GenerationResult, ScoreResult, check_token_ids
 from .hub import resolve_model
 from .model import Qwen3
 from .sampling import read_generation_config
@@ -85,6 +85,34 @@ class LLM:
         return self._run(prompt, result, max_new_tokens, stop, temperature=temperature, top_k=top_k,
                          top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                          presence_penalty=presence_penalty, seed=seed, frequency_penalty=frequency_penalty)
+
+    def score(self, text) -> ScoreResult | list[ScoreResult]:
+        """How likely the model finds `text` (a string, used as is, or token ids): each token's log
+        probability given the tokens before it, under the model's own distribution (the raw logits'
+        log-softmax, no sampling transform); the first token has no context and is not scored.
+        A list of texts runs them all at once through the engine and returns their results in order.
+        The prompt's positions are scored chunk by chunk as the engine reads it (StepOutput.prompt_logprobs)."""
+        many = is_prompt_list(text)
+        engine = self.engine
+        requests = [engine.new_request(t, 1, temperature=0, prompt_logprobs=0) for t in (text if many else [text])]
+        scores = {r.request_id: [] for r in requests}
+        for r in requests:
+            engine.add(r)
+        left = set(scores)
+        try:
+            while left:
+                for out in engine.step():
+                    if out.request_id not in scores:
+                        self._inbox.setdefault(out.request_id, []).append(out)   # another stream's
+                        continue
+                    scores[out.request_id] += [lp for lp, _, _ in out.prompt_logprobs or []]
+                    if out.finished:
+                        left.discard(out.request_id)
+        finally:
+            for request_id in left & set(engine.requests):   # interrupted: free their pages
+                engine.abort(request_id)
+        results = [ScoreResult(list(r.prompt_ids), scores[r.request_id]) for r in requests]
+        return results if many else results[0]
 
     def chat_prompt(self, messages, enable_thinking: bool = True, tools=None) -> str:
         """The chat template applied to `messages` (a str is one user message), ready for generation."""

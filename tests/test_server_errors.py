@@ -73,7 +73,7 @@ def test_chat_validation_is_a_400_naming_the_field(server, kwargs, param):
 @pytest.mark.parametrize("messages, param", [
     ([], "messages"),
     ([{"role": "wizard", "content": "hi"}], "messages[0].role"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content[0].type"),
     ([{"role": "user", "content": 42}], "messages[0].content"),
     ([{"content": "hi"}], "messages[0].role"),
     ([{"role": "user", "content": "hi", "colour": "red"}], "messages[0].colour"),
@@ -86,7 +86,7 @@ def test_bad_messages(server, messages, param):
 
 def test_completions_validation(server):
     client = server.client(api_key="sekret")
-    for kwargs, param in [(dict(prompt="x", echo=True), "echo"), (dict(prompt="x", suffix="y"), "suffix"),
+    for kwargs, param in [(dict(prompt="x", max_tokens=0), "max_tokens"), (dict(prompt="x", suffix="y"), "suffix"),
                           (dict(prompt="x", best_of=3), "best_of"), (dict(prompt="x", logprobs=21), "logprobs"),
                           (dict(prompt=[1, 99999]), "prompt"), (dict(prompt=[]), "prompt"),
                           (dict(prompt=""), "prompt"), (dict(prompt=[[1, 2], "x"]), "prompt"),
@@ -198,7 +198,7 @@ def test_queue_full_is_a_429(slow_server):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     e = refused(lambda: slow_server.client().chat.completions.create(model="test-model", messages=USER), 429)
-    assert e.code == "queue_full"
+    assert e.code == "queue_full" and e.response.headers["retry-after"] == "1"   # a real 429 says when
     for conn, _ in busy:
         conn.close()
     assert slow_server.wait_idle() < 1.0

@@ -17,6 +17,7 @@ worker threads (Server.off_loop), so that a prompt of megabytes never holds up t
 the attention endpoint is an engine request like the others, read a chunk per step.
 """
 import asyncio
+import codecs
 import contextlib
 import functools
 import json
@@ -42,10 +43,17 @@ from .protocol import (MAX_ATTENTION_TOKENS, APIError, AttentionRequest, ChatCom
                        DetokenizeRequest, NamedToolChoice, TokenizeRequest, template_messages)
 
 DEFAULT_MAX_QUEUE = 256                    # waiting requests; one more is a 429
+RETRY_AFTER_SECONDS = 1                    # a 429's Retry-After
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # a bigger body is a 413
 DISCONNECT_POLL_SECONDS = 0.05             # how often a waiting handler checks that its client is still there
 PROMPT_WORKERS = 4                         # threads that apply the chat template and tokenize (see Server.off_loop)
 STATIC = Path(__file__).parent / "static"   # the web page: plain files, no build step
+NOT_SERVED = {   # endpoints of the APIs npqwen follows that it does not serve: a 404 that says what they are
+    "/v1/embeddings": "OpenAI's embeddings endpoint (a vector for each input text)",
+    "/v1/rerank": "the rerank endpoint of vLLM and Jina (documents ordered by relevance to a query)",
+    "/rerank": "the rerank endpoint of vLLM and Jina (documents ordered by relevance to a query)",
+    "/v2/rerank": "Cohere's rerank endpoint (documents ordered by relevance to a query)",
+}
 PAGE_FILES = {"app.js": "text/javascript", "markdown.js": "text/javascript", "style.css": "text/css"}
 OPEN_PATHS = ("/health", "/metrics", "/", *(f"/static/{name}" for name in PAGE_FILES))   # answered without the API key
 # The page's own files are the only code it runs (no inline script, nothing from elsewhere): a second
@@ -111,6 +119,7 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     app = FastAPI(title="npqwen", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server, app.state.loop, app.state.metrics = server, loop, metrics
     app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(JSONBodies)
     if api_key:
         app.add_middleware(APIKey, key=api_key)
     add_error_handlers(app)
@@ -160,6 +169,10 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     async def tokenize(body: TokenizeRequest):
         return await server.off_loop(server.tokenize, body)
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return server.tokenizer_info()
+
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         return await server.off_loop(server.detokenize, body)
@@ -176,6 +189,9 @@ class Choice:
         self.finish_reason = None
         self.logprobs = []        # (token, log p, top) not sent yet (a stream), or all of them
         self.token_ids = []       # ids sampled and not sent yet (a stream), or all of them
+        self.prompt_logprobs = []  # (log p, top, rank) of each prompt token after the first, when scored
+        self.offsets = TextOffsets()   # completions' text_offset, across the chunks of a stream
+        self.echoed = False       # a streamed echo: the prompt's chunk is out
 
 
 class Server:
@@ -251,8 +267,10 @@ class Server:
             fewest = self.tokenizer.fewest_tokens(prompt)
             self.check_room(fewest, max_tokens, param, f"{len(prompt)} characters, so at least ")
 
-    def requests(self, prompt, body, max_tokens: int | None, logprobs: int | None, param: str) -> list:
-        """The n engine requests of one prompt (choices after the first follow it, sharing its pages)."""
+    def requests(self, prompt, body, max_tokens: int | None, logprobs: int | None, param: str,
+                 prompt_logprobs: int | None = None) -> list:
+        """The n engine requests of one prompt (choices after the first follow it, sharing its pages;
+        the first scores the prompt when `prompt_logprobs` is set)."""
         self.check_size(prompt, max_tokens, param)
         try:
             ids = self.encode(prompt) if isinstance(prompt, str) else self.llm.prompt_ids(prompt)
@@ -265,7 +283,8 @@ class Server:
         for i in range(body.n):
             seed = None if body.seed is None else (body.seed + i) % 2 ** 64   # each choice its own draw
             try:
-                req = self.engine.new_request(ids, max_tokens, seed=seed, logprobs=logprobs, **body.sampling())
+                req = self.engine.new_request(ids, max_tokens, seed=seed, logprobs=logprobs, **body.sampling(),
+                                              prompt_logprobs=None if made else prompt_logprobs)
             except NpqwenError as e:
                 field = str(e).split(" ", 1)[0]
                 raise APIError(400, str(e), field if field in type(body).model_fields else "max_tokens") from None
@@ -277,9 +296,16 @@ class Server:
     def submit(self, requests: list) -> asyncio.Queue:
         """Hand the requests to the engine thread (before any response starts, so that a full queue
         is a real 429); their outputs come through the queue returned."""
+        if len(requests) > self.max_queue:   # a 429 would never succeed: retrying clients would loop on it
+            prompts = sum(r.leader is None for r in requests)
+            many = f"{prompts} prompts x n = {len(requests)} requests" if prompts < len(requests) else f"{prompts} prompts"
+            raise APIError(400, f"this call makes {many}, more than this server ever queues (--max-queue "
+                                f"{self.max_queue}); send at most {self.max_queue} at a time",
+                           "n" if prompts < len(requests) else "prompt", "too_many_requests")
         if self.loop.queued() + len(requests) > self.max_queue:
             raise APIError(429, f"the server's queue is full ({self.max_queue} requests waiting); retry later",
-                           None, "queue_full", type="rate_limit_exceeded")
+                           None, "queue_full", type="rate_limit_exceeded",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         return self.loop.submit(requests)
 
     async def outputs(self, queue: asyncio.Queue, requests: list, http: HTTPRequest):
@@ -316,6 +342,7 @@ class Server:
                 c.text += out.text
                 c.logprobs += token_logprobs(out)
                 c.token_ids += out.token_ids
+                c.prompt_logprobs += out.prompt_logprobs or []
                 c.finish_reason = out.finish_reason
         return not await http.is_disconnected() and all(c.finish_reason is not None for c in choices)
 
@@ -433,51 +460,123 @@ class Server:
         queue = self.submit(requests)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return sse(self.completion_stream(queue, choices, call, include_usage, body.logprobs is not None,
-                                              body.return_token_ids, http),
+            return sse(self.completion_stream(queue, choices, call, include_usage, body, http),
                        lambda: self.loop.abort(requests))
         if not await self.collect(queue, choices, http):
             return Response(status_code=499)
-        answers = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                    "logprobs": self.completion_logprobs(c.logprobs) if body.logprobs is not None else None,
-                    **({"prompt_token_ids": c.request.prompt_ids, "token_ids": c.token_ids}
-                       if body.return_token_ids else {})}
-                   for c in choices]
-        return {**call, "object": "text_completion", "choices": answers, "usage": usage(requests)}
+        leaders = {c.request: c for c in choices if c.request.leader is None}
+        answers = []
+        for c in choices:
+            leader = leaders[c.request.leader or c.request]   # n choices share their prompt's scores
+            if body.max_tokens == 0:   # echo alone: the one token the engine drew is not part of the answer
+                c.text, c.logprobs, c.token_ids, c.finish_reason = "", [], [], "length"
+            answer = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
+            if body.echo:
+                answer["text"] = self.tokenizer.decode(c.request.prompt_ids) + c.text
+                c.logprobs = self.prompt_entries(leader) + c.logprobs
+            if body.logprobs is not None:
+                answer["logprobs"] = self.completion_logprobs(c.logprobs, c.offsets)
+            if body.prompt_logprobs is not None:
+                answer["prompt_logprobs"] = self.vllm_prompt_logprobs(leader)
+            if body.return_token_ids:
+                answer.update(prompt_token_ids=c.request.prompt_ids, token_ids=c.token_ids)
+            answers.append(answer)
+        return {**call, "object": "text_completion", "choices": answers,
+                "usage": usage(requests, generated=body.max_tokens != 0)}
 
     def completion_requests(self, body: CompletionRequest) -> list:
-        """Every prompt's n engine requests, in order; runs off the event loop."""
-        return [r for prompt in body.prompts() for r in self.requests(prompt, body, body.max_tokens, body.logprobs,
-                                                                     "prompt")]
+        """Every prompt's n engine requests, in order; runs off the event loop. Echo with logprobs, and
+        prompt_logprobs, make the first choice of each prompt score it; max_tokens 0 (echo alone)
+        still draws one token, which the answer leaves out."""
+        scored = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+        return [r for prompt in body.prompts()
+                for r in self.requests(prompt, body, 1 if body.max_tokens == 0 else body.max_tokens, body.logprobs, "prompt",
+                                       max(scored) if scored else None)]
 
-    async def completion_stream(self, queue, choices, call, include_usage: bool, logprobs: bool, return_ids: bool,
-                                http):
+    async def completion_stream(self, queue, choices, call, include_usage: bool, body: CompletionRequest, http):
         prompt_sent = set()   # choices whose first chunk (with prompt_token_ids) is out
+        leaders = {c.request: c for c in choices if c.request.leader is None}
+
+        def chunk(c, text: str, finish=None, prompt_logprobs=None):
+            choice = {"index": c.index, "text": text, "finish_reason": finish,
+                      "logprobs": self.completion_logprobs(c.logprobs, c.offsets) if body.logprobs is not None
+                      else None}
+            if prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs
+            if body.return_token_ids:
+                choice["token_ids"] = c.token_ids
+                if c.index not in prompt_sent:
+                    choice["prompt_token_ids"] = c.request.prompt_ids
+                    prompt_sent.add(c.index)
+            c.logprobs, c.token_ids = [], []
+            return {**call, "object": "text_completion", "choices": [choice],
+                    **({"usage": None} if include_usage else {})}
+
         async for index, out in self.outputs(queue, [c.request for c in choices], http):
             c = choices[index]
+            c.prompt_logprobs += out.prompt_logprobs or []
+            if not c.echoed and (out.token_ids or out.finished) and (body.echo or body.prompt_logprobs is not None):
+                c.echoed = True   # the prompt has been read (and scored): it goes first
+                leader = leaders[c.request.leader or c.request]
+                c.logprobs = self.prompt_entries(leader) if body.echo else []
+                yield chunk(c, self.tokenizer.decode(c.request.prompt_ids) if body.echo else "",
+                            prompt_logprobs=self.vllm_prompt_logprobs(leader)
+                            if body.prompt_logprobs is not None else None)
+            if body.max_tokens == 0:   # echo alone: the token drawn is not part of the answer
+                if out.finished:
+                    yield chunk(c, "", "length")
+                continue
             c.logprobs += token_logprobs(out)
             c.token_ids += out.token_ids
             if out.text or out.finished:
-                choice = {"index": index, "text": out.text, "finish_reason": out.finish_reason,
-                          "logprobs": self.completion_logprobs(c.logprobs) if logprobs else None}
-                if return_ids:
-                    choice["token_ids"] = c.token_ids
-                    if index not in prompt_sent:
-                        choice["prompt_token_ids"] = c.request.prompt_ids
-                        prompt_sent.add(index)
-                yield {**call, "object": "text_completion", "choices": [choice],
-                       **({"usage": None} if include_usage else {})}
-                c.logprobs, c.token_ids = [], []
+                yield chunk(c, out.text, out.finish_reason)
         if include_usage:
             yield {**call, "object": "text_completion", "choices": [],
-                   "usage": usage([c.request for c in choices])}
+                   "usage": usage([c.request for c in choices], generated=body.max_tokens != 0)}
 
-    def completion_logprobs(self, entries) -> dict:
-        """The legacy completions shape: parallel lists of tokens, their log p and {token: log p} alternatives."""
-        decode = self.tokenizer.decode
-        return {"tokens": [decode([t]) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{decode([t]): l for t, l in top} for _, _, top in entries],
-                "text_offset": []}
+    def prompt_entries(self, leader: Choice) -> list[tuple]:
+        """The prompt's tokens as (token, log p, top) logprobs entries; the first has none (no context)."""
+        ids = leader.request.prompt_ids
+        return [(ids[0], None, None)] + [(t, lp, top) for t, (lp, top, _) in zip(ids[1:], leader.prompt_logprobs)]
+
+    def vllm_prompt_logprobs(self, leader: Choice) -> list:
+        """vLLM's prompt_logprobs: None for the first token, then {id: {logprob, rank, decoded_token}}
+        for the prompt's token and the most likely alternatives (their rank is their place)."""
+        decode, ids = self.tokenizer.decode, leader.request.prompt_ids
+        out = [None]
+        for token, (lp, top, rank) in zip(ids[1:], leader.prompt_logprobs):
+            entry = {str(t): {"logprob": l, "rank": i + 1, "decoded_token": decode([t])} for i, (t, l) in enumerate(top)}
+            entry[str(token)] = {"logprob": lp, "rank": rank, "decoded_token": decode([token])}
+            out.append(entry)
+        return out
+
+    def completion_logprobs(self, entries, offsets: "TextOffsets") -> dict:
+        """The legacy completions shape: parallel lists of tokens, their log p, {token: log p} of the
+        most likely alternatives and the token drawn (OpenAI's up to logprobs + 1), and each token's
+        character offset in the text. Keys are made distinct (token_key)."""
+        tops = []
+        for token, lp, top in entries:
+            if lp is None:   # echo: the prompt's first token has no context
+                tops.append(None)
+                continue
+            keys = {}
+            for t, l in [*top, (token, lp)]:
+                key = self.token_key(t)
+                if keys.get(key, (t,))[0] != t:   # two tokens that read the same: the id tells them apart
+                    key = f"token_id:{t}"
+                keys.setdefault(key, (t, l))
+            tops.append({key: l for key, (_, l) in keys.items()})
+        return {"tokens": [self.token_key(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": tops, "text_offset": [offsets.next(self.tokenizer.token_bytes(t)) for t, _, _ in entries]}
+
+    def token_key(self, token: int) -> str:
+        """A token's text; one that is a piece of a UTF-8 character (and would print as U+FFFD) is
+        written as its bytes, "bytes:\\xe2\\x80", as OpenAI writes such tokens."""
+        raw = self.tokenizer.token_bytes(token)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     # -- attention (for the web page) --
 
@@ -533,8 +632,10 @@ class Server:
             text = body.prompt
         param, context = "messages" if body.messages is not None else "prompt", self.config.max_position_embeddings
         fewest = self.tokenizer.fewest_tokens(text) if len(text) > LONG_TEXT_CHARS else 0
+        # as vLLM: add_special_tokens defaults to true for a prompt, false for messages (the template has them)
+        special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
         try:
-            ids = self.encode(text) if fewest <= context else None
+            ids = self.encode(text, special) if fewest <= context else None
         except NpqwenError as e:
             raise APIError(400, str(e), "prompt") from None
         if ids is None or len(ids) > context:   # as vLLM: what could never be a prompt is not counted
@@ -543,10 +644,30 @@ class Server:
                            param, "context_length_exceeded")
         return {"tokens": ids, "count": len(ids), "max_model_len": self.config.max_position_embeddings}
 
+    def tokenizer_info(self) -> dict:
+        """GET /tokenizer_info, as vLLM answers it: the tokenizer's configuration, its special tokens
+        and chat template (lm-evaluation-harness's remote tokenizer reads it)."""
+        return {"tokenizer_class": "npqwen.Tokenizer", **self.tokenizer.special_tokens,
+                "chat_template": self.tokenizer.chat_template, "model_max_length": self.config.max_position_embeddings,
+                "vocab_size": self.tokenizer.vocab_size}
+
     def detokenize(self, body: DetokenizeRequest) -> dict:
         self.check_model(body.model)
         self.check_tokens(body.tokens)
         return {"prompt": self.tokenizer.decode(body.tokens)}
+
+
+class TextOffsets:
+    """Each token's character offset in a text, as its tokens arrive: the UTF-8 decoder holds back
+    a character until its last byte, so every token of a character has that character's offset."""
+
+    def __init__(self):
+        self.decoder, self.at = codecs.getincrementaldecoder("utf-8")("replace"), 0
+
+    def next(self, token_bytes: bytes) -> int:
+        at = self.at
+        self.at += len(self.decoder.decode(token_bytes))
+        return at
 
 
 def token_logprobs(out) -> list[tuple]:
@@ -554,9 +675,11 @@ def token_logprobs(out) -> list[tuple]:
     return [(t, lp, top) for t, (lp, top) in zip(out.token_ids, out.logprobs or [])]
 
 
-def usage(requests) -> dict:
-    """Token counts: the prompt once (the choices share it), every generated token (an eos included)."""
-    prompt, completion = len(requests[0].prompt_ids), sum(len(r.output_ids) for r in requests)
+def usage(requests, generated: bool = True) -> dict:
+    """Token counts: each prompt once (its n choices share it), every generated token (an eos
+    included), unless `generated` is False (completions' echo with max_tokens 0)."""
+    prompt = sum(len(r.prompt_ids) for r in requests if r.leader is None)
+    completion = sum(len(r.output_ids) for r in requests) if generated else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -591,7 +714,7 @@ class EventStream(StreamingResponse):
 # -- errors in OpenAI's shape --
 
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 def add_error_handlers(app: FastAPI):
@@ -601,7 +724,11 @@ def add_error_handlers(app: FastAPI):
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, e: RequestValidationError):
-        return error_response(validation_api_error(e.errors()))
+        error = validation_api_error(e.errors())
+        sent_as = request.scope.get("npqwen.content_type")
+        if sent_as is not None and error.message.startswith("the body is not valid JSON"):
+            error.message += f" (it was sent as Content-Type: {sent_as}; the API takes application/json)"
+        return error_response(error)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
@@ -609,7 +736,13 @@ def add_error_handlers(app: FastAPI):
         message = str(e.detail)
         if isinstance(e.__cause__, UnicodeDecodeError):   # FastAPI's "error parsing the body"
             message = f"the body is not valid JSON: it is not UTF-8 ({e.__cause__.reason} at byte {e.__cause__.start})"
-        return error_response(APIError(e.status_code, message, None, code))
+        if e.status_code == 404 and request.url.path in NOT_SERVED:
+            message = f"{request.url.path} is {NOT_SERVED[request.url.path]}: not served by npqwen (yet)"
+        elif e.status_code == 404:
+            message = f"no endpoint {request.url.path}: see GET /openapi.json for the endpoints this server has"
+        elif e.status_code == 405:
+            message = f"{request.url.path} does not take {request.method}; it takes {e.headers.get('Allow', '?')}"
+        return error_response(APIError(e.status_code, message, None, code, headers=e.headers))
 
     @app.exception_handler(Exception)
     async def bug(request, e: Exception):   # not the client's doing; uvicorn logs the traceback
@@ -672,18 +805,39 @@ class BodyLimit:
         return APIError(413, f"the request body is over {self.limit} bytes", None, "request_too_large")
 
 
+class JSONBodies:
+    """ASGI middleware: every body the API takes is JSON, so one sent without Content-Type:
+    application/json (none at all, or curl -d's application/x-www-form-urlencoded) is read as JSON
+    anyway, as vLLM reads it; if it is not JSON, the error says what it was sent as."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = dict(scope["headers"])
+            kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+            if kind != b"application/json" and not kind.endswith(b"+json"):
+                scope = {**scope, "npqwen.content_type": kind.decode("latin-1") or "(none)",
+                         "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                         + [(b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
 class APIKey:
     """ASGI middleware: with --api-key, every path but /health, /metrics and the page's files needs
     "Authorization: Bearer KEY" (the page asks the user for the key and sends it itself)."""
 
     def __init__(self, app, key: str):
-        self.app, self.expected = app, f"Bearer {key}".encode()
+        self.app, self.expected = app, key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                said = "the API key was refused" if given else "no API key was sent"
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, given = header.strip().partition(b" ")
+            # the scheme's name is case-insensitive (RFC 7235): "bearer KEY" is as good as "Bearer KEY"
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(given.strip(), self.expected):
+                said = "the API key was refused" if header else "no API key was sent"
                 e = APIError(401, f"{said}: send the server's --api-key as 'Authorization: Bearer KEY'", None,
                              "invalid_api_key")
                 return await JSONResponse(e.body(), 401)(scope, receive, send)

@@ -2,14 +2,14 @@
 
 Bodies are strict: a field npqwen does not know is a 400 that names it (OpenAI's shape, never
 FastAPI's 422), and so is a known field with a value npqwen does not implement (response_format
-json_schema, logit_bias, echo, suffix). Nothing a client asks for is silently ignored. Beyond
+json_schema, logit_bias, suffix). Nothing a client asks for is silently ignored. Beyond
 OpenAI's fields, the sampling extras that vLLM and SGLang accept: top_k, min_p,
 repetition_penalty, chat_template_kwargs.enable_thinking, and vLLM's return_token_ids. npqwen's own
 endpoint, POST /v1/npqwen/attention, takes an AttentionRequest.
 """
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 MAX_CHOICES = 8          # n
 MAX_TOP_LOGPROBS = 20    # top_logprobs (chat), logprobs (completions)
@@ -21,12 +21,21 @@ class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers   # HTTP headers of the answer (a 429's Retry-After, a 405's Allow)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def whole_number(value):
+    """2.0 is an integer to JSON Schema (and to JavaScript clients, which send it so); 2.5 is not."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Whole = Annotated[int, BeforeValidator(whole_number)]   # an int field that takes a whole-number float
 
 
 class Strict(BaseModel):
@@ -37,6 +46,13 @@ class Strict(BaseModel):
 class TextPart(Strict):
     type: Literal["text"]
     text: str
+
+
+class MediaPart(BaseModel):
+    """An image, audio or file part: recognised so that it can be refused with the reason
+    (template_messages), not as "not a valid string"."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_image", "input_audio", "audio_url", "video_url", "file", "input_file"]
 
 
 class ToolCallFunction(Strict):
@@ -52,7 +68,7 @@ class ToolCall(Strict):
 
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | MediaPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -101,14 +117,14 @@ class Sampling(Strict):
     model: str
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)                 # -1 or 0: off (vLLM's -1 accepted)
+    top_k: Whole | None = Field(None, ge=-1)                 # -1 or 0: off (vLLM's -1 accepted)
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
-    seed: int | None = None
+    seed: Whole | None = None
     stop: str | list[str] | None = Field(None, max_length=MAX_STOPS)
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    n: Whole = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None            # only empty: refused otherwise
@@ -131,10 +147,10 @@ class Sampling(Strict):
 
 class ChatCompletionRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)   # OpenAI's newer name; wins over max_tokens
+    max_tokens: Whole | None = Field(None, ge=1)
+    max_completion_tokens: Whole | None = Field(None, ge=1)   # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Whole | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -168,16 +184,18 @@ class ChatCompletionRequest(Sampling):
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)               # OpenAI's default for completions
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
+    max_tokens: Whole | None = Field(16, ge=0)             # OpenAI's default for completions; 0: echo alone
+    logprobs: Whole | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False                                     # the prompt first (scored too, with logprobs)
+    prompt_logprobs: Whole | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)   # vLLM's: the prompt's tokens scored
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: Whole | None = Field(None, ge=1)
 
     def check_supported(self):
         super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo is not supported by npqwen; remove it", "echo", "unsupported")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens 0 asks for no tokens: it is only for echo (the prompt alone, scored "
+                                "with logprobs)", "max_tokens")
         if self.suffix:
             raise APIError(400, "suffix (fill in the middle) is not supported by Qwen3 in npqwen", "suffix",
                            "unsupported")
@@ -199,6 +217,7 @@ class TokenizeRequest(Strict):
     prompt: str | None = None
     messages: list[Message] | None = None
     add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None                 # vLLM's: what the tokenizer adds around a text (Qwen3: nothing)
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
 
@@ -212,15 +231,20 @@ class AttentionRequest(Strict):
     0 .. position, in every head of `layer` (a forward pass over tokens[:position + 1])."""
     model: str | None = None
     tokens: list[int]                                     # 1 .. MAX_ATTENTION_TOKENS ids (checked by the server)
-    position: int | None = None                           # default: the last token
-    layer: int
+    position: Whole | None = None                           # default: the last token
+    layer: Whole
 
 
 def template_messages(messages: list[Message]) -> list[dict]:
     """Messages as the chat template reads them: text parts joined, unset fields left out."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         d = m.model_dump(exclude_none=True, exclude={"refusal", "annotations"})
+        media = [j for j, part in enumerate(m.content or []) if isinstance(part, MediaPart)]
+        if isinstance(m.content, list) and media:
+            raise APIError(400, f"messages[{i}].content[{media[0]}] is a part of type {m.content[media[0]].type!r}: "
+                                f"this model reads text only (Qwen3 has no vision or audio); send text parts",
+                           f"messages[{i}].content[{media[0]}].type", "unsupported")
         if isinstance(m.content, list):
             d["content"] = "".join(part.text for part in m.content)
         d.setdefault("content", "")
