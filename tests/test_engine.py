@@ -343,3 +343,75 @@ def test_decode_attention_for_many_sequences_equals_one_at_a_time():
         err = np.abs(together[b] - alone[0]).max()
         print(f"sequence {b}: max |diff| {err:.1e}")
         assert err < 1e-12
+
+
+def prompt_scores(engine, requests, on_step=None) -> list[list]:
+    """Add every (prompt, kwargs) with prompt_logprobs and step to the end; each request's prompt
+    logprobs entries, in the order they came."""
+    ids = [engine.add_request(p, **kw) for p, kw in requests]
+    got = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += o.prompt_logprobs or []
+        engine.check()
+        if on_step is not None:
+            on_step(engine)
+    return [got[i] for i in ids]
+
+
+def forward_logprobs(llm, ids) -> np.ndarray:
+    """log p(ids[j + 1] | ids[:j + 1]) from one forward pass of the whole sequence, (T - 1,), and the log-softmax rows."""
+    logits = np.asarray(to_numpy(llm.forward(ids)), np.float64)
+    logp = logits - logits.max(axis=1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
+    return logp[np.arange(len(ids) - 1), ids[1:]], logp
+
+
+def test_prompt_logprobs_chunked_cached_and_preempted_equal_one_forward_pass(llm64):
+    """Each prompt position scored exactly once, whatever the chunking, the prefix cache (a cached
+    page computes no logits, so a scoring request reuses none it has not scored) or a preemption."""
+    P = 16
+    ps = prompts([30, 45, 20, 60, 1], seed=8)
+    want = [forward_logprobs(llm64, p) for p in ps]
+    kw = dict(max_new_tokens=40, temperature=0, prompt_logprobs=3)
+    chunked = Engine(llm64, kv_cache_tokens=64 * P, page_size=P, max_batched_tokens=24)
+    chunked.add_request(ps[3], max_new_tokens=1, temperature=0)   # its pages are cached before the scoring run
+    while chunked.has_unfinished():
+        chunked.step()
+    tight = Engine(llm64, kv_cache_tokens=8 * P, page_size=P)
+    for engine in (chunked, tight):
+        got = prompt_scores(engine, [(p, kw) for p in ps])
+        for p, g, (w, logp) in zip(ps, got, want):
+            assert len(g) == len(p) - 1, (len(g), len(p))
+            err = np.abs(np.array([lp for lp, _, _ in g]) - w).max() if g else 0.0
+            print(f"prompt of {len(p)} tokens: max |logprob diff| {err:.2e}")
+            assert err < 1e-10
+            for j, (lp, top, rank) in enumerate(g):   # the alternatives and the rank, from the same rows
+                best = np.argsort(-logp[j], kind="stable")[:3]
+                assert [t for t, _ in top] == best.tolist() and np.allclose([l for _, l in top], logp[j][best])
+                assert rank == 1 + int((logp[j] > logp[j][p[j + 1]]).sum())
+    assert chunked.stats["prefix_cache_hit_tokens"] == 0          # the cached pages of ps[3] were not skipped
+    assert tight.stats["preemptions"] > 0
+
+
+def test_an_attention_probe_equals_a_trace_and_samples_nothing(llm64):
+    from npqwen.trace import Trace
+
+    P = 16
+    ids = prompts([100], seed=9)[0]
+    trace = Trace()
+    llm64.forward(ids, recorder=trace)
+    engine = Engine(llm64, kv_cache_tokens=32 * P, page_size=P, max_batched_tokens=32)
+    probe = engine.new_request(ids, 1, temperature=0)
+    probe.attention_layer = 1
+    engine.add(probe)
+    other = engine.add_request(prompts([10], seed=10)[0], max_new_tokens=8, temperature=0)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+        engine.check()
+    mine = [o for o in outputs if o.request_id == probe.request_id]
+    assert all(not o.token_ids for o in mine) and mine[-1].finished and len(mine) == 5   # 4 chunks of 32, then alone
+    want = trace["model.layers.1.self_attn.attn_probs"][:, -1, :]                        # (H, 100)
+    assert np.abs(mine[-1].attention - want).max() < 1e-12
+    assert sum(len(o.token_ids) for o in outputs if o.request_id == other) == 8
