@@ -38,8 +38,9 @@ class ScriptedModel:
     every step it sees the whole sequence (across chunked prefill, the prefix cache and
     preemption). The answer is the first of `answers` whose trigger is in the prompt's text; the
     next token continues that answer's bytes after what the sequence already holds past its last
-    "<|im_start|>assistant\\n", then comes eos. An answer may start with what the prompt itself
-    ends with (the empty think block of enable_thinking false, a forced tool-call start).
+    "<|im_start|>assistant\\n", then comes eos (and eos again, once the answer is out). An answer may
+    start with what the prompt itself ends with (the empty think block of enable_thinking false, a
+    forced tool-call start, an assistant message continued).
     The real model runs underneath every batch, so the KV cache holds its keys and values; a
     pass with a recorder (the attention endpoint's) is the real model's alone.
     """
@@ -78,6 +79,8 @@ class ScriptedModel:
         assert answer is not None, f"no scripted answer for the prompt {prompt[-200:]!r}"
         written = b"".join(self.tokenizer.token_bytes(t) for t in tokens[start:])
         answer = answer.encode()
+        if written.startswith(answer):   # said all (ignore_eos, or min_tokens made it write more): eos again
+            return self.eos_id
         assert answer.startswith(written), f"the sequence left its script: {written!r} vs {answer!r}"
         rest = answer[len(written):]
         if not rest:

@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 import npqwen  # noqa: E402
 from npqwen import Engine  # noqa: E402
 
-from serving import LiveServer, http_json  # noqa: E402
+from serving import LiveServer, http_json, reference  # noqa: E402,F401  (a fixture)
 
 KEY = {"Authorization": "Bearer k"}
 USER = [{"role": "user", "content": "hi"}]
@@ -175,5 +175,121 @@ def reference_tokenizer():
     return npqwen.load("tiny").tokenizer
 
 
-def test_nothing_above_made_the_server_log_an_error(server):
-    assert not server.errors, [r.getMessage() for r in server.errors]
+# -- fields real clients send --
+
+THINK_OFF = "<think>\n\n</think>\n\n"
+SCRIPT = {"Q-PLAIN": THINK_OFF + "Plain answer.", "Q-CONT": THINK_OFF + "The answer is 42."}
+
+
+@pytest.fixture(scope="module")
+def scripted_server():
+    from serving import ScriptedModel
+
+    llm = npqwen.load("tiny")
+    llm.model = ScriptedModel(llm.model, llm.tokenizer, SCRIPT, eos_id=llm.eos_token_ids[0])
+    server = LiveServer(llm, engine=Engine(llm, kv_cache_tokens=4096, page_size=16, prefix_cache=False))
+    yield server
+    server.close()
+
+
+def plain(server, **kwargs):
+    return server.client().chat.completions.create(
+        model="test-model", messages=[{"role": "user", "content": "Q-PLAIN"}],
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}, **kwargs.pop("extra_body", {})}, **kwargs)
+
+
+def test_openai_service_fields_are_accepted_and_logged_once(scripted_server):
+    import logging
+
+    logger, seen = logging.getLogger("uvicorn.error"), []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        fields = dict(store=False, metadata={"run": "7"}, service_tier="auto", prompt_cache_key="k1",
+                      safety_identifier="user-1", user="u", extra_body={"verbosity": "low"})
+        for _ in range(2):
+            assert plain(scripted_server, **fields).choices[0].message.content == "Plain answer."
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    ignored = [m for m in seen if "accepted and ignored" in m]
+    assert len(ignored) == 7 and all(any(f"'{f}'" in m for m in ignored) for f in
+                                      ("store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
+                                       "user", "verbosity")), seen
+
+
+def test_reasoning_effort_turns_qwen3_thinking_on_or_off(server, reference_tokenizer):
+    for effort, off in (("none", True), ("minimal", True), ("low", False), ("high", False), (None, False)):
+        extra = {"return_token_ids": True, **({"reasoning_effort": effort} if effort else {})}
+        out = server.client(api_key="k").chat.completions.create(model="test-model", messages=USER, max_tokens=1,
+                                                                 extra_body=extra)
+        prompt = reference_tokenizer.decode(out.model_extra["prompt_token_ids"])
+        assert prompt.endswith(THINK_OFF) == off, (effort, prompt[-40:])
+
+
+def test_vllm_sampling_extras(scripted_server):
+    # ignore_eos: on to max_tokens, eos and all; skip_special_tokens leaves the eos text out
+    out = plain(scripted_server, max_tokens=20, extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 20
+    assert out.choices[0].message.content.startswith("Plain answer.<|im_end|><|im_end|>")
+    out = plain(scripted_server, max_tokens=20, extra_body={"ignore_eos": True, "skip_special_tokens": True})
+    assert out.choices[0].message.content == "Plain answer." and out.usage.completion_tokens == 20
+    # min_tokens: no eos before it (the script then writes byte 0 until it may end), and no stop string
+    out = plain(scripted_server, stop=["answer"], temperature=0, extra_body={"min_tokens": 20})
+    assert out.usage.completion_tokens == 21 and out.choices[0].message.content == "Plain answer." + "\x00" * 7
+    # include_stop_str_in_output
+    out = plain(scripted_server, stop=["answer"], extra_body={"include_stop_str_in_output": True})
+    assert out.choices[0].message.content == "Plain answer" and out.choices[0].finish_reason == "stop"
+    chunks = list(plain(scripted_server, stop=["answer"], stream=True, extra_body={"include_stop_str_in_output": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Plain answer"
+    e = refused(lambda: plain(scripted_server, max_tokens=5, extra_body={"min_tokens": 6}), 400)
+    assert e.param == "min_tokens"
+
+
+def test_continue_final_message(scripted_server, server):
+    messages = [{"role": "user", "content": "Q-CONT"}, {"role": "assistant", "content": "The answer is"}]
+    client = scripted_server.client()
+    out = client.chat.completions.create(model="test-model", messages=messages, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True, "return_token_ids": True})
+    assert out.choices[0].message.content == " 42.", out.choices[0].message
+    prompt = scripted_server.llm.tokenizer.decode(out.model_extra["prompt_token_ids"])
+    assert prompt.endswith("<|im_start|>assistant\n" + THINK_OFF + "The answer is"), prompt[-80:]
+    e = refused(lambda: client.chat.completions.create(model="test-model", messages=messages,
+                                                       extra_body={"continue_final_message": True}), 400)
+    assert e.param == "continue_final_message" and "add_generation_prompt" in e.message
+    e = refused(lambda: client.chat.completions.create(model="test-model", messages=messages[:1], extra_body={
+        "add_generation_prompt": False, "continue_final_message": True}), 400)
+    assert "assistant message last" in e.message
+    # add_generation_prompt false alone: the conversation as it stands, ending with its last <|im_end|>
+    ids = server.client(api_key="k").chat.completions.create(model="test-model", messages=messages, max_tokens=1,
+                                                             extra_body={"add_generation_prompt": False,
+                                                                         "return_token_ids": True})
+    assert server.llm.tokenizer.decode(ids.model_extra["prompt_token_ids"]).endswith("The answer is<|im_end|>\n")
+
+
+def test_tokenizer_info_tokenize_add_special_tokens_and_chat_prompt_logprobs(server, reference):
+    status, info = http_json("GET", server.url + "/tokenizer_info", headers=KEY)
+    assert status == 200 and info["eos_token"] == "<|im_end|>" and "<|im_start|>" in info["chat_template"]
+    assert info["model_max_length"] == reference.config.max_position_embeddings
+    for special in (True, False, None):
+        body = {"prompt": "hello", **({"add_special_tokens": special} if special is not None else {})}
+        assert http_json("POST", server.url + "/tokenize", body, KEY)[1]["tokens"] == \
+            reference.tokenizer.encode("hello")   # Qwen3's tokenizer adds nothing around a text
+    status, out = http_json("POST", server.url + "/v1/chat/completions", {
+        "model": "test-model", "messages": USER, "max_tokens": 1, "prompt_logprobs": 1, "return_token_ids": True}, KEY)
+    ids = out["prompt_token_ids"]
+    assert out["prompt_logprobs"][0] is None and len(out["prompt_logprobs"]) == len(ids)
+    want = reference.score(ids).logprobs
+    got = [entry[str(token)]["logprob"] for token, entry in zip(ids[1:], out["prompt_logprobs"][1:])]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5
+    status, out = http_json("POST", server.url + "/v1/chat/completions", {
+        "model": "test-model", "messages": USER, "prompt_logprobs": 1, "stream": True}, KEY)
+    assert status == 400 and out["error"]["param"] == "prompt_logprobs"
+
+
+def test_nothing_above_made_either_server_log_an_error(server, scripted_server):
+    for s in (server, scripted_server):
+        assert not s.errors, [r.getMessage() for r in s.errors]

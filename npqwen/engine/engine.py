@@ -126,7 +126,7 @@ class Engine:
             if not sample:
                 outputs.append(StepOutput(req.request_id, [], ""))
                 continue
-            ids, candidate_logits = candidates(logits[row], req.params, req.prompt_ids, req.output_ids)
+            ids, candidate_logits = candidates(no_eos_yet(req, logits[row]), req.params, req.prompt_ids, req.output_ids)
             token = draw(ids, candidate_logits, req.params, req.rng)
             row += 1
             out = req.append(token)
@@ -234,3 +234,13 @@ def prompt_rows(req: Request, n: int, first_row: int) -> np.ndarray:
     # the prefix cache never supplies a position that is still to score (Request.reusable)
     lo, hi = req.prompt_scored - 1, min(req.cached_len + n, len(req.prompt_ids) - 1)
     return first_row + np.arange(lo, max(hi, lo)) - req.cached_len
+
+
+def no_eos_yet(req: Request, logits: np.ndarray) -> np.ndarray:
+    """A request's logits row (V,), with its eos tokens made impossible while it has fewer than
+    req.min_tokens tokens (vLLM's min_tokens)."""
+    if len(req.output_ids) >= req.min_tokens or not req.eos_ids:
+        return logits
+    logits = logits.copy()
+    logits[list(req.eos_ids)] = -np.inf
+    return logits

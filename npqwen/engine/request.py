@@ -45,6 +45,8 @@ class Request:
     prompt_scored: int = 1               # prompt tokens scored so far (the first has no context: never scored)
     attention_layer: int | None = None   # an attention probe: its last token runs alone, and the request ends with
                                          # that token's attention in every head of this layer (Engine._attention_pass)
+    min_tokens: int = 0                  # no eos can be drawn, and no stop string ends it, before this many tokens
+    include_stop: bool = False           # the stop string that ends the text stays in it
     tokens: list[int] = field(init=False)       # prompt + generated
     output_ids: list[int] = field(default_factory=list)
     cached_len: int = 0                  # positions whose keys/values are in the pages
@@ -87,11 +89,14 @@ class Request:
         if token in self.eos_ids:
             self.finish_reason = "stop"
             self.stop = self.decoder.tokenizer.decode([token]) if self.decoder is not None else str(token)
+        elif self.decoder is not None and len(self.output_ids) < self.min_tokens:   # too early to stop
+            piece, hit = self.stops.flush() + self.decoder.push(token), None
         elif self.decoder is not None:
             piece, hit = self.stops.feed(self.decoder.push(token))
             if hit is not None:
                 self.finish_reason, self.stop = "stop", hit
                 self.decoder = None        # nothing held back may follow a stop string
+                piece += hit if self.include_stop else ""
         if not self.finished and len(self.output_ids) >= self.max_new_tokens:
             self.finish_reason = "length"
         if self.finished and self.decoder is not None and self.finish_reason != "abort":
@@ -105,7 +110,7 @@ class Request:
         piece, hit = self.stops.feed(self.decoder.finish())
         if hit is not None:
             self.finish_reason, self.stop = "stop", hit
-            return piece
+            return piece + (hit if self.include_stop else "")
         return piece + self.stops.flush()
 
     def result(self) -> GenerationResult:

@@ -21,6 +21,7 @@ import codecs
 import contextlib
 import functools
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -39,8 +40,8 @@ from ..generate import check_token_ids
 from .engine_loop import EngineLoop, EngineStopped
 from .parsers import StreamParser, finish_reason, parse_output
 from .tokenizer_process import LONG_TEXT_CHARS, TokenizerProcess
-from .protocol import (MAX_ATTENTION_TOKENS, APIError, AttentionRequest, ChatCompletionRequest, CompletionRequest,
-                       DetokenizeRequest, NamedToolChoice, TokenizeRequest, template_messages)
+from .protocol import (IGNORED, MAX_ATTENTION_TOKENS, APIError, AttentionRequest, ChatCompletionRequest,
+                       CompletionRequest, DetokenizeRequest, NamedToolChoice, TokenizeRequest, template_messages)
 
 DEFAULT_MAX_QUEUE = 256                    # waiting requests; one more is a 429
 RETRY_AFTER_SECONDS = 1                    # a 429's Retry-After
@@ -203,6 +204,7 @@ class Server:
         self.model_name, self.max_queue = model_name, max_queue
         self.created = int(time.time())
         self.workers = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="npqwen-prompt")
+        self.ignored: set[str] = set()   # OpenAI's service fields seen so far (note_ignored)
         self.tokenizer_process = TokenizerProcess(self.tokenizer) if self.tokenizer is not None else None
         if self.tokenizer is not None:   # it reads the whole vocabulary once: now, not in a request's time
             self.tokenizer.fewest_tokens("")
@@ -288,10 +290,30 @@ class Server:
             except NpqwenError as e:
                 field = str(e).split(" ", 1)[0]
                 raise APIError(400, str(e), field if field in type(body).model_fields else "max_tokens") from None
+            self.vllm_options(req, body, max_tokens)
             if made:
                 req.leader = made[0]
             made.append(req)
         return made
+
+    def vllm_options(self, req, body, max_tokens: int):
+        """vLLM's ignore_eos, min_tokens, skip_special_tokens and include_stop_str_in_output on an engine request."""
+        if body.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens {body.min_tokens} is more than max_tokens {max_tokens}", "min_tokens")
+        if body.ignore_eos:
+            req.eos_ids = frozenset()
+        req.min_tokens, req.include_stop = body.min_tokens, body.include_stop_str_in_output
+        if body.skip_special_tokens and self.tokenizer is not None:
+            req.decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
+
+    def note_ignored(self, body):
+        """One log line the first time each of OpenAI's service fields (store, metadata, ...) comes:
+        accepted, since clients send them, but they change nothing here."""
+        for name in IGNORED:
+            if name in body.model_fields_set and name not in self.ignored:
+                self.ignored.add(name)
+                logging.getLogger("uvicorn.error").info(
+                    f"npqwen: the field {name!r} is accepted and ignored (it does not change the answer)")
 
     def submit(self, requests: list) -> asyncio.Queue:
         """Hand the requests to the engine thread (before any response starts, so that a full queue
@@ -351,6 +373,7 @@ class Server:
     async def chat(self, body: ChatCompletionRequest, http: HTTPRequest):
         self.check_model(body.model)
         body.check_supported()
+        self.note_ignored(body)
         tools_on = bool(body.tools) and body.tool_choice != "none"
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if tools_on else None
         # tool_choice "required" or a named function: the answer is made to start with the call
@@ -360,7 +383,7 @@ class Server:
             prefix = '<tool_call>\n{"name": "'
         elif tools_on and isinstance(body.tool_choice, NamedToolChoice):
             prefix = '<tool_call>\n{"name": ' + json.dumps(body.tool_choice.function.name) + ', "arguments": '
-        thinking = body.thinking and not prefix
+        thinking = body.thinking and not prefix and not body.continue_final_message   # a continued message: all content
         top = (body.top_logprobs or 0) if body.logprobs else None
         opened, requests = await self.off_loop(self.chat_requests, body, thinking, tools, prefix, top)
         one_call = body.parallel_tool_calls is False
@@ -390,6 +413,8 @@ class Server:
                             "finish_reason": finish_reason(c.finish_reason, bool(tool_calls)),
                             **({"token_ids": c.token_ids} if body.return_token_ids else {})})
         prompt_ids = {"prompt_token_ids": requests[0].prompt_ids} if body.return_token_ids else {}
+        if body.prompt_logprobs is not None:   # vLLM's, at the top: the choices share the prompt
+            prompt_ids["prompt_logprobs"] = self.vllm_prompt_logprobs(choices[0])
         return {**call, "object": "chat.completion", **prompt_ids, "choices": answers, "usage": usage(requests)}
 
     def chat_requests(self, body: ChatCompletionRequest, thinking: bool, tools, prefix: str, top) -> tuple:
@@ -400,11 +425,26 @@ class Server:
             fewest = sum(self.tokenizer.fewest_tokens(t) for t in texts)
             self.check_room(fewest, body.max_new_tokens, "messages", f"{sum(map(len, texts))} characters, so at least ")
         try:
-            prompt = self.llm.chat_prompt(template_messages(body.messages), enable_thinking=thinking, tools=tools)
+            prompt = self.chat_text(body, template_messages(body.messages), thinking, tools)
         except NpqwenError as e:
             raise APIError(400, str(e), "messages") from None
         opened = thinking and prompt.rstrip("\n").endswith("<think>")   # a template that opens the reasoning
-        return opened, self.requests(prompt + prefix, body, body.max_new_tokens, top, "messages")
+        return opened, self.requests(prompt + prefix, body, body.max_new_tokens, top, "messages", body.prompt_logprobs)
+
+    def chat_text(self, body: ChatCompletionRequest, messages: list[dict], thinking: bool, tools) -> str:
+        """The chat template's text; vLLM's add_generation_prompt false leaves out the assistant's
+        opening, and continue_final_message cuts the text after the last message's words, as
+        transformers does, so that the model goes on writing it."""
+        text = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt, thinking, tools)
+        if not body.continue_final_message:
+            return text
+        final = messages[-1]["content"]
+        for words in (final, final.strip()):   # the template may have stripped the message
+            at = text.rfind(words) if words else -1
+            if at >= 0:
+                return text[:at + len(words)]
+        raise APIError(400, "continue_final_message: the last message has no text that the chat template kept, so "
+                            "there is nothing to continue", "continue_final_message")
 
     async def chat_stream(self, queue, choices: list[Choice], call: dict, include_usage: bool, logprobs: bool,
                           one_call: bool, return_ids: bool, http: HTTPRequest):
@@ -454,6 +494,7 @@ class Server:
     async def complete(self, body: CompletionRequest, http: HTTPRequest):
         self.check_model(body.model)
         body.check_supported()
+        self.note_ignored(body)
         requests = await self.off_loop(self.completion_requests, body)
         choices = [Choice(i, r) for i, r in enumerate(requests)]
         call = dict(id="cmpl-" + uuid.uuid4().hex, created=int(time.time()), model=self.model_name)
@@ -622,7 +663,7 @@ class Server:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", "prompt")
         if body.messages is not None:
-            thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else True
+            thinking = body.chat_template_kwargs is None or body.chat_template_kwargs.enable_thinking is not False
             messages = template_messages(body.messages)
             try:
                 text = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt, thinking)

@@ -2,10 +2,13 @@
 
 Bodies are strict: a field npqwen does not know is a 400 that names it (OpenAI's shape, never
 FastAPI's 422), and so is a known field with a value npqwen does not implement (response_format
-json_schema, logit_bias, suffix). Nothing a client asks for is silently ignored. Beyond
-OpenAI's fields, the sampling extras that vLLM and SGLang accept: top_k, min_p,
-repetition_penalty, chat_template_kwargs.enable_thinking, and vLLM's return_token_ids. npqwen's own
-endpoint, POST /v1/npqwen/attention, takes an AttentionRequest.
+json_schema, logit_bias, suffix). Nothing that would change the answer is silently ignored;
+OpenAI's fields about the service (store, metadata, service_tier, ...: IGNORED) are accepted
+and logged once. Beyond OpenAI's fields, the extras that vLLM and SGLang accept: top_k, min_p,
+repetition_penalty, chat_template_kwargs.enable_thinking, and vLLM's return_token_ids,
+prompt_logprobs, ignore_eos, min_tokens, skip_special_tokens, include_stop_str_in_output,
+add_generation_prompt, continue_final_message. An int field takes a whole-number float (2.0).
+npqwen's own endpoint, POST /v1/npqwen/attention, takes an AttentionRequest.
 """
 from typing import Annotated, Literal
 
@@ -104,7 +107,7 @@ class StreamOptions(Strict):
 
 
 class ChatTemplateKwargs(Strict):
-    enable_thinking: bool = True
+    enable_thinking: bool | None = None                   # None: on (or as reasoning_effort says)
 
 
 class ResponseFormat(Strict):
@@ -130,6 +133,18 @@ class Sampling(Strict):
     logit_bias: dict[str, float] | None = None            # only empty: refused otherwise
     user: str | None = None                               # an end-user id for the caller's logs; unused
     return_token_ids: bool = False                        # vLLM's: prompt_token_ids and each choice's token_ids
+    # OpenAI's fields about the service, not the answer: accepted, and logged once as ignored (IGNORED)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None                   # npqwen's prefix cache needs no key
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    # vLLM's sampling extras (Request fields, see Server.vllm_options)
+    ignore_eos: bool = False                              # go on after eos (to max_tokens)
+    min_tokens: Whole = Field(0, ge=0)                    # no eos and no stop string before this many tokens
+    skip_special_tokens: bool = False                     # leave special tokens (<|im_end|>) out of the text
+    include_stop_str_in_output: bool = False              # the stop string that ended the text stays in it
 
     def sampling(self) -> dict:
         """Keyword arguments for Engine.new_request (None: the checkpoint's default)."""
@@ -156,6 +171,10 @@ class ChatCompletionRequest(Sampling):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None   # Qwen3: on or off
+    add_generation_prompt: bool = True                    # vLLM's: end the prompt with "<|im_start|>assistant\n"
+    continue_final_message: bool = False                  # vLLM's: go on writing the last (assistant) message
+    prompt_logprobs: Whole | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)   # vLLM's: the prompt's tokens scored
 
     def check_supported(self):
         super().check_supported()
@@ -165,6 +184,15 @@ class ChatCompletionRequest(Sampling):
                            "unsupported")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs in a chat is answered whole (stream: false); /v1/completions "
+                                "streams them", "prompt_logprobs", "unsupported")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise APIError(400, "continue_final_message goes on writing the last message, so it needs "
+                                "add_generation_prompt: false", "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise APIError(400, f"continue_final_message needs an assistant message last, not a "
+                                f"{self.messages[-1].role!r} one", "continue_final_message")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise APIError(400, "tool_choice needs tools", "tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice):
@@ -179,7 +207,11 @@ class ChatCompletionRequest(Sampling):
 
     @property
     def thinking(self) -> bool:
-        return self.chat_template_kwargs.enable_thinking if self.chat_template_kwargs else True
+        """chat_template_kwargs.enable_thinking if given; else off for reasoning_effort "none" or
+        "minimal" (Qwen3 thinks or does not: there are no degrees), on otherwise."""
+        if self.chat_template_kwargs is not None and self.chat_template_kwargs.enable_thinking is not None:
+            return self.chat_template_kwargs.enable_thinking
+        return self.reasoning_effort not in ("none", "minimal")
 
 
 class CompletionRequest(Sampling):
@@ -233,6 +265,9 @@ class AttentionRequest(Strict):
     tokens: list[int]                                     # 1 .. MAX_ATTENTION_TOKENS ids (checked by the server)
     position: Whole | None = None                           # default: the last token
     layer: Whole
+
+
+IGNORED = ("store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "verbosity", "user")
 
 
 def template_messages(messages: list[Message]) -> list[dict]:
