@@ -3,9 +3,10 @@
     GET  /                          the web page: chat, and why each token was chosen (static/)
     GET  /v1/models                 the one model served
     POST /v1/chat/completions       chat, streamed or not: reasoning, tool calls, logprobs, n
-    POST /v1/completions            plain completion of a prompt (text or token ids)
+    POST /v1/completions            plain completion of a prompt (text or token ids); echo, prompt logprobs
+    POST /v1/responses              OpenAI's Responses API (responses.py), over the same requests as a chat
     POST /v1/npqwen/attention       one position's attention in every head of a layer (for the page)
-    POST /tokenize, /detokenize     the model's tokenizer (vLLM's shapes)
+    POST /tokenize, /detokenize     the model's tokenizer (vLLM's shapes); GET /tokenizer_info
     GET  /health                    200 while the engine thread is alive
     GET  /metrics                   Prometheus text format
 
@@ -162,6 +163,13 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     async def completions(body: CompletionRequest, http: HTTPRequest):
         return await server.complete(body, http)
 
+    from .responses import Responder, ResponsesRequest   # it builds on this module's pieces
+    responder = Responder(server)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, http: HTTPRequest):
+        return await responder.respond(body, http)
+
     @app.post("/v1/npqwen/attention")
     async def attention(body: AttentionRequest, http: HTTPRequest):
         return await server.attention(body, http)
@@ -306,10 +314,10 @@ class Server:
         if body.skip_special_tokens and self.tokenizer is not None:
             req.decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
 
-    def note_ignored(self, body):
+    def note_ignored(self, body, names: tuple = IGNORED):
         """One log line the first time each of OpenAI's service fields (store, metadata, ...) comes:
         accepted, since clients send them, but they change nothing here."""
-        for name in IGNORED:
+        for name in names:
             if name in body.model_fields_set and name not in self.ignored:
                 self.ignored.add(name)
                 logging.getLogger("uvicorn.error").info(
@@ -374,15 +382,7 @@ class Server:
         self.check_model(body.model)
         body.check_supported()
         self.note_ignored(body)
-        tools_on = bool(body.tools) and body.tool_choice != "none"
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if tools_on else None
-        # tool_choice "required" or a named function: the answer is made to start with the call
-        # (no grammar-constrained decoding here), so the model writes no reasoning first.
-        prefix = ""
-        if tools_on and body.tool_choice == "required":
-            prefix = '<tool_call>\n{"name": "'
-        elif tools_on and isinstance(body.tool_choice, NamedToolChoice):
-            prefix = '<tool_call>\n{"name": ' + json.dumps(body.tool_choice.function.name) + ', "arguments": '
+        tools_on, tools, prefix = self.chat_tools(body)
         thinking = body.thinking and not prefix and not body.continue_final_message   # a continued message: all content
         top = (body.top_logprobs or 0) if body.logprobs else None
         opened, requests = await self.off_loop(self.chat_requests, body, thinking, tools, prefix, top)
@@ -416,6 +416,19 @@ class Server:
         if body.prompt_logprobs is not None:   # vLLM's, at the top: the choices share the prompt
             prompt_ids["prompt_logprobs"] = self.vllm_prompt_logprobs(choices[0])
         return {**call, "object": "chat.completion", **prompt_ids, "choices": answers, "usage": usage(requests)}
+
+    def chat_tools(self, body: ChatCompletionRequest) -> tuple[bool, list | None, str]:
+        """(whether tool calls are parsed, the tools for the template, what the answer is made to start with)."""
+        tools_on = bool(body.tools) and body.tool_choice != "none"
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if tools_on else None
+        # tool_choice "required" or a named function: the answer is made to start with the call
+        # (no grammar-constrained decoding here), so the model writes no reasoning first.
+        prefix = ""
+        if tools_on and body.tool_choice == "required":
+            prefix = '<tool_call>\n{"name": "'
+        elif tools_on and isinstance(body.tool_choice, NamedToolChoice):
+            prefix = '<tool_call>\n{"name": ' + json.dumps(body.tool_choice.function.name) + ', "arguments": '
+        return tools_on, tools, prefix
 
     def chat_requests(self, body: ChatCompletionRequest, thinking: bool, tools, prefix: str, top) -> tuple:
         """(whether the template opened the reasoning, the engine requests); runs off the event loop."""
@@ -779,6 +792,8 @@ def add_error_handlers(app: FastAPI):
             message = f"the body is not valid JSON: it is not UTF-8 ({e.__cause__.reason} at byte {e.__cause__.start})"
         if e.status_code == 404 and request.url.path in NOT_SERVED:
             message = f"{request.url.path} is {NOT_SERVED[request.url.path]}: not served by npqwen (yet)"
+        elif e.status_code == 404 and request.url.path.startswith("/v1/responses/"):
+            message = "npqwen keeps no responses (each is answered and forgotten): there is nothing to fetch here"
         elif e.status_code == 404:
             message = f"no endpoint {request.url.path}: see GET /openapi.json for the endpoints this server has"
         elif e.status_code == 405:
