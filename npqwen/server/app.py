@@ -31,6 +31,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -57,7 +58,8 @@ NOT_SERVED = {   # endpoints of the APIs npqwen follows that it does not serve: 
     "/v2/rerank": "Cohere's rerank endpoint (documents ordered by relevance to a query)",
 }
 PAGE_FILES = {"app.js": "text/javascript", "markdown.js": "text/javascript", "style.css": "text/css"}
-OPEN_PATHS = ("/health", "/metrics", "/", *(f"/static/{name}" for name in PAGE_FILES))   # answered without the API key
+OPEN_PATHS = ("/health", "/metrics", "/", "/openapi.json", "/docs",                       # answered without the API key
+              *(f"/static/{name}" for name in PAGE_FILES))
 # The page's own files are the only code it runs (no inline script, nothing from elsewhere): a second
 # wall behind the rule that model text is never parsed as HTML.
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' "
@@ -103,8 +105,10 @@ class EngineState:
 
 
 def create_app(llm, engine, model_name: str, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready=None) -> FastAPI:
-    """The FastAPI app serving `engine` (over `llm`) as `model_name`; on_ready() runs once it is up."""
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready=None,
+               allowed_origins: list[str] | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` (over `llm`) as `model_name`; on_ready() runs once it is up.
+    `allowed_origins`: web pages of these origins may call the API (CORS; "*" any); none by default."""
     metrics = Metrics(engine)
     loop = EngineLoop(engine, metrics)
     server = Server(llm, engine, loop, model_name, max_queue)
@@ -118,12 +122,16 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
         loop.stop()
         server.close()
 
-    app = FastAPI(title="npqwen", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="npqwen", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.server, app.state.loop, app.state.metrics = server, loop, metrics
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(JSONBodies)
     if api_key:
         app.add_middleware(APIKey, key=api_key)
+    if allowed_origins:   # outermost: a browser's preflight OPTIONS is answered before the key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["Retry-After"])
+    app.openapi = lambda: openapi_schema(app, api_key is not None, model_name)
     add_error_handlers(app)
 
     @app.get("/", include_in_schema=False)
@@ -763,6 +771,62 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.abort()   # requests that finished are already gone: nothing happens to them
+
+
+# -- the schema: /openapi.json (and /docs) --
+
+STREAMED = ("/v1/chat/completions", "/v1/completions", "/v1/responses")   # 200: JSON, or text/event-stream
+ENGINE_PATHS = (*STREAMED, "/v1/npqwen/attention")                      # 429 when the queue is full, 503 stopping
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+ERRORS = {400: "a request the server cannot serve, in OpenAI's error shape; param names the field",
+          401: "a missing or wrong API key", 404: "another model's name", 413: "a body over the size limit",
+          429: "the queue is full: retry after Retry-After seconds", 503: "the server is shutting down"}
+
+
+def openapi_schema(app: FastAPI, with_key: bool, model_name: str) -> dict:
+    """FastAPI's schema of the API, made to say what the server really answers: every error is a
+    400 (never FastAPI's 422) or another status of ERRORS, in OpenAI's error shape; the streamed
+    endpoints answer text/event-stream too; /metrics is Prometheus text; `model` is the one served."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    from .. import __version__
+    schema = get_openapi(title="npqwen", version=__version__, routes=app.routes,
+                         description="OpenAI's API (and vLLM's extras) over a Qwen3 in plain NumPy")
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    components["Error"] = ERROR
+    for component in components.values():
+        if "model" in component.get("properties", {}):
+            model = component["properties"]["model"]
+            if model.get("type") == "string":
+                model["enum"] = [model_name]
+            else:   # optional: a string or null
+                model["anyOf"] = [{"type": "string", "enum": [model_name]}, {"type": "null"}]
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            for parameter in operation.get("parameters", []):   # GET /v1/models/{name}
+                if parameter["name"] == "name":
+                    parameter["schema"]["examples"] = [model_name]
+            codes = [400, 413] if method == "post" else []
+            codes += [401] if with_key and path not in OPEN_PATHS else []
+            codes += [404] if method == "post" or path.startswith("/v1/models/") else []
+            codes += [429, 503] if path in ENGINE_PATHS else [503] if path == "/health" else []
+            responses = operation["responses"]
+            responses.pop("422", None)
+            for code in sorted(codes):
+                responses[str(code)] = {"description": ERRORS[code], "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+            if path in STREAMED:
+                responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+    app.openapi_schema = schema
+    return schema
 
 
 # -- errors in OpenAI's shape --

@@ -1,0 +1,107 @@
+"""/openapi.json and /docs say what the server really answers (400s, OpenAI's error shape,
+text/event-stream), schemathesis finds no 5xx and no response off the schema, and browsers on
+other origins may call the API when --allowed-origins lets them (CORS, preflight OPTIONS)."""
+import http.client
+import json
+import subprocess
+import sys
+from urllib.parse import urlparse
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+import npqwen  # noqa: E402
+from npqwen import Engine  # noqa: E402
+from npqwen.tiny import IM_END, tiny_tokenizer  # noqa: E402
+
+from conftest import tiny_config, write_npqwen_checkpoint  # noqa: E402
+from serving import LiveServer, http_json  # noqa: E402
+
+CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance," \
+         "response_schema_conformance"
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory):
+    """A random model with a context of 96 tokens: whatever the fuzzer asks, an answer is short."""
+    path = write_npqwen_checkpoint(tmp_path_factory.mktemp("small-context"), tiny_config(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=8, max_position_embeddings=96, eos_token_id=IM_END))
+    llm = npqwen.load(path)
+    llm.tokenizer = tiny_tokenizer()
+    server = LiveServer(llm, engine=Engine(llm, kv_cache_tokens=4096, page_size=16), api_key="k")
+    yield server
+    server.close()
+
+
+def request(server, method: str, path: str, headers: dict) -> http.client.HTTPResponse:
+    target = urlparse(server.url)
+    conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+    conn.request(method, path, headers=headers)
+    response = conn.getresponse()
+    response.read()
+    conn.close()
+    return response
+
+
+def test_openapi_json_and_docs(small_server):
+    status, schema = http_json("GET", small_server.url + "/openapi.json")   # open without the key, as /docs
+    assert status == 200 and schema["openapi"].startswith("3.")
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/v1/models"} <= set(schema["paths"])
+    text = json.dumps(schema)
+    assert '"422"' not in text and "HTTPValidationError" not in text
+    chat = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert set(chat["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert {"400", "401", "404", "413", "429", "503"} <= set(chat)
+    assert chat["400"]["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/Error"
+    assert schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]["enum"] == ["test-model"]
+    assert "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert "401" not in schema["paths"]["/health"]["get"]["responses"]
+    docs = request(small_server, "GET", "/docs", {})
+    assert docs.status == 200 and docs.getheader("content-type").startswith("text/html")
+
+
+def test_schemathesis_finds_no_server_error_and_nothing_off_the_schema(small_server, tmp_path, capsys):
+    """A bounded run (10 examples an operation, 30 s) of every operation, with the key."""
+    pytest.importorskip("schemathesis", reason="schemathesis is not installed (pip install -e '.[test]')")
+    report = tmp_path / "report.json"
+    run = subprocess.run([sys.executable, "-m", "schemathesis.cli", "run", small_server.url + "/openapi.json",
+                          "--checks", CHECKS, "--phases", "examples,coverage,fuzzing", "--max-examples", "10",
+                          "--max-time", "30", "--workers", "1", "--request-timeout", "30", "--seed", "1",
+                          "--header", "Authorization: Bearer k", "--report", "json", "--report-json-path",
+                          str(report)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    summary = run.stdout[run.stdout.find("SUMMARY"):]
+    with capsys.disabled():
+        print("\nschemathesis: " + " ".join(line.strip() for line in summary.splitlines()
+                                             if "generated" in line or "Tested" in line))
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "failed" not in summary.split("Test cases:")[-1].split("\n")[1], summary
+    assert not small_server.errors, [r.getMessage() for r in small_server.errors]
+
+
+def test_cors_is_off_by_default(small_server):
+    preflight = request(small_server, "OPTIONS", "/v1/chat/completions", {
+        "Origin": "http://example.com", "Access-Control-Request-Method": "POST"})
+    assert preflight.getheader("access-control-allow-origin") is None
+
+
+def test_allowed_origins_answer_preflight_and_requests():
+    llm = npqwen.load("tiny")
+    server = LiveServer(llm, engine=Engine(llm, kv_cache_tokens=1024, page_size=16), api_key="k",
+                        allowed_origins=["http://app.example"])
+    try:
+        preflight = request(server, "OPTIONS", "/v1/chat/completions", {   # a browser's, without the key
+            "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert preflight.status == 200, preflight.getheaders()
+        assert preflight.getheader("access-control-allow-origin") == "http://app.example"
+        assert "POST" in preflight.getheader("access-control-allow-methods")
+        assert "authorization" in preflight.getheader("access-control-allow-headers").lower()
+        answer = request(server, "GET", "/v1/models", {"Origin": "http://app.example", "Authorization": "Bearer k"})
+        assert answer.status == 200 and answer.getheader("access-control-allow-origin") == "http://app.example"
+        other = request(server, "OPTIONS", "/v1/chat/completions", {
+            "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+        assert other.status == 400 and other.getheader("access-control-allow-origin") is None
+    finally:
+        server.close()
