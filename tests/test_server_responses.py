@@ -139,6 +139,9 @@ def test_max_output_tokens_makes_it_incomplete(server):
     (dict(input="x", include=["file_search_call.results"]), "include"),
     (dict(input="x", max_output_tokens=0), "max_output_tokens"),
     (dict(input="x", extra_body={"frequency_penalty": 1}), "frequency_penalty"),
+    (dict(input=[{"type": "reasoning", "content": [{"type": "reasoning_text", "text": 5}]}]), "input[0].content[0]"),
+    (dict(input=[{"type": "function_call_output", "call_id": "c", "output": 5}]), "input[0].output"),
+    (dict(input=[{"role": "user", "content": [{"type": "input_text", "text": 3}]}]), "input[0].content[0]"),
 ])
 def test_what_it_refuses(server, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:

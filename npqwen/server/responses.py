@@ -141,8 +141,14 @@ def to_messages(body: ResponsesRequest) -> list[dict]:
             messages.append({"role": role, "content": item_text(item, i, ("input_text",))})
             assistant = None
         elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            field = "content" if item.get("content") else "summary"
+            parts = item.get(field) or []
+            bad = next((j for j, p in enumerate(parts) if not isinstance(p, dict) or not isinstance(p.get("text"), str)),
+                       None) if isinstance(parts, list) else 0
+            if bad is not None:
+                raise APIError(400, f"input[{i}].{field}[{bad}] must be a part with a text string",
+                               f"input[{i}].{field}[{bad}]")
+            reasoning = "".join(p["text"] for p in parts)
             assistant = None
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
@@ -155,6 +161,8 @@ def to_messages(body: ResponsesRequest) -> list[dict]:
             if not isinstance(item.get("call_id"), str):
                 raise APIError(400, f"input[{i}].call_id must be a string", f"input[{i}].call_id")
             output = item.get("output")
+            if not isinstance(output, (str, list)):
+                raise APIError(400, f"input[{i}].output must be a string or a list of text parts", f"input[{i}].output")
             text = output if isinstance(output, str) else item_text({"content": output}, i, ("input_text",))
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
             assistant = None
