@@ -290,8 +290,8 @@ def test_help_shows_every_default():
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     for name, sub in commands.choices.items():
         for action in sub._actions:
-            if isinstance(action, argparse._HelpAction) or action.dest in ("prompt", "prompts_file", "layer"):
-                continue   # the required ones (one of --prompt / --prompts-file; --layer with --plot-attention)
+            if isinstance(action, argparse._HelpAction) or action.dest in ("prompt", "prompts_file", "layer", "input"):
+                continue   # the required ones (one of --prompt / --prompts-file; --layer with --plot-attention; --input)
             assert action.help and "default" in action.help, f"npqwen {name} {action.option_strings}"
     code, out, _ = run("chat", "--help")
     assert code == 0 and "(default: 512)" in out and "(default: float32)" in out

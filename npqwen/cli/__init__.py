@@ -24,6 +24,7 @@ COMMANDS = [   # npqwen/cli/<name>.py, in the order `npqwen --help` lists them
     "inspect",
     "trace",
     "compare",
+    "perplexity",
 ]
 
 

@@ -9,8 +9,9 @@ def add_parser(commands):
     p = commands.add_parser("serve", parents=[model_options()],
                             help="an OpenAI-compatible HTTP server (needs npqwen[serve])",
                             description="Serve the model over HTTP with OpenAI's API (/v1/chat/completions, "
-                                        "/v1/completions, /v1/models), plus /tokenize, /detokenize, /health and "
-                                        "/metrics. Many clients at once, through one batched engine. Ctrl-C stops.")
+                                        "/v1/completions, /v1/responses, /v1/models), plus /tokenize, /detokenize, "
+                                        "/health, /metrics and /openapi.json. Many clients at once, through one "
+                                        "batched engine. Ctrl-C stops.")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; 0.0.0.0 opens it to the network (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: 8000)")
@@ -18,6 +19,9 @@ def add_parser(commands):
     p.add_argument("--served-model-name", help="the model name clients send (default: the --model value)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="waiting requests before new ones get 429 (default: 256)")
+    p.add_argument("--allowed-origins", metavar="ORIGINS",
+                   help="web pages from these origins may call the API from a browser (CORS), comma-separated "
+                        "('https://app.example,http://localhost:3000'), '*' for any (default: none but the server's own)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; info logs each request (default: info)")
     add_engine_sizes(p.add_argument_group("engine sizes"))
@@ -60,7 +64,9 @@ def cmd_serve(args) -> int:
         print(f"npqwen: serving {name} at {url}/v1, the web page at {url}/ (loaded in {seconds:.1f} s; KV cache "
               f"{engine.pool.num_pages * engine.page_size} positions); Ctrl-C stops", flush=True)
 
-    app = create_app(llm, engine, name, api_key=args.api_key, max_queue=args.max_queue, on_ready=ready)
+    origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
+    app = create_app(llm, engine, name, api_key=args.api_key, max_queue=args.max_queue, on_ready=ready,
+                     allowed_origins=origins or None)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=3))
 
     def handle_exit(sig, frame):
