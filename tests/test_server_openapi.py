@@ -105,3 +105,22 @@ def test_allowed_origins_answer_preflight_and_requests():
         assert other.status == 400 and other.getheader("access-control-allow-origin") is None
     finally:
         server.close()
+
+
+def test_serve_allowed_origins_on_the_command_line():
+    from test_server_cli import start, stop
+
+    proc, url = start("--allowed-origins", "http://a.example, http://b.example", "--log-level", "warning")
+    try:
+        target = urlparse(url)
+        for origin, allowed in (("http://b.example", True), ("http://c.example", False)):
+            conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+            conn.request("OPTIONS", "/v1/completions", headers={"Origin": origin,
+                                                                "Access-Control-Request-Method": "POST"})
+            response = conn.getresponse()
+            response.read()
+            conn.close()
+            assert (response.getheader("access-control-allow-origin") == origin) == allowed, response.getheaders()
+    finally:
+        code, err = stop(proc)
+    assert code == 0 and "Traceback" not in err, err[-2000:]
