@@ -10,9 +10,7 @@ a long text is tokenized in one child process, which gives its memory back after
 tokenize in worker processes. The child is started on the first long text, by spawning a fresh
 interpreter (forking a process that runs threads is unsafe).
 """
-import contextlib
 import multiprocessing
-import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -22,7 +20,6 @@ from ..errors import NpqwenError
 from ..tokenizer import Tokenizer
 
 LONG_TEXT_CHARS = 64 * 1024   # a longer text is tokenized in the child process (and first checked by its size)
-CHILD_NICENESS = 10
 
 
 class TokenizerProcess:
@@ -59,13 +56,10 @@ _tokenizer: Tokenizer | None = None
 
 
 def load(spec: str):
-    """The child's copy of the tokenizer, from its tokenizer.json text; the child runs at a lower
-    CPU priority, so that when the cores are short the engine and the streams get them first."""
+    """The child's copy of the tokenizer, from its tokenizer.json text."""
     global _tokenizer
     from tokenizers import Tokenizer as Backend
 
-    with contextlib.suppress(AttributeError, OSError):
-        os.nice(CHILD_NICENESS)
     _tokenizer = Tokenizer(Backend.from_str(spec))
 
 
