@@ -186,7 +186,8 @@ def main(spec: dict):
     if llm.tokenizer is None:
         llm.tokenizer = tiny_tokenizer()
     eos, real = (llm.eos_token_ids or [llm.tokenizer.token_to_id("<|im_end|>")])[0], llm.model
-    llm.model = SlowModel(ScriptedModel(real, llm.tokenizer, spec["answers"], eos_id=eos), spec.get("step_seconds", 0.0))
+    llm.model = SlowModel(ScriptedModel(real, llm.tokenizer, spec["answers"], eos_id=eos),
+                          spec.get("step_seconds", 0.0))
     engine = Engine(llm, **spec.get("engine", {}))
     llm.model = real   # the engine keeps the scripted one; llm.forward is the real model's
     server = LiveServer(llm, engine=engine)

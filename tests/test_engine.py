@@ -360,7 +360,7 @@ def prompt_scores(engine, requests, on_step=None) -> list[list]:
 
 
 def forward_logprobs(llm, ids) -> np.ndarray:
-    """log p(ids[j + 1] | ids[:j + 1]) from one forward pass of the whole sequence, (T - 1,), and the log-softmax rows."""
+    """log p(ids[j + 1] | ids[:j + 1]) from one forward pass of the whole sequence (T - 1,), and the log-softmax."""
     logits = np.asarray(to_numpy(llm.forward(ids)), np.float64)
     logp = logits - logits.max(axis=1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))

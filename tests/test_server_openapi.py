@@ -48,7 +48,7 @@ def request(server, method: str, path: str, headers: dict) -> http.client.HTTPRe
 def test_openapi_json_and_docs(small_server):
     status, schema = http_json("GET", small_server.url + "/openapi.json")   # open without the key, as /docs
     assert status == 200 and schema["openapi"].startswith("3.")
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/v1/models"} <= set(schema["paths"])
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize"} <= set(schema["paths"])
     text = json.dumps(schema)
     assert '"422"' not in text and "HTTPValidationError" not in text
     chat = schema["paths"]["/v1/chat/completions"]["post"]["responses"]

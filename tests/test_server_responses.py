@@ -82,7 +82,8 @@ def test_function_tools_and_their_outputs(server):
     text = server.llm.tokenizer.decode(http_json("POST", server.url + "/tokenize", {"messages": [
         {"role": "user", "content": "Weather in Paris? R-TOOL"},
         {"role": "assistant", "content": "", "tool_calls": [
-            {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}]},
+            {"id": call.call_id, "type": "function",
+             "function": {"name": "get_weather", "arguments": call.arguments}}]},
         {"role": "tool", "tool_call_id": call.call_id, "content": "TOOLRESULT-17"}]})[1]["tokens"])
     assert "<tool_response>\nTOOLRESULT-17\n</tool_response>" in text
     # tool_choice: a named function makes the answer start with the call

@@ -191,7 +191,8 @@ def test_rss_comes_back_after_twenty_prompts_of_4_to_15_mb():
             peak = max(peak, tree_rss_mb(proc.pid))
         time.sleep(0.3)
         after = tree_rss_mb(proc.pid)
-        print(f"\n20 prompts of 4-15 MB: RSS before {before:.0f} MB, highest between {peak:.0f} MB, after {after:.0f} MB")
+        print(f"\n20 prompts of 4-15 MB: RSS before {before:.0f} MB, highest between {peak:.0f} MB, after "
+              f"{after:.0f} MB")
         assert after - before < RSS_LIMIT_MB, (before, after)
     finally:
         code, err = stop(proc)

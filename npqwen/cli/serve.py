@@ -21,7 +21,8 @@ def add_parser(commands):
                    help="waiting requests before new ones get 429 (default: 256)")
     p.add_argument("--allowed-origins", metavar="ORIGINS",
                    help="web pages from these origins may call the API from a browser (CORS), comma-separated "
-                        "('https://app.example,http://localhost:3000'), '*' for any (default: none but the server's own)")
+                        "('https://app.example,http://localhost:3000'), '*' for any (default: none but the "
+                        "server's own)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; info logs each request (default: info)")
     add_engine_sizes(p.add_argument_group("engine sizes"))

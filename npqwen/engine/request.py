@@ -25,7 +25,7 @@ class StepOutput:
     result: GenerationResult | None = None   # the whole result, once finished
     logprobs: list | None = None         # per sampled token, when asked: (log p, [(id, log p) most likely first])
     prompt_logprobs: list | None = None  # per prompt token scored in this step, when asked (Request.prompt_logprobs):
-                                         # (log p, [(id, log p) most likely first], rank) of the model's own distribution
+                                         # (log p, [(id, log p) most likely first], rank), the model's own distribution
     attention: object = None             # an attention probe's weights (H, S): its last token over positions 0 .. S - 1
 
 

@@ -336,7 +336,8 @@ class Server:
         is a real 429); their outputs come through the queue returned."""
         if len(requests) > self.max_queue:   # a 429 would never succeed: retrying clients would loop on it
             prompts = sum(r.leader is None for r in requests)
-            many = f"{prompts} prompts x n = {len(requests)} requests" if prompts < len(requests) else f"{prompts} prompts"
+            many = (f"{prompts} prompts x n = {len(requests)} requests" if prompts < len(requests)
+                    else f"{prompts} prompts")
             raise APIError(400, f"this call makes {many}, more than this server ever queues (--max-queue "
                                 f"{self.max_queue}); send at most {self.max_queue} at a time",
                            "n" if prompts < len(requests) else "prompt", "too_many_requests")
@@ -551,9 +552,9 @@ class Server:
         prompt_logprobs, make the first choice of each prompt score it; max_tokens 0 (echo alone)
         still draws one token, which the answer leaves out."""
         scored = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
-        return [r for prompt in body.prompts()
-                for r in self.requests(prompt, body, 1 if body.max_tokens == 0 else body.max_tokens, body.logprobs, "prompt",
-                                       max(scored) if scored else None)]
+        max_tokens, scored = 1 if body.max_tokens == 0 else body.max_tokens, max(scored) if scored else None
+        return [r for prompt in body.prompts() for r in self.requests(prompt, body, max_tokens, body.logprobs, "prompt",
+                                                                     scored)]
 
     async def completion_stream(self, queue, choices, call, include_usage: bool, body: CompletionRequest, http):
         prompt_sent = set()   # choices whose first chunk (with prompt_token_ids) is out
@@ -607,7 +608,8 @@ class Server:
         decode, ids = self.tokenizer.decode, leader.request.prompt_ids
         out = [None]
         for token, (lp, top, rank) in zip(ids[1:], leader.prompt_logprobs):
-            entry = {str(t): {"logprob": l, "rank": i + 1, "decoded_token": decode([t])} for i, (t, l) in enumerate(top)}
+            entry = {str(t): {"logprob": l, "rank": i + 1, "decoded_token": decode([t])}
+                     for i, (t, l) in enumerate(top)}
             entry[str(token)] = {"logprob": lp, "rank": rank, "decoded_token": decode([token])}
             out.append(entry)
         return out
@@ -629,7 +631,8 @@ class Server:
                 keys.setdefault(key, (t, l))
             tops.append({key: l for key, (_, l) in keys.items()})
         return {"tokens": [self.token_key(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": tops, "text_offset": [offsets.next(self.tokenizer.token_bytes(t)) for t, _, _ in entries]}
+                "top_logprobs": tops,
+                "text_offset": [offsets.next(self.tokenizer.token_bytes(t)) for t, _, _ in entries]}
 
     def token_key(self, token: int) -> str:
         """A token's text; one that is a piece of a UTF-8 character (and would print as U+FFFD) is

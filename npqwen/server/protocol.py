@@ -249,7 +249,7 @@ class TokenizeRequest(Strict):
     prompt: str | None = None
     messages: list[Message] | None = None
     add_generation_prompt: bool = True
-    add_special_tokens: bool | None = None                 # vLLM's: what the tokenizer adds around a text (Qwen3: nothing)
+    add_special_tokens: bool | None = None                 # vLLM's: what the tokenizer adds to a text (Qwen3: nothing)
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
 

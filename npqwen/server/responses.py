@@ -143,8 +143,8 @@ def to_messages(body: ResponsesRequest) -> list[dict]:
         elif kind == "reasoning":
             field = "content" if item.get("content") else "summary"
             parts = item.get(field) or []
-            bad = next((j for j, p in enumerate(parts) if not isinstance(p, dict) or not isinstance(p.get("text"), str)),
-                       None) if isinstance(parts, list) else 0
+            bad = next((j for j, p in enumerate(parts) if not isinstance(p, dict)
+                        or not isinstance(p.get("text"), str)), None) if isinstance(parts, list) else 0
             if bad is not None:
                 raise APIError(400, f"input[{i}].{field}[{bad}] must be a part with a text string",
                                f"input[{i}].{field}[{bad}]")
