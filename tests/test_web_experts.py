@@ -32,6 +32,22 @@ def routing(ids) -> Trace:
     return trace
 
 
+def test_chat_and_completions_on_a_moe_model_equal_generate(moe_server):
+    reference = npqwen.load("tiny-moe")
+    client = moe_server.client()
+    messages = [{"role": "user", "content": "Which experts?"}]
+    chat = client.chat.completions.create(model="test-model", messages=messages, temperature=0, max_tokens=20,
+                                          extra_body={"chat_template_kwargs": {"enable_thinking": False},
+                                                      "return_token_ids": True})
+    want = reference.generate(reference.chat_prompt(messages, enable_thinking=False), max_new_tokens=20,
+                              temperature=0)
+    assert chat.choices[0].model_extra["token_ids"] == want.token_ids and len(want.token_ids) >= 10
+    streamed = client.completions.create(model="test-model", prompt="Experts", temperature=0, max_tokens=12,
+                                         stream=True)
+    text = "".join(c.choices[0].text for c in streamed if c.choices)
+    assert text == reference.generate("Experts", max_new_tokens=12, temperature=0).text
+
+
 def test_experts_endpoint_equals_trace_and_runs_on_the_engine_thread(moe_server):
     llm = moe_server.llm
     ids = llm.tokenizer.encode("<|im_start|>user\nWhich experts?<|im_end|>\n")
