@@ -231,7 +231,9 @@ def load(path, device: str = "cpu", dtype: str = "float32") -> LLM:
     for the built-in tiny Qwen3 (Qwen3-MoE) with random weights (see npqwen/tiny.py).
     """
     check_device_dtype(device, dtype)
-    if str(path) in ("tiny", "tiny-moe"):
+    from .tiny import BUILTIN
+
+    if str(path) in BUILTIN:
         from .tiny import TINY_GENERATION, tiny_model, tiny_tokenizer
         return LLM(tiny_model(device, dtype, str(path)), tiny_tokenizer(), dict(TINY_GENERATION), None)
     path = resolve_model(path)

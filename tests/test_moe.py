@@ -3,6 +3,7 @@ transformers writes (logits, hidden states, the router's choices, greedy tokens)
 the Qwen3-30B-A3B layer shape; the engine's tokens do not depend on the company; loading checks
 the config against the tensors and keeps HF's names."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -169,6 +170,39 @@ def test_compare_module_by_module_with_hf(tiny_moe):
         assert names[name]["ok"], names[name]
     assert names["model.layers.2.mlp.gate.top_k_index"]["max_abs_diff"] == 0   # the same experts, exactly
     assert all(r["ok"] for r in rows) and len(rows) == 59   # 3 + 3 layers x 18 steps + 2
+
+
+# --- the command line: inspect, trace, compare, generate on a Qwen3-MoE ------------------------------------
+
+
+def test_inspect_folds_the_experts_and_counts_active_parameters(tiny_moe):
+    from npqwen.checkpoint import parameter_counts
+    from test_cli import run
+
+    path, ref = tiny_moe
+    code, out, err = run("inspect", "--model", str(path))
+    assert code == 0, err
+    assert "model.layers.0.mlp.experts.{0..7}.gate_proj.weight   [32, 64]" in out and ".experts.5." not in out
+    assert "model.layers.1.mlp.gate_proj.weight" in out and "mlp_only_layers            (1,)" in out
+    total, active = parameter_counts(npqwen.Qwen3Config.from_json(path / "config.json"))
+    assert total == sum(p.numel() for p in ref.parameters())   # torch lists the tied lm_head once too
+    assert f"unique parameters: {total:,}" in out and f"active per token:  {active:,}  (2 of 8 experts" in out
+    assert active == total - 2 * 6 * 3 * 32 * 64            # 2 sparse layers, 6 experts idle, 3 (32, 64) matrices
+    code, out, err = run("inspect", "--model", "tiny")
+    assert code == 0 and "num_experts" not in out and "active per token" not in out
+
+
+def test_trace_compare_and_generate_on_tiny_moe():
+    from test_cli import run
+
+    code, out, err = run("trace", "--model", "tiny-moe", "--prompt", "Route me", "--layers", "1")
+    assert code == 0, err
+    assert "model.layers.1.mlp.gate.top_k_index      (8, 2)" in out and "model.layers.0.mlp" not in out
+    assert re.search(r"model\.layers\.1\.mlp\.gate: tokens per expert \[[\d, ]+\]", out)
+    code, out, err = run("compare", "--model", "tiny-moe", "--prompt", "Route me")
+    assert code == 0 and "model.layers.1.mlp.gate.top_k_index" in out and "all 41 steps within" in out, out
+    code, out, err = run("generate", "--model", "tiny-moe", "--raw", "--prompt", "Hi", "-t", "0", "-n", "6")
+    assert code == 0 and "generation: 6 tokens" in err, err
 
 
 # --- loading: HF's names, views into the expert arrays, the config checked against the tensors ---------
