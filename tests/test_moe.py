@@ -85,7 +85,10 @@ def test_logits_match_hf(case, tmp_path):
     assert llm.config.model_type == "qwen3_moe"
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, llm.config.vocab_size, size=T) for T in LENGTHS]
+    assert ref.config._experts_implementation == "grouped_mm"   # transformers 5's default: sorted, grouped
     worst = max(check_against_hf(llm, ids, hf_forward(ref, ids)) for ids in prompts)
+    ref.set_experts_implementation("eager")                     # its reference loop over the experts
+    worst = max(worst, check_against_hf(llm, prompts[-1], hf_forward(ref, prompts[-1])))
     print(f"{case}: worst max |logit diff| {worst:.2e} over prompts of {LENGTHS} tokens")
 
 
@@ -172,7 +175,31 @@ def test_compare_module_by_module_with_hf(tiny_moe):
     assert all(r["ok"] for r in rows) and len(rows) == 59   # 3 + 3 layers x 18 steps + 2
 
 
-# --- the command line: inspect, trace, compare, generate on a Qwen3-MoE ------------------------------------
+# --- the command line: inspect, trace, compare, generate on a Qwen3-MoE; the benchmark's moe suite --------
+
+
+def test_bench_moe_suite_reports_every_figure(tmp_path):
+    """The moe suite on a tiny checkpoint: every figure is there (it never asserts a time)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, write_npqwen_checkpoint
+
+    path = write_npqwen_checkpoint(tmp_path / "moe", tiny_moe_config(mlp_only_layers=[1]), dtype="BF16")
+    cmd = [sys.executable, "-m", "tools.bench", "--model", str(path), "--suites", "moe", "--moe-prefill", "64",
+           "--moe-batch", "4", "--moe-context", "16", "--repeats", "1", "--json"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    ours, hf = report["engines"]["npqwen"], report["engines"]["hf-float32"]
+    assert {"moe_prefill_s", "moe_prefill_experts_s", "moe_prefill_matmul_s", "moe_batch_s"} <= set(ours)
+    assert {"moe_prefill_s", "moe_prefill_eager_s", "moe_batch_s", "moe_batch_eager_s"} <= set(hf)
+    assert 0 < ours["moe_prefill_experts_s"] < ours["moe_prefill_matmul_s"]
+    assert {"moe_prefill_pct_of_matmul", "moe_batch_vs_hf-float32", "moe_prefill_vs_hf-bfloat16"} <= set(
+        report["figures"])
+    refused = subprocess.run([sys.executable, "-m", "tools.bench", "--suites", "moe,decode"], capture_output=True,
+                             text=True, timeout=60, cwd=ROOT)
+    assert refused.returncode == 2 and "run it alone, --suites moe" in refused.stderr
 
 
 def test_inspect_folds_the_experts_and_counts_active_parameters(tiny_moe):
