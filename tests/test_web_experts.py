@@ -14,7 +14,8 @@ from npqwen import Engine  # noqa: E402
 from npqwen.trace import Trace  # noqa: E402
 
 from serving import LiveServer, http_json, tiny_server  # noqa: E402,F401  (fixtures)
-from test_web_page import ask, browser, click_token, console_errors, open_page, page_answer, screenshot, wait  # noqa: E402,F401
+from test_web_page import (WIDE, ask, browser, click_token, console_errors, open_page, page_answer,  # noqa: E402,F401
+                           screenshot, wait)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,7 @@ def shown_experts(browser) -> list:
         [...li.querySelectorAll('.expert')].map(c => [Number(c.dataset.expert), Number(c.dataset.weight)]));""")
 
 
-def test_page_shows_the_experts_a_token_went_to(browser, moe_server, tiny_server):
+def test_page_shows_the_experts_a_token_went_to(browser, moe_server, tiny_server, screenshot):
     open_page(browser, moe_server)
     answer = ask(browser, "Route this")
     got = page_answer(browser)
@@ -125,7 +126,7 @@ def test_page_shows_the_experts_a_token_went_to(browser, moe_server, tiny_server
         weights = np.array([[w for _, w in row] for row in shown_experts(browser)])
         assert np.abs(weights - np.array([[w for _, w in row] for row in want])).max() < 1e-6
     browser.execute_script("document.getElementById('experts-view').scrollIntoView()")
-    screenshot(browser, "experts.png")
+    screenshot("experts.png", WIDE)
     assert not console_errors(browser)
     open_page(browser, tiny_server)                           # a dense model: no experts view
     answer = ask(browser, "Dense")
