@@ -40,10 +40,11 @@ def moe_checkpoint(path, case, **extra):
 
 def hf_forward(ref, ids):
     """HF's logits (T, V), hidden states and per-layer router logits (T, E) for one sequence."""
-    with torch.no_grad():
-        out = ref(torch.tensor(np.asarray(ids))[None], output_hidden_states=True, output_router_logits=True)
-    return (out.logits[0].numpy(), [h[0].numpy() for h in out.hidden_states],
-            [r.numpy() for r in out.router_logits])
+    with torch.no_grad():   # (ref may be on torch CUDA: tools/cuda_check_golden.py)
+        out = ref(torch.tensor(np.asarray(ids), device=ref.device)[None], output_hidden_states=True,
+                  output_router_logits=True)
+    return (out.logits[0].cpu().numpy(), [h[0].cpu().numpy() for h in out.hidden_states],
+            [r.cpu().numpy() for r in out.router_logits])
 
 
 def check_against_hf(llm, ids, hf_answer):
