@@ -161,6 +161,11 @@ def test_generate_chat_and_a_seeded_draw(moe64):
                                                 for p in ps]
     a = moe64.generate(ps[1], max_new_tokens=12, temperature=1.0, top_k=50, seed=5).token_ids
     assert a == moe64.generate(ps[1], max_new_tokens=12, temperature=1.0, top_k=50, seed=5).token_ids
+    tiny = npqwen.load("tiny-moe")                          # with a tokenizer and Qwen3's chat template
+    answer = tiny.chat("Which experts?", enable_thinking=False, max_new_tokens=10, temperature=0)
+    want = tiny.generate(tiny.chat_prompt("Which experts?", enable_thinking=False), max_new_tokens=10,
+                         temperature=0)
+    assert answer.token_ids == want.token_ids and answer.messages[-1]["role"] == "assistant"
 
 
 def test_compare_module_by_module_with_hf(tiny_moe):
