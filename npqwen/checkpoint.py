@@ -9,6 +9,10 @@ of a float32, so widening it is one shift (`bf16_bits_to_float32`).
 Weights keep their HF names and shapes. For speed, each layer's q/k/v projections are
 stacked into one `qkv_proj` matrix and gate/up into one `gate_up_proj` matrix; the
 HF-named entries are row-slices (views) of those, so writing to one changes the other.
+A Qwen3-MoE checkpoint holds each expert apart, as the hub and transformers' save_pretrained
+write it (`model.layers.N.mlp.experts.E.gate_proj.weight`, ...); in memory a layer's experts
+are two arrays, `mlp.experts.gate_up_proj` (E, 2I, D) and `mlp.experts.down_proj` (E, D, I),
+transformers' own in-memory layout, and each expert's HF-named entries are views into them.
 """
 import json
 import math
@@ -18,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend import xp_of
+from .backend import free_memory_bytes, xp_of
 from .config import Qwen3Config
 from .errors import NpqwenError
 
@@ -214,6 +218,7 @@ def check_config_matches(config: Qwen3Config, found: dict[str, TensorInfo], sour
                                           if layers else "")
         raise NpqwenError(f"{source}: config.json says num_hidden_layers is {config.num_hidden_layers} but the "
                           f"checkpoint holds {have}; fix num_hidden_layers or download the missing shards")
+    check_experts_match(config, found, source)
     Dh = config.head_dim
     agree("vocab_size", config.vocab_size, "model.embed_tokens.weight", 0, "rows")
     agree("hidden_size", config.hidden_size, "model.embed_tokens.weight", 1, "columns")
@@ -225,9 +230,35 @@ def check_config_matches(config: Qwen3Config, found: dict[str, TensorInfo], sour
             raise NpqwenError(f"{source}: config.json says {key} is {heads} but model.layers.0.self_attn."
                               f"{name}.weight has {shape[0]} rows, {shape[0] / Dh:g} heads of head_dim {Dh}; "
                               f"the config does not match the weights, fix {key}")
-    agree("intermediate_size", config.intermediate_size, "model.layers.0.mlp.gate_proj.weight", 0, "rows")
+    dense = next((i for i in range(config.num_hidden_layers) if not config.is_moe_layer(i)), None)
+    if dense is not None:
+        agree("intermediate_size", config.intermediate_size, f"model.layers.{dense}.mlp.gate_proj.weight", 0, "rows")
+    sparse = next((i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)), None)
+    if sparse is not None:
+        agree("num_experts", config.num_experts, f"model.layers.{sparse}.mlp.gate.weight", 0, "rows")
+        agree("moe_intermediate_size", config.moe_intermediate_size,
+              f"model.layers.{sparse}.mlp.experts.0.gate_proj.weight", 0, "rows")
     if not config.tie_word_embeddings:
         agree("vocab_size", config.vocab_size, "lm_head.weight", 0, "rows")
+
+
+def check_experts_match(config: Qwen3Config, found: dict[str, TensorInfo], source) -> None:
+    """A Qwen3-MoE config against the experts stored, before the table of E x layers names is built."""
+    fused = next((n for n in found if n.endswith(".mlp.experts.gate_up_proj")), None)
+    if fused is not None:
+        raise NpqwenError(f"{source}: the checkpoint stores its experts fused ({fused}), as transformers holds "
+                          f"them in memory; npqwen reads the layout the hub and save_pretrained write, one "
+                          f"tensor per expert (model.layers.N.mlp.experts.E.gate_proj.weight, ...)")
+    experts = {n.split(".")[5] for n in found if n.startswith("model.layers.") and ".mlp.experts." in n}
+    stored = sum(e.isdigit() for e in experts)
+    if stored and not config.num_experts:
+        raise NpqwenError(f"{source}: the checkpoint holds {stored} experts per layer (a Qwen3-MoE) but config.json "
+                          f"describes a dense Qwen3 (model_type {config.model_type!r}); use the config.json that "
+                          f"came with the weights (model_type 'qwen3_moe')")
+    if config.num_experts > stored:
+        have = "no experts: it is a dense checkpoint" if not stored else f"{stored} experts per layer"
+        raise NpqwenError(f"{source}: config.json says num_experts is {config.num_experts} but the checkpoint "
+                          f"holds {have}; fix num_experts or use the config.json that came with the weights")
 
 
 def warn_unused(found: dict[str, TensorInfo], config: Qwen3Config, shapes: dict, directory) -> None:
@@ -245,6 +276,7 @@ def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
     """Every tensor a Qwen3 checkpoint must hold, by HF name, with its HF shape (out, in)."""
     D, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
     H, K, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    E, I = config.num_experts, config.moe_intermediate_size
     shapes = {"model.embed_tokens.weight": (V, D)}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
@@ -257,14 +289,29 @@ def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
             f"{p}.self_attn.k_norm.weight": (Dh,),
             f"{p}.self_attn.o_proj.weight": (D, H * Dh),
             f"{p}.post_attention_layernorm.weight": (D,),
-            f"{p}.mlp.gate_proj.weight": (F, D),
-            f"{p}.mlp.up_proj.weight": (F, D),
-            f"{p}.mlp.down_proj.weight": (D, F),
         })
+        if config.is_moe_layer(i):   # the router, then E experts, each a SwiGLU of width I
+            shapes[f"{p}.mlp.gate.weight"] = (E, D)
+            for e in range(E):
+                shapes.update({f"{p}.mlp.experts.{e}.gate_proj.weight": (I, D),
+                               f"{p}.mlp.experts.{e}.up_proj.weight": (I, D),
+                               f"{p}.mlp.experts.{e}.down_proj.weight": (D, I)})
+        else:
+            shapes.update({f"{p}.mlp.gate_proj.weight": (F, D), f"{p}.mlp.up_proj.weight": (F, D),
+                           f"{p}.mlp.down_proj.weight": (D, F)})
     shapes["model.norm.weight"] = (D,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (V, D)
     return shapes
+
+
+def parameter_counts(config: Qwen3Config) -> tuple[int, int]:
+    """(total, active per token) parameters; a tied lm_head is counted once. A token runs k of the
+    E experts of a sparse layer, so the other E - k experts' weights are not active for it."""
+    total = sum(math.prod(shape) for shape in expected_shapes(config).values())
+    sparse = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    expert = 3 * config.moe_intermediate_size * config.hidden_size   # gate_proj, up_proj, down_proj
+    return total, total - sparse * (config.num_experts - config.num_experts_per_tok) * expert
 
 
 def bf16_bits_to_float32(bits, out):
@@ -322,20 +369,40 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype) -> tuple[dict,
             raise NpqwenError(f"{directory}: tensor {name!r} has shape {list(found[name].shape)}, expected "
                               f"{list(shape)} from config.json; the checkpoint does not match its config.json")
     warn_unused(found, config, shapes, directory)
+    check_fits(shapes, xp, dtype, directory)
     weights, fused = allocate_weights(config, xp, dtype)
     for name, array in weights.items():
         read_tensor(found[name], array)
     return tie_lm_head(config, weights), fused
 
 
+def check_fits(shapes: dict, xp, dtype, directory) -> None:
+    """Refuse, before reading a byte of them, weights that the free memory cannot hold."""
+    need = sum(math.prod(shape) for shape in shapes.values()) * np.dtype(dtype).itemsize
+    free = free_memory_bytes(xp)
+    if need > free:
+        where = "the host" if xp is np else "the GPU"
+        smaller = " or dtype float16 (half the bytes)" if xp is not np and np.dtype(dtype).itemsize > 2 else ""
+        raise NpqwenError(f"{directory}: the weights need {size(need)} in {np.dtype(dtype).name} but {where} has "
+                          f"{size(free)} free; use a machine with more memory{smaller} (README: which models fit "
+                          f"which memory)")
+
+
+def size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def allocate_weights(config: Qwen3Config, xp, dtype) -> tuple[dict, dict]:
-    """Empty arrays for every HF tensor (in checkpoint order), q/k/v and gate/up as views of stacked matrices."""
+    """Empty arrays for every HF tensor (in checkpoint order), q/k/v and gate/up as views of stacked matrices;
+    a sparse layer's experts as views of its two expert arrays."""
     shapes = expected_shapes(config)
     fused, views = {}, {}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
-        for stacked, parts in ((f"{p}.self_attn.qkv_proj.weight", ("q_proj", "k_proj", "v_proj")),
-                               (f"{p}.mlp.gate_up_proj.weight", ("gate_proj", "up_proj"))):
+        if config.is_moe_layer(i):
+            views.update(allocate_experts(config, p, xp, dtype, fused))
+        mlp = () if config.is_moe_layer(i) else ((f"{p}.mlp.gate_up_proj.weight", ("gate_proj", "up_proj")),)
+        for stacked, parts in ((f"{p}.self_attn.qkv_proj.weight", ("q_proj", "k_proj", "v_proj")), *mlp):
             names = [stacked.replace("qkv_proj" if "qkv" in stacked else "gate_up_proj", part)
                      for part in parts]
             rows = [shapes[n][0] for n in names]
@@ -345,6 +412,21 @@ def allocate_weights(config: Qwen3Config, xp, dtype) -> tuple[dict, dict]:
     weights = {name: views[name] if name in views else xp.empty(shape, dtype=dtype)
                for name, shape in shapes.items()}
     return weights, fused
+
+
+def allocate_experts(config: Qwen3Config, p: str, xp, dtype, fused: dict) -> dict:
+    """Layer p's experts as two arrays in `fused` (transformers' in-memory names and layout):
+    p.mlp.experts.gate_up_proj (E, 2I, D), gate_proj rows then up_proj rows of each expert, and
+    p.mlp.experts.down_proj (E, D, I). Returns each expert's HF-named views into them."""
+    E, I, D = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    gate_up = fused[f"{p}.mlp.experts.gate_up_proj"] = xp.empty((E, 2 * I, D), dtype=dtype)
+    down = fused[f"{p}.mlp.experts.down_proj"] = xp.empty((E, D, I), dtype=dtype)
+    views = {}
+    for e in range(E):
+        views[f"{p}.mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :I]   # (I, D)
+        views[f"{p}.mlp.experts.{e}.up_proj.weight"] = gate_up[e, I:]     # (I, D)
+        views[f"{p}.mlp.experts.{e}.down_proj.weight"] = down[e]          # (D, I)
+    return views
 
 
 def tie_lm_head(config: Qwen3Config, weights: dict) -> dict:

@@ -19,7 +19,7 @@ def require_torch():
     """Fail early, before the model loads, when torch or transformers is missing."""
     try:
         import torch  # noqa: F401
-        from transformers import Qwen3ForCausalLM  # noqa: F401
+        from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM  # noqa: F401
     except ImportError as e:
         # A bare `pip install torch` can pull a multi-GB CUDA build: pin the version the tests use.
         raise NpqwenError(f"npqwen compare needs torch and transformers: pip install torch==2.13.0 transformers "
@@ -45,12 +45,13 @@ def hf_reference(llm, ids) -> dict:
     """HF transformers' intermediate arrays for `ids`, under npqwen's trace names."""
     require_torch()
     import torch
-    from transformers import Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
+    model_class = Qwen3MoeForCausalLM if llm.config.num_experts else Qwen3ForCausalLM
     with tempfile.TemporaryDirectory() as tmp, no_progress_bars():
         path = llm.path if llm.path is not None else llm.save(Path(tmp) / "model")
-        hf = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+        hf = model_class.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     refs, hooks = {}, []
 
     def keep(name, pick):
@@ -80,6 +81,11 @@ def hf_reference(llm, ids) -> dict:
         on(attn, f"{p}.self_attn", lambda a, k, o: o[0])
         on(attn, f"{p}.self_attn.attn_probs", lambda a, k, o: o[1])
         on(layer.post_attention_layernorm, f"{p}.post_attention_layernorm")
+        if hasattr(layer.mlp, "experts"):   # Qwen3-MoE's sparse layer, on (T, D) rows: a batch axis added back
+            for j, name in enumerate(("gate", "gate.top_k_weights", "gate.top_k_index")):   # (logits, weights, index)
+                on(layer.mlp.gate, f"{p}.mlp.{name}", lambda a, k, o, j=j: o[j][None])
+            on(layer.mlp.experts, f"{p}.mlp.experts", lambda a, k, o: o[None])
+            continue
         for part in ("gate_proj", "up_proj", "act_fn", "down_proj"):
             on(getattr(layer.mlp, part), f"{p}.mlp.{part}")
     on(m.norm, "model.norm")

@@ -3,6 +3,11 @@
 Field names are the keys of Hugging Face's config.json, so `config.hidden_size` here is
 `"hidden_size"` there. Unknown keys are ignored; a missing required key or a value of the
 wrong type is an NpqwenError that names the key.
+
+Two model types: dense Qwen3 ("qwen3", e.g. Qwen3-0.6B) and the mixture of experts Qwen3-MoE
+("qwen3_moe", e.g. Qwen3-30B-A3B), the same model except that most layers' MLP is a router
+and E small expert MLPs of which each token uses k (npqwen/moe.py). A dense config has
+num_experts 0.
 """
 import dataclasses
 import json
@@ -24,6 +29,20 @@ QWEN3_0_6B_CONFIG = dict(
     rope_scaling=None, rope_theta=1000000, sliding_window=None, tie_word_embeddings=True,
     torch_dtype="bfloat16", use_cache=True, use_sliding_window=False, vocab_size=151936,
 )
+# Qwen/Qwen3-30B-A3B's config.json: 48 layers, D=2048, 32/4 heads of 128, 128 experts of width 768, 8 per token.
+QWEN3_30B_A3B_CONFIG = dict(
+    architectures=["Qwen3MoeForCausalLM"], attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
+    decoder_sparse_step=1, eos_token_id=151645, head_dim=128, hidden_act="silu", hidden_size=2048,
+    initializer_range=0.02, intermediate_size=6144, max_position_embeddings=40960, max_window_layers=48,
+    mlp_only_layers=[], model_type="qwen3_moe", moe_intermediate_size=768, norm_topk_prob=True,
+    num_attention_heads=32, num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_key_value_heads=4,
+    output_router_logits=False, rms_norm_eps=1e-06, rope_scaling=None, rope_theta=1000000,
+    router_aux_loss_coef=0.001, sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16",
+    use_cache=True, use_sliding_window=False, vocab_size=151936,
+)
+# transformers' Qwen3MoeConfig defaults, for the keys a "qwen3_moe" config.json leaves out
+MOE_DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
+                    decoder_sparse_step=1, mlp_only_layers=None)
 # Qwen/Qwen3-0.6B's generation_config.json
 QWEN3_0_6B_GENERATION_CONFIG = dict(bos_token_id=151643, do_sample=True, eos_token_id=[151645, 151643],
                                     pad_token_id=151643, temperature=0.6, top_k=20, top_p=0.95)
@@ -45,6 +64,14 @@ class Qwen3Config:
     tie_word_embeddings: bool = False     # lm_head.weight is model.embed_tokens.weight (True in 0.6B)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None  # 151645 (<|im_end|>) in Qwen3-0.6B
+    # Mixture of experts ("qwen3_moe"; Qwen3-30B-A3B's values). router_aux_loss_coef and
+    # output_router_logits only matter for training and are ignored.
+    num_experts: int = 0            # E: experts in each sparse layer (128); 0 = dense. Also read as num_local_experts
+    num_experts_per_tok: int = 0    # k: experts each token is routed to (8)
+    moe_intermediate_size: int = 0  # I: width of one expert's SwiGLU (768)
+    norm_topk_prob: bool = False    # rescale each token's k router probabilities to sum 1 (true)
+    decoder_sparse_step: int = 1    # layer i is sparse when (i + 1) % decoder_sparse_step == 0 (1: every layer)
+    mlp_only_layers: list[int] | None = None  # layers that keep the dense MLP of intermediate_size; kept as a tuple
 
     def __post_init__(self):
         # Derived values, computed in this one place.
@@ -65,6 +92,17 @@ class Qwen3Config:
             raise NpqwenError("config: rms_norm_eps and rope_theta must be positive")
         object.__setattr__(self, "rope_scaling",
                            _check_rope_scaling(self.rope_scaling, self.max_position_embeddings))
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers or ()))
+        if self.num_experts:
+            _check_experts(self)
+
+    @property
+    def model_type(self) -> str:
+        return "qwen3_moe" if self.num_experts else "qwen3"
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is the sparse mixture of experts (transformers' Qwen3MoeDecoderLayer rule)."""
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     @property
     def num_key_value_groups(self) -> int:
@@ -80,16 +118,32 @@ class Qwen3Config:
         e = self.eos_token_id
         return () if e is None else (e,) if isinstance(e, int) else tuple(e)
 
+    def to_dict(self) -> dict:
+        """This config as a config.json: HF's keys, architectures and model_type; a dense one without expert keys."""
+        raw = {**dataclasses.asdict(self), "mlp_only_layers": list(self.mlp_only_layers)}
+        if not self.num_experts:
+            for key in MOE_DEFAULTS:
+                raw.pop(key)
+        architecture = "Qwen3MoeForCausalLM" if self.num_experts else "Qwen3ForCausalLM"
+        return {"architectures": [architecture], "model_type": self.model_type, **raw}
+
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config") -> "Qwen3Config":
         """Build from a parsed config.json; `source` names the file in error messages."""
         if not isinstance(raw, dict):
             raise NpqwenError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type")
-        if model_type != "qwen3":
-            raise NpqwenError(f"{source}: model_type is {model_type!r}, but npqwen runs dense Qwen3 "
-                              f"checkpoints (model_type 'qwen3', e.g. Qwen/Qwen3-0.6B)")
+        if model_type not in ("qwen3", "qwen3_moe"):
+            raise NpqwenError(f"{source}: model_type is {model_type!r}, but npqwen runs Qwen3 checkpoints: "
+                              f"model_type 'qwen3' (dense, e.g. Qwen/Qwen3-0.6B) or 'qwen3_moe' (mixture of "
+                              f"experts, e.g. Qwen/Qwen3-30B-A3B)")
         raw = dict(raw)
+        if model_type == "qwen3_moe":   # transformers saves num_experts as num_local_experts
+            raw.setdefault("num_experts", raw.get("num_local_experts"))
+            raw.update({k: v for k, v in MOE_DEFAULTS.items() if raw.get(k) is None})
+        else:                           # a dense Qwen3 has no experts, whatever else its config.json says
+            for key in MOE_DEFAULTS:
+                raw.pop(key, None)
         _check_unsupported(raw, source)
         # Newer transformers (>= 5) store rope_theta and the scaling inside "rope_parameters".
         rope_parameters = raw.get("rope_parameters")
@@ -121,6 +175,20 @@ class Qwen3Config:
         except (ValueError, UnicodeDecodeError, RecursionError) as e:   # ValueError: also a 5000-digit number
             raise NpqwenError(f"{path}: not valid JSON ({str(e)[:200]})") from None
         return cls.from_dict(raw, source=str(path))
+
+
+def _check_experts(config: Qwen3Config):
+    """The mixture-of-experts sizes, checked against each other (the tensors check the rest)."""
+    E, k = config.num_experts, config.num_experts_per_tok
+    for name in ("num_experts", "moe_intermediate_size", "decoder_sparse_step"):
+        if not 0 < getattr(config, name) <= MAX_SIZE:
+            raise NpqwenError(f"config: {name} must be between 1 and {MAX_SIZE}, got {getattr(config, name)}")
+    if not 1 <= k <= E:
+        raise NpqwenError(f"config: num_experts_per_tok must be between 1 and num_experts ({E}), got {k}")
+    bad = [i for i in config.mlp_only_layers if not 0 <= i < config.num_hidden_layers]
+    if bad:
+        raise NpqwenError(f"config: mlp_only_layers {list(config.mlp_only_layers)} names layer {bad[0]}, but the "
+                          f"model has layers 0 .. {config.num_hidden_layers - 1}")
 
 
 def _check_type(name, value, annotation, source):

@@ -1,14 +1,20 @@
 """`npqwen inspect`: a checkpoint's config and every weight, without loading the weights.
 
 For a checkpoint directory only the safetensors headers are read (names, shapes, stored
-dtypes), so it is instant even for large models; the built-in tiny model lists its arrays.
+dtypes), so it is instant even for large models; the built-in tiny models list their arrays.
+A Qwen3-MoE layer's E experts are one line per projection (`experts.{0..E-1}.gate_proj.weight`,
+x E), and the totals add the parameters a token actually uses.
 """
 import dataclasses
 import math
+import re
 
-from .checkpoint import MAX_NAMES_IN_WARNING, check_config_matches, expected_shapes, index_checkpoint
-from .config import Qwen3Config
+from .checkpoint import (MAX_NAMES_IN_WARNING, check_config_matches, expected_shapes, index_checkpoint,
+                         parameter_counts)
+from .config import MOE_DEFAULTS, Qwen3Config
 from .hub import resolve_model
+
+EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(.+)$")   # prefix, expert, projection
 
 GROUPS = ("embed", "layers", "norm", "lm_head")
 
@@ -24,11 +30,13 @@ def group_of(name: str) -> str:
 
 
 def describe(model: str, device: str = "cpu", dtype: str = "float32") -> str:
-    if str(model) == "tiny":
+    from .tiny import BUILTIN
+
+    if str(model) in BUILTIN:
         from .tiny import tiny_model
 
-        m = tiny_model(device, dtype)
-        config, source = m.config, "built-in tiny model (random weights, seed 0)"
+        m = tiny_model(device, dtype, str(model))
+        config, source = m.config, f"built-in {model} model (random weights, seed 0)"
         tensors = {n: (tuple(a.shape), str(a.dtype)) for n, a in m.weights.items()
                    if not (n == "lm_head.weight" and config.tie_word_embeddings)}
     else:
@@ -44,11 +52,12 @@ def render(config: Qwen3Config, tensors: dict, source: str) -> str:
     """`tensors`: name -> (shape, dtype) as stored; the config says which are used and which are tied."""
     lines = [f"{source}", "", "config"]
     for field in dataclasses.fields(config):
-        lines.append(f"  {field.name:<26} {getattr(config, field.name)}")
+        if config.num_experts or field.name not in MOE_DEFAULTS:   # a dense model has no expert fields
+            lines.append(f"  {field.name:<26} {getattr(config, field.name)}")
     lines.append(f"  {'(derived) kv groups G':<26} {config.num_key_value_groups}")
     expected = expected_shapes(config)
     names = list(expected) + (["lm_head.weight"] if config.tie_word_embeddings else [])
-    width = max(len(n) for n in names) + 2
+    width = max(len(EXPERT.sub(rf"\1.{{0..{config.num_experts - 1}}}.\3", n)) for n in names) + 2
     total = unique = 0
     lines += ["", f"weights ({len(tensors)} tensors stored)"]
     for group in GROUPS:
@@ -60,6 +69,22 @@ def render(config: Qwen3Config, tensors: dict, source: str) -> str:
                 where = "stored, unused" if name in tensors else "not stored"
                 lines.append(f"    {name:<{width}} tied to model.embed_tokens.weight ({where})")
                 total += count
+                continue
+            expert = EXPERT.match(name)
+            if expert and expert.group(2) != "0":
+                continue   # counted on expert 0's line
+            if expert:     # the E experts' copies of one projection, on one line
+                prefix, _, part = expert.groups()
+                missing = [e for e in range(config.num_experts) if f"{prefix}.{e}.{part}" not in tensors]
+                if missing:
+                    lines.append(f"    {f'{prefix}.{missing[0]}.{part}':<{width}} MISSING (expected "
+                                 f"{list(expected[name])}; {len(missing)} of {config.num_experts} experts)")
+                    continue
+                name, count = f"{prefix}.{{0..{config.num_experts - 1}}}.{part}", count * config.num_experts
+                shape, dtype = tensors[expert.group(0)]
+                lines.append(f"    {name:<{width}} {str(list(shape)):<16} {dtype:<8} {count:>14,}  "
+                             f"x{config.num_experts}")
+                subtotal += count
                 continue
             if name not in tensors:
                 lines.append(f"    {name:<{width}} MISSING (expected {list(expected[name])})")
@@ -79,4 +104,7 @@ def render(config: Qwen3Config, tensors: dict, source: str) -> str:
     lines += ["", f"total parameters:  {total:,}",
               f"unique parameters: {unique:,}" + ("  (tied lm_head counted once)" if config.tie_word_embeddings
                                                   else "")]
+    if config.num_experts:
+        k, E = config.num_experts_per_tok, config.num_experts
+        lines.append(f"active per token:  {parameter_counts(config)[1]:,}  ({k} of {E} experts in each sparse layer)")
     return "\n".join(lines)

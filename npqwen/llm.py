@@ -139,7 +139,6 @@ class LLM:
 
     def save(self, directory, dtype: str = "F32"):
         """Write a Hugging Face checkpoint directory (config, weights, tokenizer, generation defaults)."""
-        import dataclasses
         import json
 
         from .backend import to_numpy
@@ -147,9 +146,7 @@ class LLM:
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-                  **dataclasses.asdict(self.config)}
-        (directory / "config.json").write_text(json.dumps(config, indent=2))
+        (directory / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
         tensors = {name: to_numpy(a) for name, a in self.weights.items()
                    if not (name == "lm_head.weight" and self.config.tie_word_embeddings)}
         save_safetensors(directory / "model.safetensors", tensors, dtype)
@@ -258,13 +255,15 @@ def load(path, device: str = "cpu", dtype: str = "float32") -> LLM:
     """Load a Qwen3 checkpoint onto `device` ("cpu" or "cuda") in `dtype`.
 
     `path` is a Hugging Face checkpoint directory, a hub id such as "Qwen/Qwen3-0.6B" found in
-    the HF cache (or downloaded when huggingface_hub is installed and online), or "tiny" for the
-    built-in tiny model with random weights (see npqwen/tiny.py).
+    the HF cache (or downloaded when huggingface_hub is installed and online), or "tiny" ("tiny-moe")
+    for the built-in tiny Qwen3 (Qwen3-MoE) with random weights (see npqwen/tiny.py).
     """
     check_device_dtype(device, dtype)
-    if str(path) == "tiny":
+    from .tiny import BUILTIN
+
+    if str(path) in BUILTIN:
         from .tiny import TINY_GENERATION, tiny_model, tiny_tokenizer
-        return LLM(tiny_model(device, dtype), tiny_tokenizer(), dict(TINY_GENERATION), None)
+        return LLM(tiny_model(device, dtype, str(path)), tiny_tokenizer(), dict(TINY_GENERATION), None)
     path = resolve_model(path)
     xp = array_module(device)
     config = Qwen3Config.from_json(path / "config.json")

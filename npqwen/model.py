@@ -4,10 +4,13 @@ Shapes: T tokens in this call (every sequence's new tokens, back to back), S pos
 sequence attends (cached + new), D hidden size, H query heads, K key/value heads, G = H / K,
 Dh head dim, F MLP width, V vocab size, N pages in the KV cache, P positions per page.
 Qwen3-0.6B: D=1024, H=16, K=8, G=2, Dh=128, F=3072, V=151936, 28 layers.
+Qwen3-MoE adds E experts, k per token, of width I: Qwen3-30B-A3B has D=2048, H=32, K=4, E=128,
+k=8, I=768, 48 layers.
 
 forward: embed -> for each layer: x += attention(norm(x)); x += mlp(norm(x)) -> norm -> lm_head.
 Attention normalises q and k per head (QK-norm) *before* RoPE, rotates split halves, and
-lets G query heads share one key/value head (GQA).
+lets G query heads share one key/value head (GQA). In Qwen3-MoE the MLP of most layers is
+sparse (`sparse_moe`, npqwen/moe.py): a router picks k experts per token.
 
 The model knows nothing of requests. A `Batch` says which tokens run, at which positions, and
 which pages of the `KVCache` hold each sequence's keys and values; every matrix product runs
@@ -24,7 +27,7 @@ from functools import cached_property
 
 import numpy as np
 
-from . import ops
+from . import moe, ops
 from .backend import xp_of
 from .config import Qwen3Config
 from .errors import NpqwenError
@@ -144,7 +147,7 @@ class Qwen3:
     def __init__(self, config: Qwen3Config, weights: dict, fused: dict):
         self.config = config
         self.weights = weights    # HF name -> array with the HF shape
-        self.fused = fused        # per-layer stacked qkv_proj / gate_up_proj; HF q/k/v/gate/up are views
+        self.fused = fused        # per-layer stacked qkv_proj / gate_up_proj (and experts); HF names are views
         embed = weights["model.embed_tokens.weight"]
         self.xp, self.dtype = xp_of(embed), embed.dtype
         inv_freq, self.rope_scale = ops.rope_frequencies(config)
@@ -203,7 +206,8 @@ class Qwen3:
         recorder(f"{p}.attn_residual", h)
         m = ops.rms_norm(h, W[f"{p}.post_attention_layernorm.weight"], eps)
         recorder(f"{p}.post_attention_layernorm", m)
-        out = h + self.mlp(i, m, recorder)                                           # (T, D)
+        mlp = self.sparse_moe if self.config.is_moe_layer(i) else self.mlp        # Qwen3-MoE: routed to experts
+        out = h + mlp(i, m, recorder)                                                # (T, D)
         recorder(p, out)
         return out
 
@@ -249,6 +253,18 @@ class Qwen3:
         recorder(f"{p}.act_fn", act)
         out = ops.linear(act * up, self.weights[f"{p}.down_proj.weight"])       # (T, F) -> (T, D)
         recorder(f"{p}.down_proj", out)
+        return out
+
+    def sparse_moe(self, i: int, x, recorder=no_recorder):
+        """Qwen3-MoE's MLP: the router sends each token to k experts; their SwiGLUs, weighted, are summed."""
+        cfg, p = self.config, f"model.layers.{i}.mlp"
+        logits, chosen, weights = moe.route(x, self.weights[f"{p}.gate.weight"], cfg.num_experts_per_tok,
+                                            cfg.norm_topk_prob)                 # (T, E), (T, k), (T, k)
+        recorder(f"{p}.gate", logits)
+        recorder(f"{p}.gate.top_k_index", chosen); recorder(f"{p}.gate.top_k_weights", weights)
+        out = moe.experts(x, chosen, weights, self.fused[f"{p}.experts.gate_up_proj"],
+                          self.fused[f"{p}.experts.down_proj"])                  # (T, D)
+        recorder(f"{p}.experts", out)
         return out
 
     def _check_ids(self, token_ids, cache) -> np.ndarray:

@@ -4,6 +4,8 @@ Same code path as a real checkpoint, with dimensions small enough to print whole
 D=16, H=4, K=2, Dh=8, F=48, 2 layers. Its tokenizer is byte-level (one token per UTF-8
 byte) plus Qwen3's special tokens, and it uses Qwen3's chat template. Its weights are
 random, so the text it generates is meaningless: it is for stepping through the code.
+`--model tiny-moe` is the same with Qwen3-MoE's sparse MLP in both layers: E=8 experts of
+width I=24, k=2 per token, renormalised.
 """
 from importlib import resources
 
@@ -25,6 +27,9 @@ TINY_CONFIG = dict(model_type="qwen3", hidden_size=16, intermediate_size=48, num
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=256 + len(SPECIAL_TOKENS),
                    max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000.0,
                    tie_word_embeddings=True, bos_token_id=ENDOFTEXT, eos_token_id=IM_END)
+TINY_MOE_CONFIG = dict(TINY_CONFIG, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=24, norm_topk_prob=True)
+BUILTIN = {"tiny": TINY_CONFIG, "tiny-moe": TINY_MOE_CONFIG}   # --model NAME
 # Qwen3-0.6B's generation_config.json
 TINY_GENERATION = dict(temperature=0.6, top_k=20, top_p=0.95, eos_token_id=[IM_END, ENDOFTEXT])
 SEED = 0
@@ -49,10 +54,11 @@ def tiny_tokenizer() -> Tokenizer:
     return Tokenizer(backend, qwen3_chat_template(), {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
 
 
-def tiny_model(device: str = "cpu", dtype: str = "float32") -> Qwen3:
-    """The tiny Qwen3 with its seeded random weights (std 0.3; norm weights 1 + 0.1 noise)."""
+def tiny_model(device: str = "cpu", dtype: str = "float32", name: str = "tiny") -> Qwen3:
+    """The tiny Qwen3 (or Qwen3-MoE, name "tiny-moe") with its seeded random weights (std 0.3; norm
+    weights 1 + 0.1 noise)."""
     xp = array_module(device)
-    config = Qwen3Config.from_dict(TINY_CONFIG, source="tiny model")
+    config = Qwen3Config.from_dict(BUILTIN[name], source=f"{name} model")
     weights, fused = allocate_weights(config, xp, np.dtype(dtype))
     rng = np.random.default_rng(SEED)
     for name, array in weights.items():   # checkpoint order, so the values never depend on the device

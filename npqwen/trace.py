@@ -10,8 +10,12 @@ layer model.layers.i.input_layernorm, .self_attn.q_proj/.k_proj/.v_proj, .self_a
 .k_norm, .self_attn.q_rope/.k_rope, .self_attn.attn_probs, .self_attn.attn_output (the input of
 o_proj), .self_attn.o_proj, .attn_residual, .post_attention_layernorm, .mlp.gate_proj/.up_proj,
 .mlp.act_fn (silu(gate)), .mlp.down_proj, model.layers.i (the layer's output); then
-model.norm and lm_head. HF modules without a counterpart here get none; steps without an HF
-module (q_rope, attn_probs, attn_output, attn_residual) are named after what they are.
+model.norm and lm_head. In a Qwen3-MoE sparse layer the MLP records instead .mlp.gate (the
+router's logits, (T, E)), .mlp.gate.top_k_index (each token's chosen experts, (T, k), best
+first) and .mlp.gate.top_k_weights (their weights, (T, k)), as HF's router returns them, and
+.mlp.experts (the weighted sum of the chosen experts' outputs, (T, D)). HF modules without a
+counterpart here get none; steps without an HF module (q_rope, attn_probs, attn_output,
+attn_residual) are named after what they are.
 """
 import re
 

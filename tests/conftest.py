@@ -28,18 +28,35 @@ def tiny_config(**overrides) -> dict:
     return {"model_type": "qwen3", **TINY, **overrides}
 
 
+# Qwen3-MoE at the tiny size: 8 experts of width 32, 2 per token, in every layer
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+
+
+def tiny_moe_config(**overrides) -> dict:
+    return {"model_type": "qwen3_moe", **TINY, **TINY_MOE, **overrides}
+
+
+def hf_classes(model_type: str):
+    """transformers' (config class, model class) for a model_type npqwen reads."""
+    import transformers
+
+    name = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[model_type]
+    return getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
+
+
 def build_hf_checkpoint(path: Path, config: dict, save_dtype: str = "bfloat16", shard: bool = False,
                         seed: int = 0, std: float = 0.05) -> Path:
-    """Write a random-weight checkpoint with transformers' Qwen3ForCausalLM.save_pretrained.
+    """Write a random-weight checkpoint with transformers' Qwen3ForCausalLM (or Qwen3MoeForCausalLM,
+    for model_type "qwen3_moe") save_pretrained.
 
     Norm weights are 1 + noise rather than HF's ones, so a norm weight applied wrongly shows.
     """
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
+    config_class, model_class = hf_classes(config.get("model_type", "qwen3"))
     cfg = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "torch_dtype")}
-    model = Qwen3ForCausalLM(Qwen3Config(**cfg))
+    model = model_class(config_class(**cfg))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -53,9 +70,9 @@ def build_hf_checkpoint(path: Path, config: dict, save_dtype: str = "bfloat16", 
 def hf_model(path: Path):
     """The golden reference: transformers loading the same directory in float32."""
     import torch
-    from transformers import Qwen3ForCausalLM
 
-    return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model_class = hf_classes(json.loads((Path(path) / "config.json").read_text())["model_type"])[1]
+    return model_class.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def write_npqwen_checkpoint(path: Path, config: dict, dtype: str = "F32", seed: int = 0,

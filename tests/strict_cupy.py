@@ -31,7 +31,7 @@ import numpy as np
 
 UFUNC = ("out", "casting", "dtype")   # cupy ufuncs: f(x1, x2, /, out=None, *, casting='same_kind', dtype=None)
 UFUNCS = ("add", "subtract", "multiply", "divide", "true_divide", "negative", "exp", "log", "sqrt", "tanh",
-          "cos", "sin", "maximum", "minimum", "isfinite", "isnan", "power", "left_shift", "right_shift",
+          "cos", "sin", "maximum", "minimum", "isfinite", "isnan", "power", "left_shift", "right_shift", "floor_divide",
           "greater", "less", "greater_equal", "less_equal", "equal", "not_equal", "logical_and",
           "logical_not")
 # every other cupy function offered: name -> the keyword arguments cupy 14.2 accepts
@@ -63,6 +63,10 @@ KEYWORDS = {
     "reshape": ("a", "newshape", "order", "copy"),
     "transpose": ("a", "axes"),
     "broadcast_to": ("array", "shape"),
+    "argsort": ("a", "axis", "kind"),
+    "take_along_axis": ("a", "indices", "axis"),
+    "bincount": ("x", "weights", "minlength"),
+    "empty_like": ("prototype", "dtype", "order", "subok", "shape"),
     **{name: UFUNC for name in UFUNCS},
 }
 METHOD_KEYWORDS = {
@@ -323,6 +327,7 @@ for _name in ("astype", "view", "reshape", "transpose", "ravel", "copy", "fill",
     setattr(ndarray, _name, _numpy_method(_name))
 for _name, _ufunc in (("add", "add"), ("sub", "subtract"), ("mul", "multiply"), ("truediv", "true_divide"),
                       ("pow", "power"), ("lshift", "left_shift"), ("rshift", "right_shift"),
+                      ("floordiv", "floor_divide"),
                       ("matmul", "matmul")):
     setattr(ndarray, f"__{_name}__", _operator(_ufunc))
     setattr(ndarray, f"__r{_name}__", _operator(_ufunc, reflected=True))

@@ -23,7 +23,7 @@ import strict_cupy
 from npqwen import Engine, NpqwenError
 from npqwen.backend import cuda_available
 
-from conftest import build_hf_checkpoint, hf_model, tiny_config, write_npqwen_checkpoint
+from conftest import build_hf_checkpoint, hf_model, tiny_config, tiny_moe_config, write_npqwen_checkpoint
 
 FLOAT16_LOGIT_TOL = 1e-2   # float16 logits vs HF float32 (measured: at most 3.2e-3, |logits| < 2)
 
@@ -117,6 +117,60 @@ def test_kv_cache_decode_equals_full_recompute(tiny_hf):
 
     llm = npqwen.load(tiny_hf[0], device="cuda")
     check_cache_equals_recompute(llm, np.random.default_rng(3).integers(0, 512, size=40).tolist(), chunk=7)
+
+
+@pytest.mark.parametrize("case", ["top2-norm-tied-bf16", "top5of12-unnormed-dense-layer1", "top3-norm-sparse-step2"])
+def test_moe_logits_match_hf(case, tmp_path):
+    """Qwen3-MoE on device cuda: logits, hidden states and the router's choices equal HF's, as on the CPU."""
+    from test_moe import check_against_hf, hf_forward, moe_checkpoint
+
+    path = moe_checkpoint(tmp_path, case)
+    llm, ref = npqwen.load(path, device="cuda"), hf_model(path)
+    assert any("experts" in n for n in llm.model.fused) and all(on_device(a) for a in llm.model.fused.values())
+    for T in (1, 300):
+        ids = np.random.default_rng(T).integers(0, 512, size=T)
+        check_against_hf(llm, ids, hf_forward(ref, ids))
+
+
+def test_moe_greedy_float16_and_engine(tmp_path):
+    """Qwen3-MoE on device cuda: greedy equals HF generate, float16 logits stay near HF's float32 ones, and the
+    engine's batched tokens equal the CPU's."""
+    import torch
+
+    from npqwen.trace import Trace
+    from test_engine import prompts, run
+    from test_generate_golden import check_greedy
+    from test_moe import moe_checkpoint
+
+    path = moe_checkpoint(tmp_path, "top2-norm-tied-bf16", mlp_only_layers=[1])
+    ref = hf_model(path)
+    check_greedy(npqwen.load(path, device="cuda"), ref, np.random.default_rng(2).integers(0, 512, size=37).tolist())
+    # float16 rounds the router's logits by ~1e-3 of their size: a token whose 2nd and 3rd experts are
+    # closer than that may go to the other one (so would HF's in float16), which changes everything after
+    # it. So the prompt is cut before the first token whose float32 margin is under 0.01.
+    ids = np.random.default_rng(1).integers(0, 512, size=80)
+    trace = Trace()
+    npqwen.load(path, device="cuda").forward(ids, recorder=trace)
+    ranked = np.sort(trace["model.layers.0.mlp.gate"], axis=-1)               # (T, E)
+    close = np.flatnonzero(ranked[:, -2] - ranked[:, -3] < 0.01)
+    ids = ids[:close[0] if close.size else len(ids)]
+    with torch.no_grad():
+        out = ref(torch.tensor(ids)[None], output_router_logits=True)
+    trace = Trace()
+    half = npqwen.load(path, device="cuda", dtype="float16").forward(ids, recorder=trace)
+    diff = np.abs(half.get().astype(np.float32) - out.logits[0].numpy())
+    print(f"MoE float16, {len(ids)} tokens: max |logit diff| {diff.max():.3e}")
+    hf_top = torch.topk(out.router_logits[0], 2, -1).indices.numpy()
+    assert len(ids) >= 20 and (trace["model.layers.0.mlp.gate.top_k_index"] == hf_top).all()
+    assert half.dtype == np.float16 and diff.max() <= FLOAT16_LOGIT_TOL
+    results = []
+    for device in ("cpu", "cuda"):
+        requests = [(p, dict(max_new_tokens=6, temperature=0)) for p in prompts([1, 17, 300], seed=4)]
+        engine = Engine(npqwen.load(path, device=device), kv_cache_tokens=2048, page_size=16, max_batched_tokens=64)
+        results.append(run(engine, requests, spy=True))
+    for (want_tokens, want_logits, _), (got, got_logits, _) in zip(*results):
+        err = max(float(np.abs(a - b).max()) for a, b in zip(got_logits, want_logits))
+        assert got == want_tokens and err <= 1e-5
 
 
 # --- sampling and the engine: the same tokens as on the CPU ----------------------------------------------
@@ -361,15 +415,17 @@ def test_every_offered_name_and_keyword_exists_in_real_cupy():
     assert not problems, "\n".join(problems)
 
 
-def test_every_name_and_keyword_used_exists_in_real_cupy(tiny_dir):
+def test_every_name_and_keyword_used_exists_in_real_cupy(tiny_dir, tmp_path):
     """What the runs of this module asked of cupy (and a short run of each path here, so it holds when run
-    alone): load in float32 and float16, forward with a recorder, the engine with sampling."""
+    alone): load in float32 and float16, forward with a recorder, the engine with sampling, a Qwen3-MoE."""
     from npqwen.trace import Trace
 
     for dtype in ("float32", "float16"):
         llm = npqwen.load(tiny_dir, device="cuda", dtype=dtype)
         llm.forward(list(range(30)), recorder=Trace())
         llm.generate([[1, 2, 3], list(range(40))], max_new_tokens=4, temperature=0.8, top_p=0.9, seed=1)
+    moe_dir = write_npqwen_checkpoint(tmp_path / "moe", tiny_moe_config(), dtype="BF16")
+    npqwen.load(moe_dir, device="cuda").generate([[1, 2], list(range(30))], max_new_tokens=3, temperature=0)
     real = real_cupy()
     used = dict(strict_cupy.used)
     print("used:", ", ".join(f"{n}({', '.join(sorted(k))})" if k else n for n, k in sorted(used.items())))

@@ -64,8 +64,8 @@ def test_config_not_json(tmp_path):
 
 def test_config_of_another_model(tmp_path):
     write_npqwen_checkpoint(tmp_path, tiny_config())
-    (tmp_path / "config.json").write_text(json.dumps(tiny_config(model_type="qwen3_moe")))
-    expect_error(lambda: npqwen.load(tmp_path), "model_type is 'qwen3_moe'", "qwen3")
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config(model_type="qwen2_moe")))
+    expect_error(lambda: npqwen.load(tmp_path), "model_type is 'qwen2_moe'", "'qwen3'", "'qwen3_moe'")
 
 
 @pytest.mark.parametrize("rope_type", ["dynamic", "llama3", "longrope", "su"])

@@ -34,8 +34,8 @@ def model_options() -> argparse.ArgumentParser:
     """--model, --device, --dtype: a parent parser for every command."""
     model = argparse.ArgumentParser(add_help=False)
     model.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                       help=f"checkpoint directory, hub id in the HF cache (downloaded if missing), or 'tiny' "
-                            f"(default: {DEFAULT_MODEL})")
+                       help=f"checkpoint directory, hub id in the HF cache (downloaded if missing), or 'tiny' / "
+                            f"'tiny-moe' (built-in, random weights) (default: {DEFAULT_MODEL})")
     model.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: cpu)")
     model.add_argument("--dtype", default="float32",
                        help="compute dtype; cpu: float32, float64; cuda: also float16 (default: float32)")
@@ -145,7 +145,9 @@ def load_model(args, chat_template: bool = False):
     check_device_dtype(args)
     started = time.perf_counter()
     model = args.model
-    if model != "tiny":
+    from ..tiny import BUILTIN
+
+    if model not in BUILTIN:
         model = resolve_model(model).resolve()   # absolute: a local folder named "tiny" is not the built-in one
         check_checkpoint(model, tokenizer=True)
     llm = load(model, device=args.device, dtype=args.dtype)

@@ -11,9 +11,10 @@ def add_parser(commands):
 
 def cmd_inspect(args) -> int:
     from ..describe import describe
+    from ..tiny import BUILTIN
 
     check_device_dtype(args)
-    if args.model != "tiny":
+    if args.model not in BUILTIN:
         check_checkpoint(resolve_model(args.model), tokenizer=False)
     write_out(describe(args.model, device=args.device, dtype=args.dtype) + "\n")
     return 0

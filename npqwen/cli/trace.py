@@ -51,6 +51,7 @@ def cmd_trace(args) -> int:
     for name, array in trace.items():
         shown(name, array)
     write_out(shown.table() + "\n")
+    write_out(expert_loads(shown, llm.config.num_experts))
     if save:
         try:
             shown.save(save)
@@ -69,3 +70,10 @@ def cmd_trace(args) -> int:
     return 0
 
 
+def expert_loads(trace, num_experts: int) -> str:
+    """Qwen3-MoE: how many of the tokens' choices each expert got, per sparse layer (nothing for a dense model)."""
+    from ..moe import expert_load
+
+    lines = [f"{name.removesuffix('.top_k_index')}: tokens per expert {expert_load(chosen, num_experts).tolist()}\n"
+             for name, chosen in trace.items() if name.endswith(".mlp.gate.top_k_index")]
+    return "".join(lines)

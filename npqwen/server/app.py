@@ -6,6 +6,7 @@
     POST /v1/completions            plain completion of a prompt (text or token ids); echo, prompt logprobs
     POST /v1/responses              OpenAI's Responses API (responses.py), over the same requests as a chat
     POST /v1/npqwen/attention       one position's attention in every head of a layer (for the page)
+    POST /v1/npqwen/experts         the experts one token went to in each layer (Qwen3-MoE; for the page)
     POST /tokenize, /detokenize     the model's tokenizer (vLLM's shapes); GET /tokenizer_info
     GET  /health                    200 while the engine thread is alive
     GET  /metrics                   Prometheus text format
@@ -38,12 +39,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException
 
 from ..errors import NpqwenError
+from ..backend import to_numpy
 from ..generate import check_token_ids
 from .engine_loop import EngineLoop, EngineStopped
 from .parsers import StreamParser, finish_reason, parse_output
 from .tokenizer_process import LONG_TEXT_CHARS, TokenizerProcess
 from .protocol import (IGNORED, MAX_ATTENTION_TOKENS, APIError, AttentionRequest, ChatCompletionRequest,
-                       CompletionRequest, DetokenizeRequest, NamedToolChoice, TokenizeRequest, template_messages)
+                       CompletionRequest, DetokenizeRequest, ExpertsRequest, NamedToolChoice, TokenizeRequest,
+                       template_messages)
 
 DEFAULT_MAX_QUEUE = 256                    # waiting requests; one more is a 429
 RETRY_AFTER_SECONDS = 1                    # a 429's Retry-After
@@ -181,6 +184,10 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     @app.post("/v1/npqwen/attention")
     async def attention(body: AttentionRequest, http: HTTPRequest):
         return await server.attention(body, http)
+
+    @app.post("/v1/npqwen/experts")
+    async def experts(body: ExpertsRequest, http: HTTPRequest):
+        return await server.experts(body, http)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -679,6 +686,64 @@ class Server:
                 "num_layers": layers, "num_heads": heads, "tokens": [decode([t]) for t in ids[:p + 1]],
                 "token_bytes": [list(self.tokenizer.token_bytes(t)) for t in ids[:p + 1]],   # as logprobs' "bytes"
                 "heads": rows.tolist(), "mean": rows.mean(axis=0).tolist()}
+
+    # -- experts (for the web page) --
+
+    async def experts(self, body: ExpertsRequest, http: HTTPRequest) -> dict:
+        """Qwen3-MoE: the experts the router sent token `position` to in each layer, best first, with their
+        weights; a forward pass with a recorder over tokens[:position + 1], run on the engine thread. A dense
+        model has none: num_experts 0 and no layers, answered without a pass."""
+        self.check_model(body.model)
+        ids, cfg = body.tokens, self.config
+        limit = min(MAX_ATTENTION_TOKENS, cfg.max_position_embeddings)
+        if not 1 <= len(ids) <= limit:
+            raise APIError(400, f"tokens has {len(ids)} ids; send 1 .. {limit}", "tokens")
+        self.check_tokens(ids)
+        p = len(ids) - 1 if body.position is None else body.position
+        if not 0 <= p < len(ids):
+            raise APIError(400, f"position {p} is not a position of the {len(ids)} tokens (0 .. {len(ids) - 1})",
+                           "position")
+        answer = {"object": "npqwen.experts", "model": self.model_name, "position": p,
+                  "token": self.tokenizer.decode([ids[p]]), "num_experts": cfg.num_experts,
+                  "num_experts_per_tok": cfg.num_experts_per_tok, "layers": []}
+        if not cfg.num_experts:
+            return answer
+        kept = {}
+
+        def keep(step, array):   # a recorder that keeps position p's row of the router's choices
+            if step.endswith((".mlp.gate.top_k_index", ".mlp.gate.top_k_weights")):
+                kept[step] = to_numpy(array)[p].tolist()
+
+        def run():   # on the engine thread, between two steps
+            self.llm.forward(ids[:p + 1], last_only=True, recorder=keep)
+
+        result = await self.on_engine_thread(run, http, "the experts pass")
+        if isinstance(result, Response):
+            return result
+        for i in range(cfg.num_hidden_layers):
+            gate = f"model.layers.{i}.mlp.gate"
+            answer["layers"].append({"layer": i, "experts": kept.get(f"{gate}.top_k_index"),    # None: dense
+                                     "weights": kept.get(f"{gate}.top_k_weights")})
+        return answer
+
+    async def on_engine_thread(self, run, http: HTTPRequest, what: str):
+        """run() on the engine thread, between two steps; a 499 Response if the client leaves first."""
+        future = self.loop.call(run)
+        try:
+            while not future.done():   # checked on a clock: the client may go, the engine stop
+                await asyncio.wait([future], timeout=DISCONNECT_POLL_SECONDS)
+                if future.done():
+                    break
+                if not self.loop.thread.is_alive():
+                    raise EngineStopped("the server is shutting down")
+                if await http.is_disconnected():
+                    return Response(status_code=499)
+        finally:
+            future.cancel()   # nothing if it ran; skipped on the engine thread if it had not
+        if future.exception() is not None:   # not the client's doing (the request was checked): say so
+            traceback.print_exception(future.exception(), file=sys.stderr)
+            raise APIError(500, f"{what} failed ({future.exception()!r}); see the server log", type="server_error")
+        return future.result()
 
     # -- tokenizer --
 

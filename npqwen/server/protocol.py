@@ -270,6 +270,14 @@ class AttentionRequest(Strict):
 IGNORED = ("store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "verbosity", "user")
 
 
+class ExpertsRequest(Strict):
+    """POST /v1/npqwen/experts: where the router of each Qwen3-MoE layer sent token `position` of
+    `tokens` (a forward pass over tokens[:position + 1])."""
+    model: str | None = None
+    tokens: list[int]                                     # 1 .. MAX_ATTENTION_TOKENS ids (checked by the server)
+    position: int | None = None                           # default: the last token
+
+
 def template_messages(messages: list[Message]) -> list[dict]:
     """Messages as the chat template reads them: text parts joined, unset fields left out."""
     out = []

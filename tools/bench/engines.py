@@ -13,26 +13,31 @@ PEERS = ("hf-bfloat16", "hf-float32", "hf-float16")     # npqwen's figures are r
 CACHE_DIR = Path(os.environ.get("NPQWEN_CACHE", Path.home() / ".cache" / "npqwen"))
 
 
-def default_checkpoint() -> Path:
-    """A random-weight bf16 checkpoint of the exact Qwen3-0.6B shape, written once by npqwen's own writer."""
+def default_checkpoint(moe: bool = False) -> Path:
+    """A random-weight bf16 checkpoint of the exact Qwen3-0.6B shape (with moe: of Qwen3-30B-A3B's layers,
+    2 of them), written once by npqwen's own writer."""
     import numpy as np
 
     from npqwen.checkpoint import expected_shapes, save_safetensors
-    from npqwen.config import QWEN3_0_6B_CONFIG, QWEN3_0_6B_GENERATION_CONFIG, Qwen3Config
+    from npqwen.config import QWEN3_0_6B_CONFIG, QWEN3_0_6B_GENERATION_CONFIG, QWEN3_30B_A3B_CONFIG, Qwen3Config
 
-    path = CACHE_DIR / "qwen3-0.6b-random"
+    name, config = "qwen3-0.6b-random", QWEN3_0_6B_CONFIG
+    if moe:
+        name, config = "qwen3-30b-a3b-2-layers-random", dict(QWEN3_30B_A3B_CONFIG, num_hidden_layers=2,
+                                                             max_window_layers=2)
+    path = CACHE_DIR / name
     if (path / "model.safetensors").is_file() and (path / "config.json").is_file():
         return path
-    print(f"[bench] building a random Qwen3-0.6B-shape checkpoint in {path} (once)", file=sys.stderr)
+    print(f"[bench] building a random {name} checkpoint in {path} (once)", file=sys.stderr)
     path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
-    shapes = expected_shapes(Qwen3Config.from_dict(QWEN3_0_6B_CONFIG))
+    shapes = expected_shapes(Qwen3Config.from_dict(config))
     tensors = {name: np.ones(shape, np.float32) if name.endswith("norm.weight")
                else rng.standard_normal(shape, dtype=np.float32) * 0.02 for name, shape in shapes.items()}
     save_safetensors(path / "model.safetensors.tmp", tensors, "BF16")
     (path / "model.safetensors.tmp").rename(path / "model.safetensors")
     (path / "generation_config.json").write_text(json.dumps(QWEN3_0_6B_GENERATION_CONFIG, indent=2))
-    (path / "config.json").write_text(json.dumps(QWEN3_0_6B_CONFIG, indent=2))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
 
@@ -88,13 +93,15 @@ class NpqwenEngine:
 class HFEngine:
     def __init__(self, args):
         import torch
-        from transformers import Qwen3ForCausalLM
+        from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
         torch.set_num_threads(args.threads)
         self.name, self.torch = args.worker, torch
         dtype = getattr(torch, args.worker.split("-")[1])
         self.device = args.hf_device or args.device
-        self.model = Qwen3ForCausalLM.from_pretrained(args.model, dtype=dtype).eval().to(self.device)
+        moe = json.loads((Path(args.model) / "config.json").read_text()).get("model_type") == "qwen3_moe"
+        model_class = Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM
+        self.model = model_class.from_pretrained(args.model, dtype=dtype).eval().to(self.device)
         self.vocab_size = self.model.config.vocab_size
         params = {p.data_ptr(): p for p in self.model.parameters()}.values()
         self.sizes = {"weight_bytes": sum(p.numel() * p.element_size() for p in params),

@@ -29,7 +29,8 @@ def measure_matmul(weights: dict) -> float:
     import numpy as np
 
     flops, seconds = 0, 0.0
-    for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"):
+    mlp = "mlp" if "model.layers.0.mlp.gate_proj.weight" in weights else "mlp.experts.0"   # Qwen3-MoE: an expert's
+    for name in ("self_attn.q_proj", "self_attn.o_proj", f"{mlp}.gate_proj", f"{mlp}.down_proj"):
         w = weights[f"model.layers.0.{name}.weight"]
         a = np.ones((1024, w.shape[1]), w.dtype)
         seconds += best_time(lambda: a @ w.T, 3)

@@ -22,11 +22,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="checkpoint directory (default: a random Qwen3-0.6B-shape one, built once)")
     p.add_argument("--engines", default=",".join(ENGINES),
                    help=f"comma-separated, from {', '.join(KNOWN_ENGINES)} (default: {','.join(ENGINES)})")
-    p.add_argument("--suites", default="prefill,decode", help=f"comma-separated, from {', '.join(SUITES)}; or all")
+    p.add_argument("--suites", default="prefill,decode",
+                   help=f"comma-separated, from {', '.join(SUITES)}; or all (every one but moe, which runs alone)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each prefill and step; the best counts")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every engine this many times, alternating; each figure's best counts "
-                        "(the one-sequence suites only: decode, batch1, prefill, step)")
+                        "(the one-sequence suites only: decode, batch1, prefill, step, moe)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS threads = torch threads")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", help="npqwen compute dtype (cuda: float16 or float32)")
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
     unknown = set(engines) - set(KNOWN_ENGINES)
     if unknown:
         p.error(f"unknown engine(s) {', '.join(sorted(unknown))}")
-    suites = set(SUITES) if args.suites == "all" else {s for s in args.suites.split(",") if s}
+    suites = set(SUITES) - {"moe"} if args.suites == "all" else {s for s in args.suites.split(",") if s}
     if suites - set(SUITES):
         p.error(f"unknown suite(s) {', '.join(sorted(suites - set(SUITES)))}; choose from {', '.join(SUITES)}")
     for name in list(suites):
@@ -58,7 +59,11 @@ def main(argv=None) -> int:
         print(json.dumps(run_worker(args)))
         return 0
 
-    model = Path(args.model).resolve() if args.model else default_checkpoint()
+    if "moe" in suites and suites != {"moe"}:
+        p.error("the moe suite runs on a Qwen3-MoE checkpoint of its own: run it alone, --suites moe")
+    model = Path(args.model).resolve() if args.model else default_checkpoint(moe="moe" in suites)
+    if "moe" in suites and json.loads((model / "config.json").read_text()).get("model_type") != "qwen3_moe":
+        p.error(f"--suites moe needs a Qwen3-MoE checkpoint (model_type qwen3_moe); {model} is not one")
     report = {"machine": machine(args), "checkpoint": str(model), "rounds": args.rounds,
               "suites": [s for s in SUITES if s in suites], "engines": {}}
     single = [s for s in SUITES.values() if s.NAME in suites and s.WORKER == "single"]
@@ -155,7 +160,8 @@ def best_of(results: list[dict]) -> dict:
                 best[k] = {m: max(best[k][m], v[m]) for m in v}
             elif k.endswith("_tps"):
                 best[k] = max(best[k], v)
-            elif k in ("load_s", "peak_rss_bytes") or k.startswith("step_"):
+            elif k in ("load_s", "peak_rss_bytes") or k.startswith("step_") or (k.startswith("moe_") and
+                                                                                k.endswith("_s")):
                 best[k] = min(best[k], v)
     return best
 

@@ -1,5 +1,6 @@
 // The npqwen page: a chat over /v1/chat/completions (streamed), and for any generated token the
-// alternatives the model had at that step (logprobs) and where it was looking (/v1/npqwen/attention).
+// alternatives the model had at that step (logprobs) and where it was looking (/v1/npqwen/attention);
+// for a Qwen3-MoE, also which experts the token itself went to in each layer (/v1/npqwen/experts).
 //
 // Model text only ever reaches the page as textContent or through Markdown.render (markdown.js),
 // which builds DOM nodes from it: no innerHTML with anything the model or the server wrote.
@@ -361,6 +362,7 @@ function inspect(answer, index) {
     token.logprob === null ? "" : ` with probability ${(100 * Math.exp(token.logprob)).toFixed(2)}\u00a0%`);
   drawAlternatives(token);
   loadAttention();
+  loadExperts();
 }
 
 // The inspector floats over the page, so opening it moves nothing under the pointer. Beside a
@@ -471,6 +473,47 @@ function drawHeatmap() {
   $("attention-note").textContent = `Where position ${attention.position} (the token before the chosen one, ` +
     `outlined) looked when the model chose it: layer ${attention.layer}, ${which}. ` +
     `Shade ∝ √(weight / largest weight, ${(100 * top).toFixed(1)}\u00a0%); hover a token for its weight.`;
+}
+
+// Qwen3-MoE: the experts the router of each layer sent the token to (the token itself, at its own
+// position p), best first, with their weights. A dense model answers num_experts 0: nothing shown.
+async function loadExperts() {
+  const { answer, index } = state.inspected;
+  const ids = answer.promptIds.concat(answer.generated.slice(0, index + 1).map((t) => t.id));
+  const view = $("experts-view");
+  let experts;
+  try {
+    experts = await api("v1/npqwen/experts", { tokens: ids });
+  } catch (e) {
+    view.hidden = false;
+    $("experts").replaceChildren();
+    $("experts-note").textContent = "No experts: " + e.message;
+    return;
+  }
+  if (!isInspected(answer, index)) return;   // another token was clicked meanwhile
+  view.hidden = experts.num_experts === 0;
+  const rows = experts.layers.map((layer) => {
+    const li = document.createElement("li");
+    li.dataset.layer = layer.layer;
+    const name = document.createElement("span");
+    name.className = "layer";
+    name.textContent = `layer ${layer.layer}`;
+    li.append(name);
+    if (layer.experts === null) li.append("dense MLP");
+    (layer.experts || []).forEach((e, j) => {
+      const chip = document.createElement("span");
+      chip.className = "expert";
+      chip.dataset.expert = e;
+      chip.dataset.weight = String(layer.weights[j]);
+      chip.textContent = `#${e} ${(100 * layer.weights[j]).toFixed(1)}\u00a0%`;
+      li.append(chip);
+    });
+    return li;
+  });
+  $("experts").replaceChildren(...rows);
+  $("experts-note").textContent = `Where the router sent this token (position ${experts.position}): ` +
+    `${experts.num_experts_per_tok} of ${experts.num_experts} experts in each layer, best first, ` +
+    `with the weight of each in the layer's output.`;
 }
 
 function closeInspector() {
