@@ -169,16 +169,18 @@ class LLM:
             return "embedding"
         return "generation"
 
-    def run_prefill_only(self, requests: list) -> list:
-        """Run prefill-only requests (engine.new_embedding_request / new_scoring_request) to the end: their
-        final outputs, in order. Outputs of other requests wait in the inbox for their own streams."""
-        engine, done, ours = self.engine, {}, {r.request_id for r in requests}
+    def run_prefill_only(self, requests: list, engine=None) -> list:
+        """Run prefill-only requests (engine.new_embedding_request / new_scoring_request) to the end on
+        `engine` (default: llm.engine): their final outputs, in order. Outputs of other requests of
+        llm.engine wait in the inbox for their own streams."""
+        engine = self.engine if engine is None else engine
+        done, ours = {}, {r.request_id for r in requests}
         for req in requests:
             engine.add(req)
         try:
             while len(done) < len(requests):
                 for out in engine.step():
-                    if out.request_id not in ours:
+                    if out.request_id not in ours and engine is self._engine:
                         self._inbox.setdefault(out.request_id, []).append(out)
                     elif out.finished:
                         done[out.request_id] = out

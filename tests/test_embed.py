@@ -208,12 +208,12 @@ class BatchSpy:
 
 def test_prefill_only_requests_pack_chunk_and_free_their_pages(hub, monkeypatch):
     engine = Engine(hub, kv_cache_tokens=2048, page_size=16, max_batched_tokens=96)
-    hub._engine, spy = engine, BatchSpy(hub.model, monkeypatch)
+    spy = BatchSpy(hub.model, monkeypatch)
     rng = np.random.default_rng(0)
     ids = [rng.integers(0, 151643, n).tolist() for n in (3, 5, 200, 8)]
     alone = [Engine(hub, kv_cache_tokens=2048, page_size=16, max_batched_tokens=512) for _ in ids]
     requests = [engine.new_embedding_request(x) for x in ids]
-    outs = hub.run_prefill_only(requests)
+    outs = hub.run_prefill_only(requests, engine)
     first = spy.batches[0]
     assert first.lengths[:2] == [3, 5] and len(first.token_ids) == sum(first.lengths) == 96   # packed, no padding
     assert len(first.sample_rows) == 0 and len(first.score_rows) == 0
@@ -222,8 +222,7 @@ def test_prefill_only_requests_pack_chunk_and_free_their_pages(hub, monkeypatch)
     assert engine.pool.num_pages == len(engine.pool.free) + engine.cache.cached_pages and not engine.requests
     engine.check()
     for x, out, e in zip(ids, outs, alone):            # its company and its chunks do not change a vector
-        hub._engine = e
-        single = hub.run_prefill_only([e.new_embedding_request(x)])[0].embedding
+        single = hub.run_prefill_only([e.new_embedding_request(x)], e)[0].embedding
         assert out.finished and out.token_ids == [] and np.abs(out.embedding - single).max() <= 1e-5
 
 
