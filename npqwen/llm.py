@@ -180,10 +180,11 @@ class LLM:
         try:
             while len(done) < len(requests):
                 for out in engine.step():
-                    if out.request_id not in ours and engine is self._engine:
+                    if out.request_id in ours:
+                        if out.finished:
+                            done[out.request_id] = out
+                    elif engine is self._engine:   # another stream's: it picks it up from the inbox
                         self._inbox.setdefault(out.request_id, []).append(out)
-                    elif out.finished:
-                        done[out.request_id] = out
         finally:
             for req in requests:
                 if req.request_id in engine.requests:   # stopped early (Ctrl-C, an error): free their pages

@@ -226,6 +226,25 @@ def test_prefill_only_requests_pack_chunk_and_free_their_pages(hub, monkeypatch)
         assert out.finished and out.token_ids == [] and np.abs(out.embedding - single).max() <= 1e-5
 
 
+@pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
+def test_a_preempted_prefill_only_request_ends_as_an_uninterrupted_one(hub, pooling):
+    """A 200-token text read beside a generating request in a pool too small for both at their longest: the
+    text (admitted last) is preempted and read again; its vector equals an uninterrupted one (mean pooling
+    folds no position twice)."""
+    text = list(range(1000, 1200))
+    roomy = Engine(hub, kv_cache_tokens=1024, page_size=16)
+    (want,) = hub.run_prefill_only([roomy.new_embedding_request(text, pooling)], roomy)
+    tight = Engine(hub, kv_cache_tokens=14 * 16, page_size=16, max_batched_tokens=32)   # the text alone needs 13
+    rid = tight.add_request(list(range(16)), max_new_tokens=60, temperature=0)
+    tight.requests[rid].eos_ids = frozenset()                                            # it grows to 5 pages
+    (got,) = hub.run_prefill_only([tight.new_embedding_request(text, pooling)], tight)
+    while tight.has_unfinished():
+        tight.step()
+    assert tight.stats["preemptions"] > 0
+    assert np.abs(got.embedding - want.embedding).max() <= 1e-5
+    tight.check()
+
+
 def test_prefill_only_requests_ride_beside_generation(hub_dir):
     """A generating request and embeddings in the same steps: the tokens are those of the request alone."""
     llm = npqwen.load(hub_dir)   # tied: its lm_head is the embedding, so it can also generate
