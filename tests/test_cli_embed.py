@@ -70,3 +70,8 @@ def test_mistakes_after_the_load_are_one_line(embedding_small, tmp_path):
         assert code == 1 and message in err and "Traceback" not in err, err
     code, out, err = run("rerank", "-m", "tiny", "-q", "q", "-d", "d")
     assert code == 1 and 'no "yes" and "no" tokens' in err
+
+
+def test_inspect_reads_a_qwen3model_checkpoint(embedding_small):
+    code, out, err = run("inspect", "-m", embedding_small)
+    assert code == 0 and "MISSING" not in out and "model.layers.2.mlp.down_proj.weight" in out and "[151669, 64]" in out
