@@ -65,7 +65,7 @@ async def embeddings(server, body: EmbeddingRequest, http: HTTPRequest):
             raise NpqwenError(llm.embedding_config.problem)
         inputs = body.inputs()
         check_count(len(inputs), "input")
-        ids = embedding_inputs(llm, inputs)
+        ids = await server.off_loop(embedding_inputs, llm, inputs)   # (megabytes of text take seconds)
         requests = [engine.new_embedding_request(x, llm.embedding_config.pooling) for x in ids]
     except NpqwenError as e:
         raise refused(e, "input") from None
@@ -92,7 +92,7 @@ async def rerank(server, body: RerankRequest, http: HTTPRequest):
     if body.top_n is not None and body.top_n < 1:
         raise APIError(400, f"top_n must be at least 1 (or left out for every document), got {body.top_n}", "top_n")
     try:
-        requests = scoring_requests(server.llm, server.engine, body.query, documents)
+        requests = await server.off_loop(scoring_requests, server.llm, server.engine, body.query, documents)
     except NpqwenError as e:
         raise refused(e, "documents") from None
     outs = await finished_outputs(server, requests, http)
