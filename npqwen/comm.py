@@ -88,7 +88,7 @@ class MPICommunicator:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGUSR1, self._on_peer_death)
         self.when_peer_dies = None            # called (in the main thread) when SIGUSR1 comes; a server stops
-        atexit.register(self._abort_if_failed)
+        atexit.register(self._at_exit)
         # Kept for npqwen/parallel.py, which runs the model on this group: how deep rank 0 is in calls it
         # leads, whether this rank is following rank 0's forward passes, and the KV caches for rank 0's.
         self.leading, self.following = 0, False
@@ -163,6 +163,11 @@ class MPICommunicator:
         if self.when_peer_dies is not None:
             self.when_peer_dies()
 
-    def _abort_if_failed(self):
+    def _at_exit(self):
+        """A failed group ends with MPI_Abort. Otherwise the ranks leave one by one, and MPICH's
+        SIGUSR1 about a rank that left must not kill one still finishing (Python gives SIGUSR1 back
+        its default action, which is to die, while it shuts down; an ignored signal stays ignored)."""
         if self.failed:
             self.abort(1)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
