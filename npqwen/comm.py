@@ -84,6 +84,7 @@ class MPICommunicator:
         self.timeout = timeout if timeout is not None else float(os.environ.get("NPQWEN_TP_TIMEOUT",
                                                                                 DEFAULT_TIMEOUT))
         self.failed: str | None = None        # why the group ended, once it has
+        self.seconds_waited, self.collectives = 0.0, 0   # time in collectives (the benchmark's "communication")
         self.peer_died = False                # set by SIGUSR1 from MPICH's launcher
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGUSR1, self._on_peer_death)
@@ -138,6 +139,7 @@ class MPICommunicator:
         if self.failed:
             raise GroupFailed(self.failed)
         start = time.monotonic()
+        self.collectives += 1
         while not request.Test():
             waited = time.monotonic() - start
             if self.peer_died:
@@ -148,6 +150,7 @@ class MPICommunicator:
                           f"never came; one is stuck or gone (NPQWEN_TP_TIMEOUT sets the limit)")
             if waited > SPIN_SECONDS:
                 time.sleep(min(MAX_NAP, waited / 10))
+        self.seconds_waited += time.monotonic() - start
 
     def fail(self, message: str):
         """The group cannot go on: remember why (every later collective fails at once) and raise it."""

@@ -11,7 +11,6 @@ reads prompts in chunks over small pages and preempts, a stream, a forward over 
 """
 import argparse
 import json
-import resource
 import sys
 
 import numpy as np
@@ -20,6 +19,12 @@ import npqwen
 from npqwen.engine import Engine
 from npqwen.generate import decode_one_token, prefill
 from npqwen.trace import Trace
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory (VmHWM: ru_maxrss would count the parent's, kept across fork and exec)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -37,7 +42,7 @@ def main():
     llm = npqwen.load(args.model, tensor_parallel=args.tp)
     V, out = llm.config.vocab_size, {}
     out["greedy"] = llm.generate(prompt(12, V), max_new_tokens=16, temperature=0).token_ids
-    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["peak_rss"] = peak_rss()
     for n in map(int, args.lengths.split(",")):
         out[f"logits_{n}"] = llm.forward(prompt(n, V))
     if not args.heavy:

@@ -310,3 +310,22 @@ def test_a_rank_killed_mid_stream_ends_the_server_and_the_client_hears_why():
     assert code != 0
     errors = [line for line in proc.stderr.read().splitlines() if line.startswith("npqwen: error:")]
     assert len(errors) == 1 and "a rank of the group stopped" in errors[0], errors
+
+
+def test_bench_tp_suite_reports_every_figure(npqwen_tiny_dir):
+    """The tp suite on a tiny checkpoint at small sizes: both sides ran, every figure is there; no time asserted."""
+    from tools.bench.report import table
+
+    cmd = [sys.executable, "-m", "tools.bench", "--model", npqwen_tiny_dir, "--engines", "npqwen", "--suites", "tp",
+           "--tp-prefill", "40", "--tp-new-tokens", "6", "--repeats", "1", "--json"]
+    result = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=300, cwd=ROOT, env=ENV)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    ours = report["engines"]["npqwen"]
+    assert ours["tp_split_ranks"] == 2 and len(ours["tp_split_rank_peak_rss_bytes"]) == 2, ours
+    for key in ("tp_one_decode_tps", "tp_split_decode_tps", "tp_one_prefill_tps", "tp_split_prefill_tps"):
+        assert ours[key] > 0, key
+    assert all(0 < share <= 1 for share in ours["tp_split_rank_decode_comm_share"])
+    for key in ("tp_decode_vs_one", "tp_prefill_vs_one", "tp_rank_rss_vs_one"):
+        assert report["figures"][key] > 0, key
+    assert "time in collectives, decode (per rank)" in table(report)
