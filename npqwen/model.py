@@ -20,6 +20,7 @@ one sequence.
 The ranks meet in five places, each one line that does nothing in one process (`self.comm` is
 then comm.SingleProcess): rank 0 shares the batch; the embedding's and each layer's o_proj and
 down_proj outputs are all-reduced (each rank holds a part of the sum); the logits are all-gathered.
+(A recorder that asks for attention probabilities gets every rank's heads, gathered: a sixth.)
 
 `recorder`, when given, is called as recorder(name, array) with every intermediate result
 under its HF module name (see `npqwen trace`); by default it is `no_recorder`, which does nothing.
