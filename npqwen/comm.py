@@ -107,8 +107,7 @@ class MPICommunicator:
         between ranks), or stacked along axis 0. `patient`: no deadline for the ranks to come (after
         loading, one may be much later than another)."""
         sizes = np.empty(self.size, dtype=np.int64)                                    # bytes from each rank
-        self.wait(self.comm.Iallgather(np.array([x.nbytes], dtype=np.int64), sizes), "an all-gather",
-                  None if patient else -1.0)
+        self.wait(self.comm.Iallgather(np.array([x.nbytes], dtype=np.int64), sizes), "an all-gather", patient)
         received = np.empty(int(sizes.sum()), dtype=np.uint8)
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         self.wait(self.comm.Iallgatherv(x.reshape(-1).view(np.uint8), [received, (sizes, offsets), self.MPI.BYTE]),
@@ -127,15 +126,16 @@ class MPICommunicator:
         if self.rank == 0:
             data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
             length[0] = data.size
-        self.wait(self.comm.Ibcast(length, root=0), "rank 0's next step", None if patient else self.timeout)
+        self.wait(self.comm.Ibcast(length, root=0), "rank 0's next step", patient)
         if self.rank != 0:
             data = np.empty(int(length[0]), dtype=np.uint8)
         self.wait(self.comm.Ibcast(data, root=0), "a broadcast from rank 0")
         return obj if self.rank == 0 else pickle.loads(data.tobytes())
 
-    def wait(self, request, what: str, timeout: float | None = -1.0):
-        """Poll a non-blocking collective until it is done; GroupFailed if a rank died or `timeout` passed."""
-        timeout = self.timeout if timeout == -1.0 else timeout
+    def wait(self, request, what: str, patient: bool = False):
+        """Poll a non-blocking collective until it is done; GroupFailed if a rank died or, unless
+        `patient`, the timeout passed."""
+        timeout = None if patient else self.timeout
         if self.failed:
             raise GroupFailed(self.failed)
         start = time.monotonic()
