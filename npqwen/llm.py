@@ -10,17 +10,20 @@ from pathlib import Path
 import numpy as np
 
 from .backend import array_module
-from .checkpoint import load_weights
+from .checkpoint import expected_shapes, load_weights
+from .comm import SingleProcess
 from .config import Qwen3Config
 from .errors import NpqwenError
 from .generate import ChatResult, GenerationResult, ScoreResult, check_token_ids
 from .hub import resolve_model
 from .model import Qwen3
+from .parallel import agreed, check_split, communicator, rank_0_leads, shards
 from .sampling import read_generation_config
 from .tokenizer import Tokenizer
 
 DTYPES = {"cpu": ("float32", "float64"), "cuda": ("float32", "float16", "float64")}
 DEFAULT_MAX_NEW_TOKENS = 512
+SINGLE = SingleProcess()   # one process: the model's communicator, unless it has one (a stand-in model)
 
 
 class LLM:
@@ -30,6 +33,7 @@ class LLM:
     def __init__(self, model: Qwen3, tokenizer: Tokenizer | None = None, generation_defaults: dict | None = None,
                  path: Path | None = None):
         self.model = model
+        self.comm = getattr(model, "comm", SINGLE)   # the ranks the model is split over (npqwen/comm.py)
         self.config = model.config
         self.weights = model.weights
         self.tokenizer = tokenizer
@@ -57,6 +61,7 @@ class LLM:
     def eos_token_ids(self) -> list[int]:
         return self.generation_defaults.get("eos_token_id") or list(self.config.eos_token_ids)
 
+    @rank_0_leads
     def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None, top_k=None,
                  top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, seed=None,
                  stop=None, frequency_penalty=None) -> GenerationResult | list[GenerationResult]:
@@ -77,6 +82,7 @@ class LLM:
             pass
         return result
 
+    @rank_0_leads
     def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None, top_k=None,
                top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None,
                result: GenerationResult | None = None, frequency_penalty=None):
@@ -121,6 +127,7 @@ class LLM:
         return self._tokenizer().apply_chat_template(messages, add_generation_prompt=True,
                                                      enable_thinking=enable_thinking, tools=tools)
 
+    @rank_0_leads
     def chat(self, messages, enable_thinking: bool = True, tools=None, stream_to=None, **kwargs) -> ChatResult:
         """Answer the conversation; the <think> reasoning comes back apart from the final content.
 
@@ -144,6 +151,9 @@ class LLM:
         from .backend import to_numpy
         from .checkpoint import save_safetensors
 
+        if self.comm.size > 1:
+            raise NpqwenError("llm.save writes the whole model, and this rank holds only its part of it (tensor "
+                              "parallelism); save from a model loaded in one process")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
@@ -251,22 +261,34 @@ def check_device_dtype(device: str, dtype: str):
                           f"{', '.join(DTYPES[device])}")
 
 
-def load(path, device: str = "cpu", dtype: str = "float32") -> LLM:
+def load(path, device: str = "cpu", dtype: str = "float32", tensor_parallel=False) -> LLM:
     """Load a Qwen3 checkpoint onto `device` ("cpu" or "cuda") in `dtype`.
 
     `path` is a Hugging Face checkpoint directory, a hub id such as "Qwen/Qwen3-0.6B" found in
     the HF cache (or downloaded when huggingface_hub is installed and online), or "tiny" ("tiny-moe")
     for the built-in tiny Qwen3 (Qwen3-MoE) with random weights (see npqwen/tiny.py).
+
+    tensor_parallel=True, on every rank of `mpiexec -n N python script.py`: each rank reads only its
+    part of every layer (npqwen/parallel.py), and forward, generate and npqwen.Engine give the same
+    results on every rank. A communicator (npqwen/comm.py) may be given instead of True.
     """
     check_device_dtype(device, dtype)
+    comm = communicator(tensor_parallel, device)
+    return agreed(comm, lambda: load_part(path, device, dtype, comm))   # a rank that fails stops them all
+
+
+def load_part(path, device: str, dtype: str, comm) -> LLM:
+    """This rank's part of the model (the whole model in one process)."""
     from .tiny import BUILTIN
 
     if str(path) in BUILTIN:
         from .tiny import TINY_GENERATION, tiny_model, tiny_tokenizer
-        return LLM(tiny_model(device, dtype, str(path)), tiny_tokenizer(), dict(TINY_GENERATION), None)
+        return LLM(tiny_model(device, dtype, str(path), comm), tiny_tokenizer(), dict(TINY_GENERATION), None)
     path = resolve_model(path)
     xp = array_module(device)
     config = Qwen3Config.from_json(path / "config.json")
-    weights, fused = load_weights(path, config, xp, np.dtype(dtype))
+    check_split(config, comm.size)
+    parts = None if comm.size == 1 else shards(config, expected_shapes(config), comm.size, comm.rank)
+    weights, fused = load_weights(path, config, xp, np.dtype(dtype), parts)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
-    return LLM(Qwen3(config, weights, fused), tokenizer, read_generation_config(path), path)
+    return LLM(Qwen3(config, weights, fused, comm), tokenizer, read_generation_config(path), path)

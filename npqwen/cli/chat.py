@@ -3,9 +3,11 @@ import contextlib
 import signal
 import sys
 
+from ..comm import GroupFailed
 from ..errors import NpqwenError
 from .common import (OutputError, check_sampling_args, checked_text, load_model, model_options, print_stats,
                      sampling_kwargs, sampling_options, stream_to_stdout, system_messages)
+from .parallel import add_option
 
 
 def add_parser(commands):
@@ -13,6 +15,7 @@ def add_parser(commands):
                             description="Multi-turn chat. /reset clears the history; /exit, Ctrl-D or Ctrl-C at "
                                         "the prompt quits; Ctrl-C during an answer stops that answer (it is not "
                                         "kept in the history). Arrow keys edit the line and recall earlier ones.")
+    add_option(p)
     p.set_defaults(run=cmd_chat)
 
 
@@ -53,7 +56,7 @@ def cmd_chat(args) -> int:
             with ctrl_c_sets_a_flag() as pressed:   # from Enter to the answer's end: Ctrl-C stops the answer
                 ids = chat_ids(llm, messages, args, earlier_turns=len(history) > len(system))
                 result = stream_to_stdout(llm, ids, kwargs, stop_requested=pressed)
-        except OutputError:        # stdout is gone: nothing more can be shown
+        except (OutputError, GroupFailed):   # stdout is gone, or a rank of the model: nothing more can be done
             raise
         except NpqwenError as e:   # e.g. the conversation outgrew the context: say so and keep going
             print(f"npqwen: error: {e}", file=sys.stderr)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 from ..errors import NpqwenError
 from ..hub import DEFAULT_MODEL, missing_files
+from .parallel import share_load
 
 # Every option's help ends with its default: "(default: ...)", written out where None means
 # "the checkpoint's value" or "off".
@@ -150,7 +151,8 @@ def load_model(args, chat_template: bool = False):
     if model not in BUILTIN:
         model = resolve_model(model).resolve()   # absolute: a local folder named "tiny" is not the built-in one
         check_checkpoint(model, tokenizer=True)
-    llm = load(model, device=args.device, dtype=args.dtype)
+    share_load(args, str(model))   # tensor parallel: the other ranks load their parts with this rank
+    llm = load(model, device=args.device, dtype=args.dtype, tensor_parallel=getattr(args, "comm", None) or False)
     if chat_template and llm.tokenizer.chat_template is None:
         instead = {"generate": ", or use --raw for a plain completion", "chat": ""}.get(args.command,
                                                                                        ", or leave out --chat")

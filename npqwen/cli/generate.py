@@ -11,6 +11,7 @@ from ..errors import NpqwenError
 from .common import (ENGINE_SIZES, SAMPLING_FIELDS, add_engine_sizes, check_sampling_args, check_writable,
                      checked_text, engine_sizes, load_model, model_options, peak_rss_bytes, print_stats,
                      sampling_kwargs, sampling_options, stream_to_stdout, system_messages, write_out)
+from .parallel import add_option
 from .progress import Progress
 
 
@@ -27,6 +28,7 @@ def add_parser(commands):
     batch = p.add_argument_group("with --prompts-file")
     batch.add_argument("--output", "-o", metavar="OUT.jsonl", help="write the results here (default: stdout)")
     add_engine_sizes(batch)
+    add_option(p)
     p.set_defaults(run=cmd_generate)
 
 

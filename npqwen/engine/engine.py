@@ -21,6 +21,7 @@ from ..backend import free_memory_bytes, to_numpy
 from ..errors import NpqwenError
 from ..generate import StopStrings, check_request, is_integer
 from ..model import Batch, KVCache
+from ..parallel import rank_0_leads
 from ..sampling import candidates, draw, sampling_params, score_rows
 from ..sampling import logprobs as sampling_logprobs
 from .pages import PagePool
@@ -33,6 +34,9 @@ KV_MEMORY_SHARE = 0.5          # default KV pool: this share of the memory free 
 
 
 class Engine:
+    # Under tensor parallelism the engine lives on rank 0 (npqwen/parallel.py): on the other ranks
+    # each @rank_0_leads method runs rank 0's forward passes, then returns rank 0's result.
+    @rank_0_leads
     def __init__(self, llm, kv_cache_tokens: int | None = None, page_size: int = DEFAULT_PAGE_SIZE,
                  max_batch_size: int = 64, max_batched_tokens: int = 512, prefix_cache: bool = True):
         self.llm, self.model, self.config = llm, llm.model, llm.config
@@ -47,7 +51,8 @@ class Engine:
         if isinstance(kv_cache_tokens, bool) or not isinstance(kv_cache_tokens, int) or kv_cache_tokens < page_size:
             raise NpqwenError(f"kv_cache_tokens must be an integer >= page_size ({page_size}), got {kv_cache_tokens!r}")
         self.page_size = page_size
-        self.kv = KVCache(self.config, kv_cache_tokens // page_size, page_size, self.model.xp, self.model.dtype)
+        self.kv = KVCache(self.config, kv_cache_tokens // page_size, page_size, self.model.xp, self.model.dtype,
+                          getattr(self.model, "kv_heads", None))   # this rank's heads (a stand-in model: all)
         self.pool = PagePool(self.kv.num_pages)
         self.cache = PrefixCache(self.pool, page_size, enabled=prefix_cache)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens)
@@ -55,6 +60,7 @@ class Engine:
         self.last_batch: Batch | None = None         # what the last step ran, for a reader (docs/engine.md, 3)
         self._ids = itertools.count()
 
+    @rank_0_leads
     def add_request(self, prompt, max_new_tokens: int = 512, temperature=None, top_k=None, top_p=None,
                     min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None,
                     frequency_penalty=None, logprobs=None, prompt_logprobs=None) -> str:
@@ -96,6 +102,7 @@ class Engine:
         self.scheduler.add(req)
         return req.request_id
 
+    @rank_0_leads
     def step(self) -> list[StepOutput]:
         """Run one scheduling step; one output per request that advanced, in the order of its sequences
         in the step's Batch (self.last_batch), then one per attention probe that ended (its last token
@@ -139,6 +146,7 @@ class Engine:
             outputs[i].prompt_logprobs = scores
         return outputs + [self._attention_pass(req) for req in probes]
 
+    @rank_0_leads
     def abort(self, request_id: str) -> StepOutput:
         """End a request now and give its pages back; its final output (finish_reason "abort")."""
         req = self.requests.get(request_id)
@@ -148,16 +156,19 @@ class Engine:
         self._finish(req)
         return StepOutput(req.request_id, [], "", True, "abort", req.result())
 
+    @rank_0_leads
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     @property
+    @rank_0_leads
     def stats(self) -> dict:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_pages_total": self.pool.num_pages, "kv_pages_free": len(self.pool.free),
                 "kv_pages_cached": self.cache.cached_pages, "page_size": self.page_size,
                 "prefix_cache_hit_tokens": self.cache.hit_tokens, "preemptions": self.scheduler.preemptions}
 
+    @rank_0_leads
     def check(self):
         """The page bookkeeping invariants (see PagePool.check); the tests call it after every step."""
         self.pool.check([r.page_table for r in self.scheduler.running] + [r.page_table for r in self.scheduler.waiting],

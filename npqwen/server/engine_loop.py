@@ -15,6 +15,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from ..comm import GroupFailed
 from ..engine import Request, StepOutput
 
 
@@ -44,6 +45,7 @@ class EngineLoop:
         self.sinks: dict[str, Sink] = {}
         self.thread = threading.Thread(target=self.run, name="npqwen-engine", daemon=True)
         self.stopping = False
+        self.on_failure = None   # called with the error when the engine cannot go on (a rank of the model is gone)
 
     # -- called from the HTTP side (the asyncio event loop) --
 
@@ -101,6 +103,12 @@ class EngineLoop:
                 continue
             try:
                 outputs = engine.step()
+            except GroupFailed as e:   # tensor parallel: a rank is gone, the model with it; open requests get why
+                self.fail_all(EngineStopped(str(e)))
+                self.stopping = True
+                if self.on_failure is not None:
+                    self.on_failure(e)
+                return
             except Exception:   # a bug, not a client's doing: fail what is running, keep serving
                 traceback.print_exc(file=sys.stderr)
                 self.fail_all(EngineStopped("the engine failed on this request's step; see the server log"))

@@ -35,6 +35,9 @@ Suites (--suites, comma-separated, or all; the default is prefill,decode):
               with a DynamicCache). For npqwen, beside each: its linear layers alone at the same
               shapes (ops.linear on the model's own weights), and their share of the step.
               --profile prints a cProfile table of npqwen's two steps to stderr.
+    tp        tensor parallelism: --tp-size (2) ranks of 1 BLAS thread (mpiexec) against one process of
+              --tp-size threads: decode tokens/s after a 16-token prompt, a --tp-prefill (1024) token
+              prefill, each rank's time in collectives and peak RSS (npqwen only; needs mpi4py).
 
     moe       Qwen3-MoE at the Qwen3-30B-A3B layer shape (2 layers, its own checkpoint: run it alone): a
               --moe-prefill (512) token step and a decode step of --moe-batch (32) requests, npqwen's
@@ -62,6 +65,6 @@ prefix run in another worker per engine, once whatever --rounds says, so their p
 #   tables(report)        tables of its own: [(column names, rows)]
 #   notes(report)         sentences printed under the tables
 # The order here is the order of the rows, tables, notes and targets, and of the runs in a worker.
-from tools.bench import batch1, decode, moe, prefill, prefix, serving, step
+from tools.bench import batch1, decode, moe, prefill, prefix, serving, step, tp
 
-SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe)}
+SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe, tp)}
