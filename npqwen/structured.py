@@ -14,10 +14,12 @@ mask allows end-of-sequence too, and the model chooses.
     allowed = masks.allowed(constraint)                  # (V,) bool
     done = constraint.advance(token, position)           # True once the answer is complete
 
-Qwen3's thinking (`thinking=True`): the answer opens with reasoning, "<think> ... </think>", which
-stays free text: until the model draws "</think>" the mask only takes away end-of-sequence (the
-answer cannot end before its constrained part). From the next token on the constraint applies,
-after any newlines (Qwen3 writes "\\n\\n" after "</think>"; they are not part of the content).
+Qwen3's thinking (`thinking=True`): the answer opens with its reasoning, "<think> ... </think>",
+which stays free text. The first token is "<think>" (as Qwen3 writes it; unless the prompt already
+ends with it), so that the answer is read as reasoning then content; then until the model draws
+"</think>" the mask only takes away end-of-sequence (the answer cannot end before its constrained
+part). From the next token on the constraint applies, after any newlines (Qwen3 writes "\\n\\n"
+after "</think>"; they are not part of the content).
 
 The constraint's text is llguidance's grammar format: {"grammars": [entry, ...]}, one entry a
 {"json_schema": ...} or a {"lark_grammar": ...} (llguidance's Lark dialect; GBNF is converted).
@@ -33,7 +35,7 @@ from .errors import NpqwenError
 
 EXTRA = "pip install 'npqwen[structured]'"
 KINDS = ("json_schema", "regex", "choice", "grammar")
-THINK_END = "</think>"
+THINK_OPEN, THINK_END = "<think>", "</think>"
 AFTER_NEWLINES = r"start: /\n*/ @answer"       # thinking: the constrained answer may follow newlines
 JSON_WHITESPACE = r"( |\n[ \t]{0,20})?"         # between two JSON tokens (see with_json_whitespace)
 
@@ -121,6 +123,7 @@ class Constraint:
     vocab_size: int
     eos_ids: tuple
     think_end: int | None = None     # with thinking: the token that ends the free reasoning ("</think>")
+    think_open: int | None = None    # with thinking: the token the answer must open with ("<think>"), until drawn
     start: int | None = None         # position in the answer of the first constrained token; None while reasoning
     consumed: int = 0                # answer tokens the matcher has taken (checked by Engine.check)
 
@@ -129,7 +132,11 @@ class Constraint:
         return self.start is None
 
     def free_mask(self) -> np.ndarray:
-        """While reasoning: every token but end-of-sequence. (V,) bool"""
+        """While reasoning: "<think>" first, then every token but end-of-sequence. (V,) bool"""
+        if self.think_open is not None:
+            allowed = np.zeros(self.vocab_size, dtype=bool)
+            allowed[self.think_open] = True
+            return allowed
         allowed = np.ones(self.vocab_size, dtype=bool)
         allowed[list(self.eos_ids)] = False
         return allowed
@@ -137,7 +144,9 @@ class Constraint:
     def advance(self, token: int, position: int) -> bool:
         """Take the answer's token at `position` (not end-of-sequence); True once the answer is complete."""
         if self.start is None:
-            if token == self.think_end:
+            if token == self.think_open:
+                self.think_open = None
+            elif token == self.think_end:
                 self.start = position + 1
             return False
         if not self.matcher.consume_token(token):   # never, when the token was drawn under the mask
@@ -154,9 +163,10 @@ class Constraint:
 
 
 def new_constraint(tokenizer, vocab_size: int, eos_ids, json_schema=None, regex=None, choice=None, grammar=None,
-                   thinking: bool = False) -> Constraint | None:
+                   thinking: bool = False, prompt_ids=()) -> Constraint | None:
     """The request's Constraint (None without one), its matcher made and checked now: a bad schema,
-    regex or grammar is a ConstraintError naming the problem."""
+    regex or grammar is a ConstraintError naming the problem. `prompt_ids` tell whether the prompt
+    itself opened the reasoning (ends with "<think>")."""
     given = grammar_entry(json_schema, regex, choice, grammar)
     if given is None:
         return None
@@ -170,7 +180,11 @@ def new_constraint(tokenizer, vocab_size: int, eos_ids, json_schema=None, regex=
                             log_level=0)
     if matcher.is_error():
         raise ConstraintError(f"the {kind} constraint cannot be used: {matcher.get_error().strip()}")
-    return Constraint(matcher, kind, vocab_size, tuple(eos_ids), think_end, None if think_end is not None else 0)
+    think_open = tokenizer.token_to_id(THINK_OPEN) if think_end is not None else None
+    if think_open is not None and tokenizer.decode(list(prompt_ids)[-4:]).rstrip("\n").endswith(THINK_OPEN):
+        think_open = None                        # the prompt opened the reasoning already
+    return Constraint(matcher, kind, vocab_size, tuple(eos_ids), think_end, think_open,
+                      None if think_end is not None else 0)
 
 
 class Masks:

@@ -92,7 +92,7 @@ class Engine:
                               f"the engine a larger kv_cache_tokens")
         tokenizer = self.llm.tokenizer
         constraint = new_constraint(tokenizer, self.config.vocab_size, self.llm.eos_token_ids, json_schema, regex,
-                                    choice, grammar, thinking)
+                                    choice, grammar, thinking, ids)
         return Request(f"req-{next(self._ids)}", ids, max_new_tokens, params, frozenset(self.llm.eos_token_ids),
                        StopStrings(stop), tokenizer.stream_decoder() if tokenizer is not None else None,
                        None if logprobs is None else int(logprobs),
