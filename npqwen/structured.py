@@ -25,6 +25,7 @@ The constraint's text is llguidance's grammar format: {"grammars": [entry, ...]}
 {"json_schema": ...} or a {"lark_grammar": ...} (llguidance's Lark dialect; GBNF is converted).
 """
 import json
+import re
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -91,7 +92,7 @@ def grammar_entry(json_schema=None, regex=None, choice=None, grammar=None) -> tu
     try:   # llguidance's Lark dialect as it is; GBNF (llama.cpp's "rule ::= ...") converted to it
         return kind, {"lark_grammar": llg.grammar_from("grammar", value)}
     except ValueError as e:
-        raise ConstraintError(f"grammar: {e}") from None
+        raise ConstraintError(f"the grammar is neither llguidance's Lark nor GBNF: {e}") from None
 
 
 def with_json_whitespace(schema):
@@ -179,12 +180,21 @@ def new_constraint(tokenizer, vocab_size: int, eos_ids, json_schema=None, regex=
     matcher = llg.LLMatcher(ll_tokenizer(tokenizer, vocab_size, eos_ids), json.dumps({"grammars": grammars}),
                             log_level=0)
     if matcher.is_error():
-        raise ConstraintError(f"the {kind} constraint cannot be used: {matcher.get_error().strip()}")
+        raise ConstraintError(f"the {kind} constraint cannot be used: {one_line(matcher.get_error(), kind)}")
     think_open = tokenizer.token_to_id(THINK_OPEN) if think_end is not None else None
     if think_open is not None and tokenizer.decode(list(prompt_ids)[-4:]).rstrip("\n").endswith(THINK_OPEN):
         think_open = None                        # the prompt opened the reasoning already
     return Constraint(matcher, kind, vocab_size, tuple(eos_ids), think_end, think_open,
                       None if think_end is not None else 0)
+
+
+def one_line(error: str, kind: str) -> str:
+    """llguidance's message on one line: its first line and its "error: ..." lines, not its picture of
+    the regex with a caret, nor the line of Lark it compiled a regex into (nor that position, "at 1(8)")."""
+    lines = error.strip().splitlines()
+    text = " ".join([lines[0]] + [line.strip() for line in lines[1:] if line.strip().startswith("error:")])
+    text = text.replace(": error: ", ": ")
+    return re.sub(r"^at \d+\(\d+\): ", "", text) if kind == "regex" else text
 
 
 class Masks:

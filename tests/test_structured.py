@@ -306,7 +306,7 @@ def test_while_reasoning_the_answer_cannot_end(tiny):
     (dict(choice="yes"), "choice must be a non-empty list of strings"),
     (dict(choice=["yes", 2]), r"choice\[1\] must be a non-empty string"),
     (dict(grammar="start: undefined_rule"), "unknown name"),
-    (dict(grammar='root ::= "a'), "GBNF"),
+    (dict(grammar='root ::= "a'), "neither llguidance.s Lark nor GBNF"),
 ])
 def test_bad_constraints_are_refused_at_once(tiny, kwargs, message):
     engine = Engine(tiny, kv_cache_tokens=1024, page_size=16)
