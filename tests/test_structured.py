@@ -344,3 +344,23 @@ def test_qwen3_0_6b_shape_with_the_real_tokenizer(qwen3_0_6b_shape):
             valid_json(r.text, kwargs["json_schema"])
     assert re.fullmatch(r"[A-Z][a-z]{1,6} [0-9]{2}", results[-2].text) and results[-1].text in ("Paris", "Lyon")
     assert max(max(r.token_ids) for r in results) >= 256   # real multi-byte tokens, not bytes one at a time
+
+
+def test_bench_structured_suite_reports_every_figure(tmp_path, tiny):
+    """The bench's structured suite on the tiny model (with its tokenizer): every figure; no time asserted."""
+    import subprocess
+
+    from conftest import ROOT
+
+    model = tiny.save(tmp_path / "tiny")
+    cmd = [sys.executable, "-m", "tools.bench", "--model", str(model), "--engines", "npqwen", "--threads", "1",
+           "--suites", "structured", "--structured-batch", "3", "--structured-steps", "2", "--json"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    figures = report["engines"]["npqwen"]
+    assert set(figures["structured_masks"]) == {"small", "medium", "large"}
+    for name, m in figures["structured_masks"].items():
+        assert m["tokens"] > 10 and m["fill_mean_ms"] > 0 and m["fill_p99_ms"] >= m["fill_mean_ms"] * 0.5, name
+    assert figures["structured_step_free_s"] > 0 and figures["structured_step_constrained_s"] > 0
+    assert "structured_step_overhead_pct" in report["figures"]

@@ -9,7 +9,8 @@
 A step: the scheduler picks (request, n tokens) pairs under the token budget and gives them
 pages; their tokens are packed into one Batch and run through the model once (every matmul
 sees all of them); each request whose last known token was in the batch samples its next
-token from its own logits row with its own random generator; finished requests give their
+token from its own logits row with its own random generator (under its constraint's mask, if it
+has one: structured.py); finished requests give their
 pages back at once, and the next step can admit a waiting request in their place.
 """
 import itertools
