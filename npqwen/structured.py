@@ -167,7 +167,7 @@ def new_constraint(tokenizer, vocab_size: int, eos_ids, json_schema=None, regex=
                    thinking: bool = False, prompt_ids=()) -> Constraint | None:
     """The request's Constraint (None without one), its matcher made and checked now: a bad schema,
     regex or grammar is a ConstraintError naming the problem. `prompt_ids` tell whether the prompt
-    itself opened the reasoning (ends with "<think>")."""
+    itself opened the reasoning (ends with "<think>") or closed it ("</think>")."""
     given = grammar_entry(json_schema, regex, choice, grammar)
     if given is None:
         return None
@@ -181,11 +181,12 @@ def new_constraint(tokenizer, vocab_size: int, eos_ids, json_schema=None, regex=
                             log_level=0)
     if matcher.is_error():
         raise ConstraintError(f"the {kind} constraint cannot be used: {one_line(matcher.get_error(), kind)}")
-    think_open = tokenizer.token_to_id(THINK_OPEN) if think_end is not None else None
-    if think_open is not None and tokenizer.decode(list(prompt_ids)[-4:]).rstrip("\n").endswith(THINK_OPEN):
-        think_open = None                        # the prompt opened the reasoning already
-    return Constraint(matcher, kind, vocab_size, tuple(eos_ids), think_end, think_open,
-                      None if think_end is not None else 0)
+    tail = tokenizer.decode(list(prompt_ids)[-4:]).rstrip("\n") if think_end is not None else ""
+    # the prompt may have opened the reasoning already (then the answer need not), or even closed it
+    opened = think_end is None or tail.endswith(THINK_OPEN)
+    think_open = None if opened else tokenizer.token_to_id(THINK_OPEN)
+    start = 0 if think_end is None or tail.endswith(THINK_END) else None
+    return Constraint(matcher, kind, vocab_size, tuple(eos_ids), think_end, think_open, start)
 
 
 def one_line(error: str, kind: str) -> str:

@@ -160,11 +160,13 @@ def test_schema_as_json_text_through_a_list_of_prompts(tiny):
 
 def test_regex_choice_and_grammars(tiny):
     engine = Engine(tiny, kv_cache_tokens=32 * 1024, page_size=16)
+    cities = ["Paris", "Lyon", "Marseille", "Lille"]
     cases = [("regex", r"[a-z]{2,5}-[0-9]{1,3}", lambda t: re.fullmatch(r"[a-z]{2,5}-[0-9]{1,3}", t)),
-             ("regex", r"(yes|no), because [a-z ]{1,12}\.", lambda t: re.fullmatch(r"(yes|no), because [a-z ]{1,12}\.", t)),
-             ("choice", ["Paris", "Lyon", "Marseille", "Lille"], lambda t: t in {"Paris", "Lyon", "Marseille", "Lille"}),
-             ("grammar", ARITHMETIC, arithmetic),
-             ("grammar", ARITHMETIC_GBNF, arithmetic)]
+             ("regex", r"(yes|no), because [a-z ]{1,12}\.",
+              lambda t: re.fullmatch(r"(yes|no), because [a-z ]{1,12}\.", t)),
+             ("choice", cities, lambda t: t in cities),
+             ("grammar", ARITHMETIC, arithmetic),      # the same language in Lark ...
+             ("grammar", ARITHMETIC_GBNF, arithmetic)]  # ... and in GBNF
     requests = [("Answer:", dict(max_new_tokens=200, temperature=1.0, seed=seed, **{kind: value}))
                 for kind, value, _ in cases for seed in range(4)]
     results = iter(run(engine, requests))
@@ -286,6 +288,23 @@ def test_while_reasoning_the_answer_cannot_end(tiny):
     assert plain.token_ids[-1] == eos and think_end not in plain.token_ids   # free: eos comes first
     r = llm.chat("Hi", regex="(yes|no)", temperature=1.0, seed=0, max_new_tokens=400)
     assert think_end in r.token_ids and r.content in ("yes", "no"), r.text
+
+
+def test_a_prompt_that_opened_or_closed_the_reasoning():
+    llm = npqwen.load("tiny")
+    think_open, think_end = (llm.tokenizer.token_to_id(t) for t in ("<think>", "</think>"))
+    llm.model = Boosted(llm.model, think_end, 3.0)
+    engine = Engine(llm, kv_cache_tokens=4096, page_size=16)
+    opened, closed = (engine.add_request(prompt, max_new_tokens=300, choice=["a1", "b2"], thinking=True,
+                                         temperature=1.0, seed=1)
+                      for prompt in ("Q<think>\n", "Q<think>\nok\n</think>\n\n"))
+    results = {}
+    while engine.has_unfinished():
+        results.update({o.request_id: o.result for o in engine.step() if o.finished})
+    assert results[opened].token_ids[0] != think_open and think_end in results[opened].token_ids
+    assert results[opened].text.split("</think>")[1].lstrip("\n") in ("a1", "b2")
+    closed_text = results[closed].text
+    assert closed_text.lstrip("\n") in ("a1", "b2") and think_end not in results[closed].token_ids   # at once
 
 
 # -- bad constraints --

@@ -67,7 +67,8 @@ class FilePrompt:
     prompt: str | None = None                      # a plain line, or JSONL "prompt": templated unless --raw
     messages: list | None = None                   # JSONL "messages": always templated
     sampling: dict = field(default_factory=dict)   # JSONL sampling fields: they override the command line
-    constraint: dict = field(default_factory=dict)  # a JSONL json_schema, regex, choice or grammar: replaces the command line's
+    constraint: dict = field(default_factory=dict)  # JSONL json_schema, regex, choice or grammar: replaces the
+                                                    # command line's constraint
 
 
 def read_prompts_file(path: str) -> list[FilePrompt]:
