@@ -349,7 +349,7 @@ def test_qwen3_0_6b_shape_with_the_real_tokenizer(qwen3_0_6b_shape):
     needs_qwen3_tokenizer()
     llm = npqwen.load(qwen3_0_6b_shape)
     schemas = [SCHEMAS["nested objects"], SCHEMAS["format uuid"], SCHEMAS["array of objects"]]
-    requests = [("Answer in JSON:", dict(max_new_tokens=60, temperature=1.0, seed=s, json_schema=schema))
+    requests = [("Answer in JSON:", dict(max_new_tokens=120, temperature=1.0, seed=s, json_schema=schema))
                 for s, schema in enumerate(schemas)]
     requests += [("Answer:", dict(max_new_tokens=30, temperature=1.0, seed=2, regex=r"[A-Z][a-z]{1,6} [0-9]{2}")),
                  ("Answer:", dict(max_new_tokens=30, temperature=1.0, seed=3, choice=["Paris", "Lyon"]))]

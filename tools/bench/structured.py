@@ -2,7 +2,8 @@
 schema: llguidance filling the next-token mask (in the engine's worker thread, beside the forward
 pass) and consuming the drawn token, walked along a valid answer. And one decode step of
 --structured-batch (16) requests through npqwen.Engine, every request constrained vs none (the
-median of --structured-steps steps each), with how long the step waited for its masks."""
+median of --structured-steps (16) steps each, taken in turn), with how long the step waited for its
+masks."""
 import json
 import os
 import time
@@ -68,7 +69,7 @@ SCHEMAS = {   # name -> (schema, a valid answer to walk)
 
 def add_arguments(p):
     p.add_argument("--structured-batch", type=int, default=16, help="structured: requests in the decode step")
-    p.add_argument("--structured-steps", type=int, default=8, help="structured: decode steps timed, each way")
+    p.add_argument("--structured-steps", type=int, default=16, help="structured: decode steps timed, each way")
     p.add_argument("--structured-tokenizer", default=str(TOKENIZER_DIR),
                    help="structured: tokenizer.json's folder when the checkpoint has none (default: the real "
                         "Qwen3 one, tools/fetch_qwen3_tokenizer.sh)")
@@ -123,9 +124,11 @@ def mask_costs(llm, schema, answer) -> dict:
 
 
 def decode_steps(llm, args) -> dict:
-    """--structured-batch requests of 32 random prompt tokens, sampled at temperature 1 (seeded, eos
-    cleared so none ends early): the median time of --structured-steps decode steps, all free, then
-    all constrained by the medium schema; and how long each constrained step waited for its masks."""
+    """--structured-batch requests of 32 random prompt tokens, sampled at temperature 1 with top-k 20
+    (seeded, eos cleared so none ends early), in two engines: every request free in one, every one
+    constrained by the medium schema in the other. Their decode steps alternate, one of each in
+    turn, so that the load of a shared machine falls on both alike; the median of
+    --structured-steps steps of each, and how long a constrained step waited for its masks."""
     import numpy as np
 
     from npqwen import Engine
@@ -134,38 +137,38 @@ def decode_steps(llm, args) -> dict:
     B, steps = args.structured_batch, args.structured_steps
     prompts = np.random.default_rng(2).integers(0, llm.config.vocab_size, (B, 32)).tolist()
     schema = SCHEMAS["medium"][0]
-    waited = []
-    wait = Masks.wait
+
+    def engine(constrained: bool):
+        made = Engine(llm, kv_cache_tokens=B * 64, page_size=64, max_batched_tokens=B * 32)
+        for i, ids in enumerate(prompts):
+            rid = made.add_request(ids, max_new_tokens=steps + 2, temperature=1.0, top_k=20, seed=i,
+                                   **({"json_schema": schema} if constrained else {}))
+            made.requests[rid].eos_ids = frozenset()
+        made.step()                                     # the prefill (and each request's first token)
+        return made
+
+    free, constrained = engine(False), engine(True)
+    assert all(r.constraint is not None for r in constrained.requests.values())
+    waited, wait = [], Masks.wait
 
     def timed_wait(self):
         started = time.perf_counter()
         wait(self)
         waited.append(time.perf_counter() - started)
 
-    def median_step(constrained: bool) -> tuple[float, int]:
-        engine = Engine(llm, kv_cache_tokens=B * 256, page_size=256, max_batched_tokens=B * 32)
-        for i, ids in enumerate(prompts):
-            rid = engine.add_request(ids, max_new_tokens=steps + 2, temperature=1.0, top_k=20, seed=i,
-                                     **({"json_schema": schema} if constrained else {}))
-            engine.requests[rid].eos_ids = frozenset()
-        engine.step()                                   # the prefill (and each request's first token)
-        times = []
-        for _ in range(steps):
+    times = {False: [], True: []}
+    for _ in range(steps):
+        for which, e in ((False, free), (True, constrained)):
+            Masks.wait = timed_wait if which else wait
             started = time.perf_counter()
-            outputs = engine.step()
-            times.append(time.perf_counter() - started)
+            outputs = e.step()
+            times[which].append(time.perf_counter() - started)
             assert len(outputs) == B                    # every request decoded in the one step
-        return sorted(times)[len(times) // 2], sum(r.constraint is not None for r in engine.requests.values())
-
-    free, _ = median_step(False)
-    Masks.wait = timed_wait
-    try:
-        constrained, n = median_step(True)
-    finally:
-        Masks.wait = wait
-    assert n == B
-    return {"structured_batch": B, "structured_step_free_s": free, "structured_step_constrained_s": constrained,
-            "structured_mask_wait_s": sorted(waited)[len(waited) // 2] if waited else 0.0}
+    Masks.wait = wait
+    median = lambda xs: sorted(xs)[len(xs) // 2]         # noqa: E731
+    return {"structured_batch": B, "structured_step_free_s": median(times[False]),
+            "structured_step_constrained_s": median(times[True]),
+            "structured_mask_wait_s": median(waited) if waited else 0.0}
 
 
 def figures(report) -> dict:
