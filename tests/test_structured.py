@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 
 jsonschema = pytest.importorskip("jsonschema")

@@ -106,6 +106,23 @@ def test_json_object_and_json_schema_streamed_and_not(server):
         valid_json(choice.message.content, schema)
 
 
+def test_the_responses_api_text_format(server):
+    schema = SCHEMAS["nested objects"]
+    fmt = {"format": {"type": "json_schema", "name": "user", "schema": schema, "strict": True}}
+    client = server.client()
+    r = client.responses.create(model="test-model", input="A user", text=fmt, temperature=1.0,
+                                max_output_tokens=400, reasoning={"effort": "none"})
+    assert r.status == "completed"
+    valid_json(r.output_text, schema)
+    with client.responses.stream(model="test-model", input="A user", text=fmt, temperature=1.0,
+                                 max_output_tokens=400, reasoning={"effort": "none"}) as stream:
+        streamed = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+    valid_json(streamed, schema)
+    r = client.responses.create(model="test-model", input="Any object", text={"format": {"type": "json_object"}},
+                                temperature=1.0, max_output_tokens=400, reasoning={"effort": "none"})
+    assert isinstance(json.loads(r.output_text), dict)
+
+
 def test_structured_outputs_on_chat_and_completions(server):
     client = server.client()
     regex = r"[a-z]{3,6} [0-9]{1,3}"
