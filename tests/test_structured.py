@@ -186,6 +186,18 @@ def test_a_complete_answer_ends_without_eos_an_open_one_with_it(tiny):
     assert ended and all(r.token_ids[-1] in tiny.eos_token_ids and r.stop for r in ended)
 
 
+def test_min_tokens_and_a_constraint(tiny):
+    """vLLM's min_tokens keeps eos away while the constraint allows more: [0-9]{1,3} gets 3 digits."""
+    engine = Engine(tiny, kv_cache_tokens=4096, page_size=16)
+    ids = [engine.add_request("n:", regex="[0-9]{1,3}", temperature=1.0, seed=s) for s in range(6)]
+    for rid in ids:
+        engine.requests[rid].min_tokens = 3
+    results = {}
+    while engine.has_unfinished():
+        results.update({o.request_id: o.result for o in engine.step() if o.finished})
+    assert all(re.fullmatch("[0-9]{3}", results[rid].text) and results[rid].stop is None for rid in ids)
+
+
 def test_max_tokens_cuts_the_answer(tiny):
     r = tiny.generate("JSON:", json_schema=SCHEMAS["nested objects"], max_new_tokens=4, temperature=1.0, seed=0)
     assert r.finish_reason == "length" and len(r.token_ids) == 4
