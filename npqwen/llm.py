@@ -64,33 +64,43 @@ class LLM:
     @rank_0_leads
     def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None, top_k=None,
                  top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, seed=None,
-                 stop=None, frequency_penalty=None) -> GenerationResult | list[GenerationResult]:
+                 stop=None, frequency_penalty=None, *, json_schema=None, regex=None, choice=None,
+                 grammar=None) -> GenerationResult | list[GenerationResult]:
         """Complete `prompt` (text, used as is, or token ids). Sampling defaults come from
         generation_config.json; arguments given here override them; temperature=0 is greedy.
 
         A list of prompts (strings, or token-id lists) runs them all at once through the engine
         and returns their results in the same order.
+
+        Structured output: at most one of `json_schema` (a dict or its JSON text), `regex` (the whole
+        answer matches it), `choice` (a list of strings: the answer is one of them) or `grammar`
+        (llguidance's Lark, or GBNF) makes every answer match it (npqwen/structured.py).
         """
+        constraint = dict(json_schema=json_schema, regex=regex, choice=choice, grammar=grammar)
         if is_prompt_list(prompt):
             return self._generate_many(prompt, dict(
                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty, seed=seed, stop=stop,
-                frequency_penalty=frequency_penalty))
+                frequency_penalty=frequency_penalty, **constraint))
         result = GenerationResult("", [], "length")
         for _ in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
-                             presence_penalty, seed, stop, result=result, frequency_penalty=frequency_penalty):
+                             presence_penalty, seed, stop, result=result, frequency_penalty=frequency_penalty,
+                             **constraint):
             pass
         return result
 
     @rank_0_leads
     def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None, top_k=None,
                top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None,
-               result: GenerationResult | None = None, frequency_penalty=None):
-        """Like generate, but yields text pieces as they come; `result`, if given, is filled in."""
+               result: GenerationResult | None = None, frequency_penalty=None, *, json_schema=None, regex=None,
+               choice=None, grammar=None, thinking: bool = False):
+        """Like generate, but yields text pieces as they come; `result`, if given, is filled in.
+        `thinking`: the answer opens with Qwen3's <think> reasoning, which a constraint leaves free."""
         result = result if result is not None else GenerationResult("", [], "length")
         return self._run(prompt, result, max_new_tokens, stop, temperature=temperature, top_k=top_k,
                          top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                         presence_penalty=presence_penalty, seed=seed, frequency_penalty=frequency_penalty)
+                         presence_penalty=presence_penalty, seed=seed, frequency_penalty=frequency_penalty,
+                         json_schema=json_schema, regex=regex, choice=choice, grammar=grammar, thinking=thinking)
 
     def score(self, text) -> ScoreResult | list[ScoreResult]:
         """How likely the model finds `text` (a string, used as is, or token ids): each token's log
@@ -131,13 +141,15 @@ class LLM:
     def chat(self, messages, enable_thinking: bool = True, tools=None, stream_to=None, **kwargs) -> ChatResult:
         """Answer the conversation; the <think> reasoning comes back apart from the final content.
 
-        `stream_to`, if given, is called with each text piece as it is generated.
+        `stream_to`, if given, is called with each text piece as it is generated. A constraint
+        (json_schema=, regex=, choice=, grammar=) applies to the content: with thinking on, from the
+        first token after "</think>" (the reasoning stays free); with it off, from the first token.
         """
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         prompt = self.chat_prompt(messages, enable_thinking, tools)
         result = ChatResult("", [], "length")
-        for piece in self.stream(prompt, result=result, **kwargs):
+        for piece in self.stream(prompt, result=result, thinking=enable_thinking, **kwargs):
             if stream_to is not None:
                 stream_to(piece)
         result.reasoning, result.content = split_reasoning(result.text)

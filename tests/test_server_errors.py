@@ -51,8 +51,9 @@ def refused(call, status: int):
     (dict(stop=["x"] * 17), "stop"),
     (dict(seed="7"), "seed"),
     (dict(stream_options={"include_usage": True}), "stream_options"),  # without stream
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), "response_format"),
-    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}),
+     "response_format.json_schema.schema"),
+    (dict(response_format={"type": "json_schema"}), "response_format.json_schema"),
     (dict(logit_bias={"42": 5}), "logit_bias"),
     (dict(tool_choice="required"), "tool_choice"),                   # without tools
     (dict(tools=[{"type": "function", "function": {"name": "f"}}],

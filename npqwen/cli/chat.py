@@ -5,13 +5,15 @@ import sys
 
 from ..comm import GroupFailed
 from ..errors import NpqwenError
-from .common import (OutputError, check_sampling_args, checked_text, load_model, model_options, print_stats,
-                     sampling_kwargs, sampling_options, stream_to_stdout, system_messages)
+from .common import (OutputError, check_sampling_args, checked_text, constraint_kwargs, constraint_options,
+                     load_model, model_options, print_stats, sampling_kwargs, sampling_options, stream_to_stdout,
+                     system_messages)
 from .parallel import add_option
 
 
 def add_parser(commands):
-    p = commands.add_parser("chat", parents=[model_options(), sampling_options()], help="interactive multi-turn chat",
+    p = commands.add_parser("chat", parents=[model_options(), sampling_options(), constraint_options()],
+                            help="interactive multi-turn chat",
                             description="Multi-turn chat. /reset clears the history; /exit, Ctrl-D or Ctrl-C at "
                                         "the prompt quits; Ctrl-C during an answer stops that answer (it is not "
                                         "kept in the history). Arrow keys edit the line and recall earlier ones.")
@@ -23,9 +25,10 @@ def cmd_chat(args) -> int:
     from ..llm import split_reasoning
 
     check_sampling_args(args)   # a bad value shows before the (slow) load
+    constraint = constraint_kwargs(args)
     system = system_messages(args)
     llm, _ = load_model(args, chat_template=True)
-    kwargs = sampling_kwargs(args)
+    kwargs = {**sampling_kwargs(args), **constraint, "thinking": not args.no_think}   # every answer constrained
     history = list(system)
     line_editing()
     print(f"npqwen chat with {args.model}. /reset clears the history; /exit, Ctrl-D or Ctrl-C quits; "

@@ -75,6 +75,53 @@ def one_prompt_options() -> argparse.ArgumentParser:
     return one_pass
 
 
+def constraint_options() -> argparse.ArgumentParser:
+    """--json-schema, --regex, --choice, --grammar (at most one): a parent parser for generate and chat."""
+    options = argparse.ArgumentParser(add_help=False)
+    group = options.add_argument_group("structured output (the answer always matches; see README)")
+    one = group.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", metavar="FILE|JSON",
+                     help="the answer is JSON valid against this schema: a file, or the schema's JSON text "
+                          "(default: none)")
+    one.add_argument("--regex", metavar="RE", help="the whole answer matches this regex (default: none)")
+    one.add_argument("--choice", metavar="TEXT", action="append",
+                     help="the answer is one of these (repeatable) (default: none)")
+    one.add_argument("--grammar", metavar="FILE",
+                     help="the answer follows this grammar: llguidance's Lark, or GBNF (default: none)")
+    return options
+
+
+CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar")   # also JSONL fields of --prompts-file
+
+
+def constraint_kwargs(args) -> dict:
+    """The command line's constraint as Engine.add_request's keyword arguments, its files read and its
+    values checked now (the schema, regex or grammar itself is checked when the request is made)."""
+    from ..structured import grammar_entry
+
+    schema, grammar = args.json_schema, args.grammar
+    if schema is not None and not schema.lstrip().startswith(("{", "true", "false")):
+        schema = read_text_file(schema, "--json-schema", "the schema's JSON text")
+    if grammar is not None:
+        grammar = read_text_file(grammar, "--grammar", None)
+    kwargs = {k: v for k, v in zip(CONSTRAINT_FIELDS, (schema, args.regex, args.choice, grammar)) if v is not None}
+    try:
+        grammar_entry(**kwargs)
+    except NpqwenError as e:
+        raise NpqwenError(f"--{next(iter(kwargs)).replace('_', '-')}: {e}") from None
+    return kwargs
+
+
+def read_text_file(path: str, option: str, instead: str | None) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise NpqwenError(f"{option} {path}: no such file" + (f" (give a file or {instead})" if instead else "")) \
+            from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise NpqwenError(f"{option} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+
+
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                    "presence_penalty", "seed", "stop", "frequency_penalty")
 ENGINE_SIZES = ("max_batch_size", "max_batched_tokens", "kv_cache_tokens", "page_size")   # npqwen.Engine's

@@ -9,7 +9,8 @@
 A step: the scheduler picks (request, n tokens) pairs under the token budget and gives them
 pages; their tokens are packed into one Batch and run through the model once (every matmul
 sees all of them); each request whose last known token was in the batch samples its next
-token from its own logits row with its own random generator; finished requests give their
+token from its own logits row with its own random generator (under its constraint's mask, if it
+has one: structured.py); finished requests give their
 pages back at once, and the next step can admit a waiting request in their place.
 """
 import itertools
@@ -24,6 +25,7 @@ from ..model import Batch, KVCache
 from ..parallel import rank_0_leads
 from ..sampling import candidates, draw, sampling_params, score_rows
 from ..sampling import logprobs as sampling_logprobs
+from ..structured import Masks, new_constraint
 from .pages import PagePool
 from .prefix_cache import PrefixCache
 from .request import Request, StepOutput
@@ -58,24 +60,29 @@ class Engine:
         self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens)
         self.requests: dict[str, Request] = {}       # unfinished requests by id
         self.last_batch: Batch | None = None         # what the last step ran, for a reader (docs/engine.md, 3)
+        self.masks = Masks(self.config.vocab_size)   # constrained rows' masks, filled beside the forward pass
         self._ids = itertools.count()
 
     @rank_0_leads
     def add_request(self, prompt, max_new_tokens: int = 512, temperature=None, top_k=None, top_p=None,
                     min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None,
-                    frequency_penalty=None, logprobs=None, prompt_logprobs=None) -> str:
+                    frequency_penalty=None, logprobs=None, prompt_logprobs=None, json_schema=None, regex=None,
+                    choice=None, grammar=None, thinking: bool = False) -> str:
         """Queue a prompt (text, used as is, or token ids); its request id. Everything is checked now."""
         return self.add(self.new_request(prompt, max_new_tokens, temperature, top_k, top_p, min_p,
                                          repetition_penalty, presence_penalty, seed, stop, frequency_penalty,
-                                         logprobs, prompt_logprobs))
+                                         logprobs, prompt_logprobs, json_schema, regex, choice, grammar, thinking))
 
     def new_request(self, prompt, max_new_tokens: int = 512, temperature=None, top_k=None, top_p=None,
                     min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None,
-                    frequency_penalty=None, logprobs=None, prompt_logprobs=None) -> Request:
+                    frequency_penalty=None, logprobs=None, prompt_logprobs=None, json_schema=None, regex=None,
+                    choice=None, grammar=None, thinking: bool = False) -> Request:
         """A checked Request, not queued yet (see add). `logprobs` (an int k >= 0) makes each output
         carry the sampled token's log probability and the k most likely alternatives;
         `prompt_logprobs` (an int k >= 0) the same for every prompt token after the first, under the
-        model's own distribution, as the prompt is read (StepOutput.prompt_logprobs)."""
+        model's own distribution, as the prompt is read (StepOutput.prompt_logprobs). At most one of
+        json_schema, regex, choice, grammar constrains the answer (structured.py); `thinking`: it opens
+        with Qwen3's free <think> reasoning and the constraint applies after "</think>"."""
         ids = self.llm.prompt_ids(prompt)
         stop, max_new_tokens = check_request(self.config, ids, max_new_tokens, stop)
         params = sampling_params(self.llm.generation_defaults, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -91,10 +98,12 @@ class Engine:
                               f"({self.pool.num_pages * self.page_size} positions); lower max_new_tokens or give "
                               f"the engine a larger kv_cache_tokens")
         tokenizer = self.llm.tokenizer
+        constraint = new_constraint(tokenizer, self.config.vocab_size, self.llm.eos_token_ids, json_schema, regex,
+                                    choice, grammar, thinking, ids)
         return Request(f"req-{next(self._ids)}", ids, max_new_tokens, params, frozenset(self.llm.eos_token_ids),
                        StopStrings(stop), tokenizer.stream_decoder() if tokenizer is not None else None,
                        None if logprobs is None else int(logprobs),
-                       prompt_logprobs=None if prompt_logprobs is None else int(prompt_logprobs))
+                       prompt_logprobs=None if prompt_logprobs is None else int(prompt_logprobs), constraint=constraint)
 
     def add(self, req: Request) -> str:
         """Queue a request made by new_request; its id."""
@@ -122,7 +131,10 @@ class Engine:
                       page_tables=[np.array(req.page_table) for req, _ in plan], page_size=self.page_size,
                       sample_rows=rows)
         self.last_batch = batch
-        # 2. one forward pass for all of them; logits only for the rows that sample (or score their prompt)
+        # 2. one forward pass for all of them; logits only for the rows that sample (or score their prompt).
+        # A constrained row's mask depends only on tokens drawn in earlier steps, so a worker thread fills
+        # this step's masks while the forward pass runs (structured.Masks); sampling below waits for them.
+        self.masks.start([req.constraint for (req, _), s in zip(plan, samples) if s and req.constraint])
         logits = to_numpy(self.model.forward_batch(batch, self.kv))                   # (sampling requests, V)
         logits, prompt_scores = self._score_prompts(plan, scoring, rows, logits, (ends - 1)[samples])
         # 3. each request takes its tokens' keys/values as computed and, if its turn, samples
@@ -133,7 +145,9 @@ class Engine:
             if not sample:
                 outputs.append(StepOutput(req.request_id, [], ""))
                 continue
-            ids, candidate_logits = candidates(no_eos_yet(req, logits[row]), req.params, req.prompt_ids, req.output_ids)
+            allowed = self.masks.allowed(req.constraint)   # None for a free request
+            ids, candidate_logits = candidates(no_eos_yet(req, logits[row], allowed), req.params, req.prompt_ids,
+                                               req.output_ids, allowed)
             token = draw(ids, candidate_logits, req.params, req.rng)
             row += 1
             out = req.append(token)
@@ -174,6 +188,9 @@ class Engine:
         self.pool.check([r.page_table for r in self.scheduler.running] + [r.page_table for r in self.scheduler.waiting],
                         self.cache.unused)
         self.cache.check()
+        for req in self.scheduler.running + list(self.scheduler.waiting):   # a preempted one keeps its matcher
+            if req.constraint is not None:
+                req.constraint.check(len(req.output_ids))
 
     def _score_prompts(self, plan, scoring, rows, logits, sample_rows) -> tuple:
         """(the sampling rows' logits, {plan index: prompt logprobs}): requests that score their
@@ -247,10 +264,13 @@ def prompt_rows(req: Request, n: int, first_row: int) -> np.ndarray:
     return first_row + np.arange(lo, max(hi, lo)) - req.cached_len
 
 
-def no_eos_yet(req: Request, logits: np.ndarray) -> np.ndarray:
+def no_eos_yet(req: Request, logits: np.ndarray, allowed: np.ndarray | None = None) -> np.ndarray:
     """A request's logits row (V,), with its eos tokens made impossible while it has fewer than
-    req.min_tokens tokens (vLLM's min_tokens)."""
+    req.min_tokens tokens (vLLM's min_tokens); unless its constraint's mask `allowed` leaves nothing
+    but eos, when the constraint wins (the answer is complete)."""
     if len(req.output_ids) >= req.min_tokens or not req.eos_ids:
+        return logits
+    if allowed is not None and not np.delete(allowed, list(req.eos_ids)).any():
         return logits
     logits = logits.copy()
     logits[list(req.eos_ids)] = -np.inf

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..generate import GenerationResult, StopStrings
 from ..sampling import SamplingParams
+from ..structured import Constraint
 
 
 @dataclass
@@ -21,7 +22,7 @@ class StepOutput:
     token_ids: list[int]                 # tokens sampled in this step (empty while the prompt is being read)
     text: str                            # new text: never ends inside a UTF-8 character or a possible stop string
     finished: bool = False
-    finish_reason: str | None = None     # "stop" (eos or stop string), "length" or "abort"
+    finish_reason: str | None = None     # "stop" (eos, stop string, constraint complete), "length" or "abort"
     result: GenerationResult | None = None   # the whole result, once finished
     logprobs: list | None = None         # per sampled token, when asked: (log p, [(id, log p) most likely first])
     prompt_logprobs: list | None = None  # per prompt token scored in this step, when asked (Request.prompt_logprobs):
@@ -47,6 +48,7 @@ class Request:
                                          # that token's attention in every head of this layer (Engine._attention_pass)
     min_tokens: int = 0                  # no eos can be drawn, and no stop string ends it, before this many tokens
     include_stop: bool = False           # the stop string that ends the text stays in it
+    constraint: Constraint | None = None     # structured output: the answer's mask and matcher (structured.py)
     tokens: list[int] = field(init=False)       # prompt + generated
     output_ids: list[int] = field(default_factory=list)
     cached_len: int = 0                  # positions whose keys/values are in the pages
@@ -97,6 +99,9 @@ class Request:
                 self.finish_reason, self.stop = "stop", hit
                 self.decoder = None        # nothing held back may follow a stop string
                 piece += hit if self.include_stop else ""
+        if not self.finished and self.constraint is not None and \
+                self.constraint.advance(token, len(self.output_ids) - 1):
+            self.finish_reason, self.stop = "stop", None   # the constrained answer is complete
         if not self.finished and len(self.output_ids) >= self.max_new_tokens:
             self.finish_reason = "length"
         if self.finished and self.decoder is not None and self.finish_reason != "abort":

@@ -41,12 +41,13 @@ from starlette.exceptions import HTTPException
 from ..errors import NpqwenError
 from ..backend import to_numpy
 from ..generate import check_token_ids
+from ..structured import ConstraintError
+from .constraints import chat_constraint, format_constraint
 from .engine_loop import EngineLoop, EngineStopped
 from .parsers import StreamParser, finish_reason, parse_output
 from .tokenizer_process import LONG_TEXT_CHARS, TokenizerProcess
 from .protocol import (IGNORED, MAX_ATTENTION_TOKENS, APIError, AttentionRequest, ChatCompletionRequest,
-                       CompletionRequest, DetokenizeRequest, ExpertsRequest, NamedToolChoice, TokenizeRequest,
-                       template_messages)
+                       CompletionRequest, DetokenizeRequest, ExpertsRequest, TokenizeRequest, template_messages)
 
 DEFAULT_MAX_QUEUE = 256                    # waiting requests; one more is a 429
 RETRY_AFTER_SECONDS = 1                    # a 429's Retry-After
@@ -293,9 +294,11 @@ class Server:
             self.check_room(fewest, max_tokens, param, f"{len(prompt)} characters, so at least ")
 
     def requests(self, prompt, body, max_tokens: int | None, logprobs: int | None, param: str,
-                 prompt_logprobs: int | None = None) -> list:
+                 prompt_logprobs: int | None = None, constraint: tuple[dict, str] | None = None,
+                 thinking: bool = False) -> list:
         """The n engine requests of one prompt (choices after the first follow it, sharing its pages;
-        the first scores the prompt when `prompt_logprobs` is set)."""
+        the first scores the prompt when `prompt_logprobs` is set); `constraint`: (Engine.new_request's
+        constraint arguments, the body field they came from)."""
         self.check_size(prompt, max_tokens, param)
         try:
             ids = self.encode(prompt) if isinstance(prompt, str) else self.llm.prompt_ids(prompt)
@@ -305,11 +308,15 @@ class Server:
             raise APIError(400, f"{param} is empty", param)
         max_tokens = self.check_room(len(ids), max_tokens, param)
         made = []
+        constrain, constraint_param = constraint or ({}, None)
         for i in range(body.n):
             seed = None if body.seed is None else (body.seed + i) % 2 ** 64   # each choice its own draw
             try:
                 req = self.engine.new_request(ids, max_tokens, seed=seed, logprobs=logprobs, **body.sampling(),
-                                              prompt_logprobs=None if made else prompt_logprobs)
+                                              prompt_logprobs=None if made else prompt_logprobs, **constrain,
+                                              thinking=thinking)
+            except ConstraintError as e:
+                raise APIError(400, str(e), constraint_param) from None
             except NpqwenError as e:
                 field = str(e).split(" ", 1)[0]
                 raise APIError(400, str(e), field if field in type(body).model_fields else "max_tokens") from None
@@ -398,14 +405,12 @@ class Server:
         self.check_model(body.model)
         body.check_supported()
         self.note_ignored(body)
-        tools_on, tools, prefix = self.chat_tools(body)
-        thinking = body.thinking and not prefix and not body.continue_final_message   # a continued message: all content
+        tools_on, tools = self.chat_tools(body)
+        thinking = body.thinking and not body.continue_final_message   # a continued message: all content
         top = (body.top_logprobs or 0) if body.logprobs else None
-        opened, requests = await self.off_loop(self.chat_requests, body, thinking, tools, prefix, top)
+        opened, requests = await self.off_loop(self.chat_requests, body, thinking, tools, top)
         one_call = body.parallel_tool_calls is False
         choices = [Choice(i, r, StreamParser(thinking, tools=tools_on, opened=opened)) for i, r in enumerate(requests)]
-        for c in choices:
-            c.parser.feed(prefix)
         call = dict(id="chatcmpl-" + uuid.uuid4().hex, created=int(time.time()), model=self.model_name)
         queue = self.submit(requests)
         if body.stream:
@@ -417,7 +422,7 @@ class Server:
             return Response(status_code=499)   # nobody is listening any more
         answers = []
         for c in choices:
-            parsed = parse_output(prefix + c.text, thinking, tools=tools_on, opened=opened)
+            parsed = parse_output(c.text, thinking, tools=tools_on, opened=opened)
             tool_calls = parsed.tool_calls[:1] if one_call else parsed.tool_calls
             message = {"role": "assistant", "content": parsed.content if parsed.content or not tool_calls else None}
             if thinking:
@@ -433,21 +438,16 @@ class Server:
             prompt_ids["prompt_logprobs"] = self.vllm_prompt_logprobs(choices[0])
         return {**call, "object": "chat.completion", **prompt_ids, "choices": answers, "usage": usage(requests)}
 
-    def chat_tools(self, body: ChatCompletionRequest) -> tuple[bool, list | None, str]:
-        """(whether tool calls are parsed, the tools for the template, what the answer is made to start with)."""
+    def chat_tools(self, body: ChatCompletionRequest) -> tuple[bool, list | None]:
+        """(whether tool calls are parsed, the tools for the template)."""
         tools_on = bool(body.tools) and body.tool_choice != "none"
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if tools_on else None
-        # tool_choice "required" or a named function: the answer is made to start with the call
-        # (no grammar-constrained decoding here), so the model writes no reasoning first.
-        prefix = ""
-        if tools_on and body.tool_choice == "required":
-            prefix = '<tool_call>\n{"name": "'
-        elif tools_on and isinstance(body.tool_choice, NamedToolChoice):
-            prefix = '<tool_call>\n{"name": ' + json.dumps(body.tool_choice.function.name) + ', "arguments": '
-        return tools_on, tools, prefix
+        return tools_on, [t.model_dump(exclude_none=True) for t in body.tools] if tools_on else None
 
-    def chat_requests(self, body: ChatCompletionRequest, thinking: bool, tools, prefix: str, top) -> tuple:
-        """(whether the template opened the reasoning, the engine requests); runs off the event loop."""
+    def chat_requests(self, body: ChatCompletionRequest, thinking: bool, tools, top) -> tuple:
+        """(whether the template opened the reasoning, the engine requests); runs off the event loop.
+        response_format, structured_outputs, or tool_choice "required" / named / strict functions
+        constrain the answer (after its reasoning, with thinking on): constraints.py."""
+        constraint = chat_constraint(body, self.tokenizer, self.config.vocab_size, self.llm.eos_token_ids)
         texts = [m.content if isinstance(m.content, str) else "".join(getattr(p, "text", "") for p in m.content)
                  for m in body.messages if m.content]
         if sum(map(len, texts)) > LONG_TEXT_CHARS:   # the template only adds text: a bound before it runs
@@ -458,7 +458,8 @@ class Server:
         except NpqwenError as e:
             raise APIError(400, str(e), "messages") from None
         opened = thinking and prompt.rstrip("\n").endswith("<think>")   # a template that opens the reasoning
-        return opened, self.requests(prompt + prefix, body, body.max_new_tokens, top, "messages", body.prompt_logprobs)
+        return opened, self.requests(prompt, body, body.max_new_tokens, top, "messages", body.prompt_logprobs,
+                                     constraint, thinking)
 
     def chat_text(self, body: ChatCompletionRequest, messages: list[dict], thinking: bool, tools) -> str:
         """The chat template's text; vLLM's add_generation_prompt false leaves out the assistant's
@@ -560,8 +561,9 @@ class Server:
         still draws one token, which the answer leaves out."""
         scored = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
         max_tokens, scored = 1 if body.max_tokens == 0 else body.max_tokens, max(scored) if scored else None
+        constraint = format_constraint(body)
         return [r for prompt in body.prompts() for r in self.requests(prompt, body, max_tokens, body.logprobs, "prompt",
-                                                                     scored)]
+                                                                     scored, constraint)]
 
     async def completion_stream(self, queue, choices, call, include_usage: bool, body: CompletionRequest, http):
         prompt_sent = set()   # choices whose first chunk (with prompt_token_ids) is out

@@ -43,6 +43,12 @@ Suites (--suites, comma-separated, or all; the default is prefill,decode):
               --moe-prefill (512) token step and a decode step of --moe-batch (32) requests, npqwen's
               beside its expert products alone and all its matrix products alone; HF with its default
               experts implementation and its eager loop.
+    structured
+              what a constraint's mask costs (npqwen): per token, for a small, a medium and a large
+              JSON schema, llguidance filling the next-token mask and consuming the token (mean,
+              p99), walked along a valid answer; and one decode step of --structured-batch (16)
+              requests through npqwen.Engine with every request constrained vs none (target: at
+              most 5% more). A checkpoint without a tokenizer uses --structured-tokenizer's.
 
     python -m tools.bench --suites batch1,serving,prefix    # the serving benchmark alone
     python -m tools.bench --suites moe                      # the mixture-of-experts steps
@@ -65,6 +71,6 @@ prefix run in another worker per engine, once whatever --rounds says, so their p
 #   tables(report)        tables of its own: [(column names, rows)]
 #   notes(report)         sentences printed under the tables
 # The order here is the order of the rows, tables, notes and targets, and of the runs in a worker.
-from tools.bench import batch1, decode, moe, prefill, prefix, serving, step, tp
+from tools.bench import batch1, decode, moe, prefill, prefix, serving, step, structured, tp
 
-SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe, tp)}
+SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe, structured, tp)}
