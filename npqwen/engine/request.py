@@ -41,7 +41,7 @@ class Request:
     logprobs: int | None = None          # report log p of each sampled token and this many alternatives; None: off
     leader: "Request | None" = None      # one of n choices: admitted once the leader has read the shared prompt
     prompt_logprobs: int | None = None   # score the prompt: log p of each prompt token after the first, and this
-                                         # many alternatives (Engine._score_prompt); None: off
+                                         # many alternatives (Engine._score_prompts); None: off
     prompt_scored: int = 1               # prompt tokens scored so far (the first has no context: never scored)
     attention_layer: int | None = None   # an attention probe: its last token runs alone, and the request ends with
                                          # that token's attention in every head of this layer (Engine._attention_pass)
