@@ -837,6 +837,9 @@ ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a chunk as JSON, or [DONE] at the end of a chat or completion"},
+    "event": {"type": "string", "description": "a Responses event's type; otherwise 'message'"}}}
 ERRORS = {400: "a request the server cannot serve, in OpenAI's error shape; param names the field",
           401: "a missing or wrong API key", 404: "another model's name", 413: "a body over the size limit",
           429: "the queue is full: retry after Retry-After seconds", 503: "the server is shutting down"}
@@ -878,8 +881,8 @@ def openapi_schema(app: FastAPI, with_key: bool, model_name: str) -> dict:
             for code in sorted(codes):
                 responses[str(code)] = {"description": ERRORS[code], "content": {
                     "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-            if path in STREAMED:
-                responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+            if path in STREAMED:   # each server-sent event: its data a JSON chunk (or [DONE]), its event name
+                responses["200"]["content"]["text/event-stream"] = {"schema": SSE_EVENT}
     schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     app.openapi_schema = schema
     return schema
