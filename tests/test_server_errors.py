@@ -90,7 +90,7 @@ def test_completions_validation(server):
     for kwargs, param in [(dict(prompt="x", max_tokens=0), "max_tokens"), (dict(prompt="x", suffix="y"), "suffix"),
                           (dict(prompt="x", best_of=3), "best_of"), (dict(prompt="x", logprobs=21), "logprobs"),
                           (dict(prompt=[1, 99999]), "prompt"), (dict(prompt=[]), "prompt"),
-                          (dict(prompt=""), "prompt"), (dict(prompt=[[1, 2], "x"]), "prompt"),
+                          (dict(prompt=""), "prompt"), (dict(prompt=[[1, 2], "x"]), "prompt[1]"),
                           (dict(prompt={"a": 1}), "prompt")]:
         e = refused(lambda: client.completions.create(model="test-model", **kwargs), 400)
         assert e.param == param, (kwargs, e.body)

@@ -114,12 +114,12 @@ class Engine:
     @rank_0_leads
     def step(self) -> list[StepOutput]:
         """Run one scheduling step; one output per request that advanced, in the order of its sequences
-        in the step's Batch (self.last_batch), then one per attention probe that ended (its last token
-        ran alone, Engine._attention_pass)."""
+        in the step's Batch (self.last_batch), then one per probe that ended (its last token ran alone,
+        Engine._probe_pass)."""
         plan = self.scheduler.schedule()
-        plan, probes = hold_back_probes(plan)   # an attention probe's last token runs alone, after the batch
+        plan, probes = hold_back_probes(plan)   # a probe's last token runs alone, after the batch
         if not plan:
-            return [self._attention_pass(req) for req in probes]
+            return [self._probe_pass(req) for req in probes]
         # 1. pack: each request's next n tokens, its cached length and its pages
         samples = [req.cached_len + n == len(req.tokens) for req, n in plan]   # its last known token is in?
         lengths = [n for _, n in plan]
@@ -158,7 +158,7 @@ class Engine:
                 self._finish(req)
         for i, scores in prompt_scores.items():   # one output per request of the plan, in its order
             outputs[i].prompt_logprobs = scores
-        return outputs + [self._attention_pass(req) for req in probes]
+        return outputs + [self._probe_pass(req) for req in probes]
 
     @rank_0_leads
     def abort(self, request_id: str) -> StepOutput:
@@ -206,26 +206,20 @@ class Engine:
                 req.prompt_scored += len(mine)
         return logits[np.searchsorted(rows, sample_rows)], scores
 
-    def _attention_pass(self, req: Request) -> StepOutput:
-        """An attention probe's last token, run alone with a recorder that keeps the attention
-        weights of its layer, (H, 1, S) -> (H, S); then the probe ends. Its prompt went through the
-        batches a chunk at a time like any other, so while a 2048-token probe runs, every stream
-        keeps getting a token per step (the web page's /v1/npqwen/attention)."""
-        name, kept = f"model.layers.{req.attention_layer}.self_attn.attn_probs", {}
-
-        def keep(step, array):
-            if step == name:
-                kept[step] = array
-
+    def _probe_pass(self, req: Request) -> StepOutput:
+        """A probe's last token, run alone with the probe's recorder, which keeps what it wants of that
+        token's steps (the web page's attention weights of a layer, a Qwen3-MoE router's choices); then
+        the probe ends. Its prompt went through the batches a chunk at a time like any other, so while
+        a 2048-token probe runs every stream keeps getting a token per step."""
         p = req.cached_len
         batch = Batch(np.array(req.tokens[p:p + 1]), starts=[p], lengths=[1], page_tables=[np.array(req.page_table)],
                       page_size=self.page_size, sample_rows=np.array([0]))
-        self.model.forward_batch(batch, self.kv, keep)
+        self.model.forward_batch(batch, self.kv, req.probe)
         req.cached_len += 1
         self._remember_full_pages(req)
         req.finish_reason = "stop"
         self._finish(req)
-        return StepOutput(req.request_id, [], "", True, "stop", req.result(), attention=to_numpy(kept[name])[:, 0])
+        return StepOutput(req.request_id, [], "", True, "stop", req.result())
 
     def _remember_full_pages(self, req: Request):
         """Pages filled by this step become known to the prefix cache (chain hash of the tokens up to their end)."""
@@ -241,11 +235,11 @@ class Engine:
 
 
 def hold_back_probes(plan: list) -> tuple[list, list]:
-    """(the plan without the last token of each attention probe due now, those probes): that
-    token runs on its own after the batch (Engine._attention_pass)."""
+    """(the plan without the last token of each probe due now, those probes): that token runs on
+    its own after the batch (Engine._probe_pass)."""
     kept, probes = [], []
     for req, n in plan:
-        if req.attention_layer is not None and req.cached_len + n == len(req.tokens):
+        if req.probe is not None and req.cached_len + n == len(req.tokens):
             probes.append(req)
             n -= 1
         if n:

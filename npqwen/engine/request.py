@@ -27,7 +27,6 @@ class StepOutput:
     logprobs: list | None = None         # per sampled token, when asked: (log p, [(id, log p) most likely first])
     prompt_logprobs: list | None = None  # per prompt token scored in this step, when asked (Request.prompt_logprobs):
                                          # (log p, [(id, log p) most likely first], rank), the model's own distribution
-    attention: object = None             # an attention probe's weights (H, S): its last token over positions 0 .. S - 1
 
 
 @dataclass(eq=False)
@@ -42,10 +41,10 @@ class Request:
     logprobs: int | None = None          # report log p of each sampled token and this many alternatives; None: off
     leader: "Request | None" = None      # one of n choices: admitted once the leader has read the shared prompt
     prompt_logprobs: int | None = None   # score the prompt: log p of each prompt token after the first, and this
-                                         # many alternatives (Engine._score_prompt); None: off
+                                         # many alternatives (Engine._score_prompts); None: off
     prompt_scored: int = 1               # prompt tokens scored so far (the first has no context: never scored)
-    attention_layer: int | None = None   # an attention probe: its last token runs alone, and the request ends with
-                                         # that token's attention in every head of this layer (Engine._attention_pass)
+    probe: object = None                 # a recorder (recorder(name, array)): the request is a probe, its last token
+                                         # runs alone with it, then it ends, sampling nothing (Engine._probe_pass)
     min_tokens: int = 0                  # no eos can be drawn, and no stop string ends it, before this many tokens
     include_stop: bool = False           # the stop string that ends the text stays in it
     constraint: Constraint | None = None     # structured output: the answer's mask and matcher (structured.py)

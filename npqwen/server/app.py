@@ -656,8 +656,7 @@ class Server:
 
     async def attention(self, body: AttentionRequest, http: HTTPRequest) -> dict:
         """The attention row of `position` over positions 0 .. position in every head of `layer`, and
-        their mean: an engine request over tokens[:position + 1], read a chunk per step like any
-        prompt, whose last token runs with a recorder (Engine._attention_pass)."""
+        their mean: a probe over tokens[:position + 1] (see probe)."""
         self.check_model(body.model)
         ids, layers, heads = body.tokens, self.config.num_hidden_layers, self.config.num_attention_heads
         limit = min(MAX_ATTENTION_TOKENS, self.config.max_position_embeddings)
@@ -671,17 +670,15 @@ class Server:
                            "position")
         if not 0 <= body.layer < layers:
             raise APIError(400, f"layer {body.layer} does not exist: the model has layers 0 .. {layers - 1}", "layer")
-        try:
-            probe = self.engine.new_request(ids[:p + 1], 1, temperature=0)
-        except NpqwenError as e:
-            raise APIError(400, str(e), "tokens") from None
-        probe.attention_layer = body.layer
-        rows = None
-        async with contextlib.aclosing(self.outputs(self.submit([probe]), [probe], http)) as outputs:
-            async for _, out in outputs:
-                rows = out.attention
-        if rows is None:   # the client went away first
+        name, kept = f"model.layers.{body.layer}.self_attn.attn_probs", {}
+
+        def keep(step, array):   # the probe's last token: (H, 1, p + 1) -> (H, p + 1)
+            if step == name:
+                kept["rows"] = to_numpy(array)[:, 0]
+
+        if not await self.probe(ids[:p + 1], keep, http):
             return Response(status_code=499)
+        rows = kept["rows"]
         rows = rows.astype("float64")                                                  # (H, p + 1)
         decode = self.tokenizer.decode
         return {"object": "npqwen.attention", "model": self.model_name, "layer": body.layer, "position": p,
@@ -689,12 +686,26 @@ class Server:
                 "token_bytes": [list(self.tokenizer.token_bytes(t)) for t in ids[:p + 1]],   # as logprobs' "bytes"
                 "heads": rows.tolist(), "mean": rows.mean(axis=0).tolist()}
 
+    async def probe(self, ids: list[int], recorder, http: HTTPRequest) -> bool:
+        """An engine request that reads `ids` a chunk per step, like any prompt, and whose last token
+        then runs alone with `recorder` (Engine._probe_pass); False if the client went away first."""
+        try:
+            req = self.engine.new_request(ids, 1, temperature=0)
+        except NpqwenError as e:
+            raise APIError(400, str(e), "tokens") from None
+        req.probe = recorder
+        async with contextlib.aclosing(self.outputs(self.submit([req]), [req], http)) as outputs:
+            async for _, out in outputs:
+                if out.finished:
+                    return True
+        return False
+
     # -- experts (for the web page) --
 
     async def experts(self, body: ExpertsRequest, http: HTTPRequest) -> dict:
         """Qwen3-MoE: the experts the router sent token `position` to in each layer, best first, with their
-        weights; a forward pass with a recorder over tokens[:position + 1], run on the engine thread. A dense
-        model has none: num_experts 0 and no layers, answered without a pass."""
+        weights; a probe over tokens[:position + 1] (see probe). A dense model has none: num_experts 0 and
+        no layers, answered without a pass."""
         self.check_model(body.model)
         ids, cfg = body.tokens, self.config
         limit = min(MAX_ATTENTION_TOKENS, cfg.max_position_embeddings)
@@ -712,40 +723,17 @@ class Server:
             return answer
         kept = {}
 
-        def keep(step, array):   # a recorder that keeps position p's row of the router's choices
+        def keep(step, array):   # position p is the probe's last token: the one row of the router's choices
             if step.endswith((".mlp.gate.top_k_index", ".mlp.gate.top_k_weights")):
-                kept[step] = to_numpy(array)[p].tolist()
+                kept[step] = to_numpy(array)[0].tolist()
 
-        def run():   # on the engine thread, between two steps
-            self.llm.forward(ids[:p + 1], last_only=True, recorder=keep)
-
-        result = await self.on_engine_thread(run, http, "the experts pass")
-        if isinstance(result, Response):
-            return result
+        if not await self.probe(ids[:p + 1], keep, http):
+            return Response(status_code=499)
         for i in range(cfg.num_hidden_layers):
             gate = f"model.layers.{i}.mlp.gate"
             answer["layers"].append({"layer": i, "experts": kept.get(f"{gate}.top_k_index"),    # None: dense
                                      "weights": kept.get(f"{gate}.top_k_weights")})
         return answer
-
-    async def on_engine_thread(self, run, http: HTTPRequest, what: str):
-        """run() on the engine thread, between two steps; a 499 Response if the client leaves first."""
-        future = self.loop.call(run)
-        try:
-            while not future.done():   # checked on a clock: the client may go, the engine stop
-                await asyncio.wait([future], timeout=DISCONNECT_POLL_SECONDS)
-                if future.done():
-                    break
-                if not self.loop.thread.is_alive():
-                    raise EngineStopped("the server is shutting down")
-                if await http.is_disconnected():
-                    return Response(status_code=499)
-        finally:
-            future.cancel()   # nothing if it ran; skipped on the engine thread if it had not
-        if future.exception() is not None:   # not the client's doing (the request was checked): say so
-            traceback.print_exception(future.exception(), file=sys.stderr)
-            raise APIError(500, f"{what} failed ({future.exception()!r}); see the server log", type="server_error")
-        return future.result()
 
     # -- tokenizer --
 
@@ -851,6 +839,9 @@ ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a chunk as JSON, or [DONE] at the end of a chat or completion"},
+    "event": {"type": "string", "description": "a Responses event's type; otherwise 'message'"}}}
 ERRORS = {400: "a request the server cannot serve, in OpenAI's error shape; param names the field",
           401: "a missing or wrong API key", 404: "another model's name", 413: "a body over the size limit",
           429: "the queue is full: retry after Retry-After seconds", 503: "the server is shutting down"}
@@ -892,8 +883,8 @@ def openapi_schema(app: FastAPI, with_key: bool, model_name: str) -> dict:
             for code in sorted(codes):
                 responses[str(code)] = {"description": ERRORS[code], "content": {
                     "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-            if path in STREAMED:
-                responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+            if path in STREAMED:   # each server-sent event: its data a JSON chunk (or [DONE]), its event name
+                responses["200"]["content"]["text/event-stream"] = {"schema": SSE_EVENT}
     schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     app.openapi_schema = schema
     return schema

@@ -3,9 +3,9 @@
 Handlers put commands in a queue (add these requests, abort those, call this function); the
 thread drains it before every step, so an abort takes effect before the next step runs, runs
 `engine.step()`, and hands each output to the asyncio queue of the HTTP call that asked for it.
-While nothing is unfinished the thread sleeps on the command queue. A call (the attention
-endpoint's forward pass) runs between two steps, so it never races the engine for the model and
-costs nothing while nobody asks.
+While nothing is unfinished the thread sleeps on the command queue. A call runs between two
+steps, so it never races the engine for the model; it holds every stream up for as long as it
+runs, so the web page's passes are not calls but engine requests (probes, read a chunk per step).
 """
 import asyncio
 import queue
