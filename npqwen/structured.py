@@ -26,6 +26,7 @@ The constraint's text is llguidance's grammar format: {"grammars": [entry, ...]}
 """
 import json
 import re
+import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ AFTER_NEWLINES = r"start: /\n*/ @answer"       # thinking: the constrained answe
 JSON_WHITESPACE = r"( |\n[ \t]{0,20})?"         # between two JSON tokens (see with_json_whitespace)
 
 _tokenizers = weakref.WeakKeyDictionary()       # npqwen Tokenizer -> {(V, eos ids): llguidance.LLTokenizer}
+_tokenizers_lock = threading.Lock()
 
 
 class ConstraintError(NpqwenError):
@@ -110,10 +112,12 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_ids):
     once per tokenizer (about a second for Qwen3's 151k tokens)."""
     llg = llguidance()
     key = (vocab_size, tuple(eos_ids))
-    made = _tokenizers.setdefault(tokenizer, {})
-    if key not in made:
-        made[key] = llg.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_ids) or None)
-    return made[key]
+    with _tokenizers_lock:   # the server makes requests in several threads: build it once
+        made = _tokenizers.setdefault(tokenizer, {})
+        if key not in made:
+            made[key] = llg.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
+                                        eos_token=list(eos_ids) or None)
+        return made[key]
 
 
 @dataclass(eq=False)
