@@ -212,12 +212,12 @@ def rank_0_leads(method):
     process, or a call inside one rank 0 leads already: the method."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        comm = comm_of(self, method, args)
+        comm = comm_of(self, method, args, kwargs)
         if comm.size == 1 or comm.leading:
             return method(self, *args, **kwargs)
         if comm.rank > 0:
             if method.__name__ == "__init__":   # rank 0's object: here it only knows its LLM
-                self.llm = args[0]
+                self.llm = args[0] if args else kwargs["llm"]
             result = ended(follow(model_of(self)), comm, method)
             return following_items(model_of(self), comm, method) if isinstance(result, Items) else result
         with leading(comm, method):
@@ -309,8 +309,11 @@ def out_of_step(comm, what: str, kind: str) -> GroupFailed:
     return GroupFailed(comm.failed)
 
 
-def comm_of(self, method, args):
-    return self.comm if hasattr(self, "comm") else (args[0] if method.__name__ == "__init__" else self.llm).comm
+def comm_of(self, method, args, kwargs):
+    """The communicator of an LLM, or of an Engine (its LLM's; given to __init__ as its first argument)."""
+    if hasattr(self, "comm"):
+        return self.comm
+    return (self.llm if method.__name__ != "__init__" else args[0] if args else kwargs["llm"]).comm
 
 
 def model_of(self):
