@@ -28,6 +28,7 @@ import numpy as np
 from .backend import free_memory_bytes, xp_of
 from .config import Qwen3Config
 from .errors import NpqwenError
+from .parallel import shard_shape
 
 # safetensors dtype -> (NumPy dtype of the stored bits, bytes per element): the ones npqwen reads
 STORED_DTYPES = {"BF16": (np.uint16, 2), "F16": (np.float16, 2), "F32": (np.float32, 4)}
@@ -367,17 +368,47 @@ def read_tensor(info: TensorInfo, out):
         else:
             flat[i:i + n] = xp.asarray(chunk)
         del chunk
+    check_finite(info, out)
+
+
+def read_tensor_part(info: TensorInfo, out, rows: slice, cols: slice):
+    """Copy rows x cols of a 2-D tensor into `out` (tensor parallelism: a rank's part of it).
+
+    Only the bytes of those rows are mapped, a chunk of whole rows at a time, and of each row only
+    the columns are copied: a rank never holds the whole tensor, not even mapped."""
+    xp = xp_of(out)
+    stored, itemsize = STORED_DTYPES[info.dtype]
+    first, stop, _ = rows.indices(info.shape[0])
+    width = info.shape[1]
+    step = max(1, CHUNK_BYTES // (width * itemsize))                                   # rows per chunk
+    for i in range(0, stop - first, step):
+        n = min(step, stop - first - i)
+        chunk = np.memmap(info.file, dtype=stored, mode="r", offset=info.start + (first + i) * width * itemsize,
+                          shape=(n, width))                                            # (n, in): whole rows
+        part = chunk[:, cols]                                                          # (n, its columns)
+        if info.dtype == "BF16":
+            bf16_bits_to_float32(xp.asarray(part), out[i:i + n])
+        else:
+            out[i:i + n] = xp.asarray(part)
+        del chunk, part
+    check_finite(info, out)
+
+
+def check_finite(info: TensorInfo, out):
+    xp = xp_of(out)
     if not bool(xp.isfinite(out).all()):
         raise NpqwenError(f"{info.file}: tensor {info.name!r} holds NaN or infinite values; the file is "
                           f"corrupt, download it again")
 
 
-def load_weights(directory: Path, config: Qwen3Config, xp, dtype) -> tuple[dict, dict]:
+def load_weights(directory: Path, config: Qwen3Config, xp, dtype, parts: dict | None = None) -> tuple[dict, dict]:
     """Read every expected tensor into arrays of `dtype` on `xp`'s device.
 
     Returns (weights, fused): `weights` maps each HF name to an array of its HF shape;
     `fused` holds the stacked per-layer matrices `...self_attn.qkv_proj.weight` and
     `...mlp.gate_up_proj.weight` that the HF q/k/v and gate/up entries are views of.
+    With `parts` (tensor parallelism: HF name -> (rows, columns) slices, see parallel.shards) each
+    array holds only that part of its tensor, and only that part is read.
     """
     found = canonical_names(index_checkpoint(directory))
     check_config_matches(config, found, directory)   # before any table is sized from the config
@@ -394,10 +425,15 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype) -> tuple[dict,
             raise NpqwenError(f"{directory}: tensor {name!r} has shape {list(found[name].shape)}, expected "
                               f"{list(shape)} from config.json; the checkpoint does not match its config.json")
     warn_unused(found, config, shapes, directory)
+    if parts is not None:
+        shapes = {name: shard_shape(shape, parts[name]) for name, shape in shapes.items()}
     check_fits(shapes, xp, dtype, directory)
-    weights, fused = allocate_weights(config, xp, dtype, lm_head)
+    weights, fused = allocate_weights(config, xp, dtype, shapes)
     for name, array in weights.items():
-        read_tensor(found[name], array)
+        if parts is None or array.shape == found[name].shape:
+            read_tensor(found[name], array)
+        else:
+            read_tensor_part(found[name], array, *parts[name])
     return tie_lm_head(config, weights), fused
 
 
@@ -417,10 +453,11 @@ def size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def allocate_weights(config: Qwen3Config, xp, dtype, lm_head: bool = True) -> tuple[dict, dict]:
+def allocate_weights(config: Qwen3Config, xp, dtype, shapes: dict | None = None) -> tuple[dict, dict]:
     """Empty arrays for every HF tensor (in checkpoint order), q/k/v and gate/up as views of stacked matrices;
-    a sparse layer's experts as views of its two expert arrays."""
-    shapes = expected_shapes(config, lm_head)
+    a sparse layer's experts as views of its two expert arrays. `shapes`: other shapes than the HF ones (a
+    tensor-parallel rank's parts; no lm_head.weight for a checkpoint saved from Qwen3Model)."""
+    shapes = shapes or expected_shapes(config)
     fused, views = {}, {}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"

@@ -10,19 +10,22 @@ from pathlib import Path
 import numpy as np
 
 from .backend import array_module
-from .checkpoint import load_weights, stored_names
+from .checkpoint import expected_shapes, load_weights, stored_names
+from .comm import SingleProcess
 from .config import Qwen3Config
 from .embed import embed, read_sentence_transformers
 from .errors import NpqwenError
 from .generate import ChatResult, GenerationResult, ScoreResult, check_token_ids
 from .hub import resolve_model
 from .model import Qwen3
+from .parallel import agreed, check_split, communicator, rank_0_leads, shards
 from .rerank import rerank
 from .sampling import read_generation_config
 from .tokenizer import Tokenizer
 
 DTYPES = {"cpu": ("float32", "float64"), "cuda": ("float32", "float16", "float64")}
 DEFAULT_MAX_NEW_TOKENS = 512
+SINGLE = SingleProcess()   # one process: the model's communicator, unless it has one (a stand-in model)
 
 
 class LLM:
@@ -32,6 +35,7 @@ class LLM:
     def __init__(self, model: Qwen3, tokenizer: Tokenizer | None = None, generation_defaults: dict | None = None,
                  path: Path | None = None, stored_names: dict | None = None):
         self.model = model
+        self.comm = getattr(model, "comm", SINGLE)   # the ranks the model is split over (npqwen/comm.py)
         self.config = model.config
         # HF names as the checkpoint spells them: a Qwen3Model checkpoint (Qwen3-Embedding) has no "model."
         # prefix and no lm_head; the model code reads the same arrays under the prefixed names.
@@ -64,34 +68,46 @@ class LLM:
     def eos_token_ids(self) -> list[int]:
         return self.generation_defaults.get("eos_token_id") or list(self.config.eos_token_ids)
 
+    @rank_0_leads
     def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None, top_k=None,
                  top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, seed=None,
-                 stop=None, frequency_penalty=None) -> GenerationResult | list[GenerationResult]:
+                 stop=None, frequency_penalty=None, *, json_schema=None, regex=None, choice=None,
+                 grammar=None) -> GenerationResult | list[GenerationResult]:
         """Complete `prompt` (text, used as is, or token ids). Sampling defaults come from
         generation_config.json; arguments given here override them; temperature=0 is greedy.
 
         A list of prompts (strings, or token-id lists) runs them all at once through the engine
         and returns their results in the same order.
+
+        Structured output: at most one of `json_schema` (a dict or its JSON text), `regex` (the whole
+        answer matches it), `choice` (a list of strings: the answer is one of them) or `grammar`
+        (llguidance's Lark, or GBNF) makes every answer match it (npqwen/structured.py).
         """
+        constraint = dict(json_schema=json_schema, regex=regex, choice=choice, grammar=grammar)
         if is_prompt_list(prompt):
             return self._generate_many(prompt, dict(
                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty, seed=seed, stop=stop,
-                frequency_penalty=frequency_penalty))
+                frequency_penalty=frequency_penalty, **constraint))
         result = GenerationResult("", [], "length")
         for _ in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
-                             presence_penalty, seed, stop, result=result, frequency_penalty=frequency_penalty):
+                             presence_penalty, seed, stop, result=result, frequency_penalty=frequency_penalty,
+                             **constraint):
             pass
         return result
 
+    @rank_0_leads
     def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None, top_k=None,
                top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None,
-               result: GenerationResult | None = None, frequency_penalty=None):
-        """Like generate, but yields text pieces as they come; `result`, if given, is filled in."""
+               result: GenerationResult | None = None, frequency_penalty=None, *, json_schema=None, regex=None,
+               choice=None, grammar=None, thinking: bool = False):
+        """Like generate, but yields text pieces as they come; `result`, if given, is filled in.
+        `thinking`: the answer opens with Qwen3's <think> reasoning, which a constraint leaves free."""
         result = result if result is not None else GenerationResult("", [], "length")
         return self._run(prompt, result, max_new_tokens, stop, temperature=temperature, top_k=top_k,
                          top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                         presence_penalty=presence_penalty, seed=seed, frequency_penalty=frequency_penalty)
+                         presence_penalty=presence_penalty, seed=seed, frequency_penalty=frequency_penalty,
+                         json_schema=json_schema, regex=regex, choice=choice, grammar=grammar, thinking=thinking)
 
     def score(self, text) -> ScoreResult | list[ScoreResult]:
         """How likely the model finds `text` (a string, used as is, or token ids): each token's log
@@ -128,16 +144,19 @@ class LLM:
         return self._tokenizer().apply_chat_template(messages, add_generation_prompt=True,
                                                      enable_thinking=enable_thinking, tools=tools)
 
+    @rank_0_leads
     def chat(self, messages, enable_thinking: bool = True, tools=None, stream_to=None, **kwargs) -> ChatResult:
         """Answer the conversation; the <think> reasoning comes back apart from the final content.
 
-        `stream_to`, if given, is called with each text piece as it is generated.
+        `stream_to`, if given, is called with each text piece as it is generated. A constraint
+        (json_schema=, regex=, choice=, grammar=) applies to the content: with thinking on, from the
+        first token after "</think>" (the reasoning stays free); with it off, from the first token.
         """
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         prompt = self.chat_prompt(messages, enable_thinking, tools)
         result = ChatResult("", [], "length")
-        for piece in self.stream(prompt, result=result, **kwargs):
+        for piece in self.stream(prompt, result=result, thinking=enable_thinking, **kwargs):
             if stream_to is not None:
                 stream_to(piece)
         result.reasoning, result.content = split_reasoning(result.text)
@@ -198,6 +217,9 @@ class LLM:
         from .backend import to_numpy
         from .checkpoint import save_safetensors
 
+        if self.comm.size > 1:
+            raise NpqwenError("llm.save writes the whole model, and this rank holds only its part of it (tensor "
+                              "parallelism); save from a model loaded in one process")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
@@ -305,22 +327,34 @@ def check_device_dtype(device: str, dtype: str):
                           f"{', '.join(DTYPES[device])}")
 
 
-def load(path, device: str = "cpu", dtype: str = "float32") -> LLM:
+def load(path, device: str = "cpu", dtype: str = "float32", tensor_parallel=False) -> LLM:
     """Load a Qwen3 checkpoint onto `device` ("cpu" or "cuda") in `dtype`.
 
     `path` is a Hugging Face checkpoint directory, a hub id such as "Qwen/Qwen3-0.6B" found in
     the HF cache (or downloaded when huggingface_hub is installed and online), or "tiny" ("tiny-moe")
     for the built-in tiny Qwen3 (Qwen3-MoE) with random weights (see npqwen/tiny.py).
+
+    tensor_parallel=True, on every rank of `mpiexec -n N python script.py`: each rank reads only its
+    part of every layer (npqwen/parallel.py), and forward, generate and npqwen.Engine give the same
+    results on every rank. A communicator (npqwen/comm.py) may be given instead of True.
     """
     check_device_dtype(device, dtype)
+    comm = communicator(tensor_parallel, device)
+    return agreed(comm, lambda: load_part(path, device, dtype, comm))   # a rank that fails stops them all
+
+
+def load_part(path, device: str, dtype: str, comm) -> LLM:
+    """This rank's part of the model (the whole model in one process)."""
     from .tiny import BUILTIN
 
     if str(path) in BUILTIN:
         from .tiny import TINY_GENERATION, tiny_model, tiny_tokenizer
-        return LLM(tiny_model(device, dtype, str(path)), tiny_tokenizer(), dict(TINY_GENERATION), None)
+        return LLM(tiny_model(device, dtype, str(path), comm), tiny_tokenizer(), dict(TINY_GENERATION), None)
     path = resolve_model(path)
     xp = array_module(device)
     config = Qwen3Config.from_json(path / "config.json")
-    weights, fused = load_weights(path, config, xp, np.dtype(dtype))
+    check_split(config, comm.size)
+    parts = None if comm.size == 1 else shards(config, expected_shapes(config), comm.size, comm.rank)
+    weights, fused = load_weights(path, config, xp, np.dtype(dtype), parts)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
-    return LLM(Qwen3(config, weights, fused), tokenizer, read_generation_config(path), path, stored_names(path))
+    return LLM(Qwen3(config, weights, fused, comm), tokenizer, read_generation_config(path), path, stored_names(path))

@@ -6,6 +6,8 @@ Dh head dim, F MLP width, V vocab size, N pages in the KV cache, P positions per
 Qwen3-0.6B: D=1024, H=16, K=8, G=2, Dh=128, F=3072, V=151936, 28 layers.
 Qwen3-MoE adds E experts, k per token, of width I: Qwen3-30B-A3B has D=2048, H=32, K=4, E=128,
 k=8, I=768, 48 layers.
+Under tensor parallelism over N ranks (npqwen/parallel.py) H, K, F and V are this rank's share:
+H/N query heads, their key/value heads, F/N of the MLP's width, V/N of the vocabulary; D is whole.
 
 forward: embed -> for each layer: x += attention(norm(x)); x += mlp(norm(x)) -> norm -> lm_head.
 Attention normalises q and k per head (QK-norm) *before* RoPE, rotates split halves, and
@@ -18,6 +20,11 @@ once over all T tokens, and only attention looks at one sequence at a time. `Qwe
 (a list of token ids, optionally continuing a `SequenceCache`) is the same pass for a batch of
 one sequence.
 
+The ranks meet in five places, each one line that does nothing in one process (`self.comm` is
+then comm.SingleProcess): rank 0 shares the batch; the embedding's and each layer's o_proj and
+down_proj outputs are all-reduced (each rank holds a part of the sum); the logits are all-gathered.
+(A recorder that asks for attention probabilities gets every rank's heads, gathered: a sixth.)
+
 `recorder`, when given, is called as recorder(name, array) with every intermediate result
 under its HF module name (see `npqwen trace`); by default it is `no_recorder`, which does nothing.
 """
@@ -29,9 +36,11 @@ import numpy as np
 
 from . import moe, ops
 from .backend import xp_of
+from .comm import SingleProcess
 from .config import Qwen3Config
 from .errors import NpqwenError
 from .generate import check_token_ids
+from .parallel import share_batch, split_range
 
 
 def no_recorder(name, array):
@@ -56,8 +65,8 @@ class KVCache:
     resident as pages are used.
     """
 
-    def __init__(self, config: Qwen3Config, num_pages: int, page_size: int, xp, dtype):
-        L, K, Dh = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    def __init__(self, config: Qwen3Config, num_pages: int, page_size: int, xp, dtype, kv_heads: int | None = None):
+        L, K, Dh = config.num_hidden_layers, kv_heads or config.num_key_value_heads, config.head_dim   # K: this rank's
         shape = (L, num_pages, K, page_size, Dh)
         try:
             self.keys = xp.zeros(shape, dtype=dtype)       # (L, N, K, P, Dh)
@@ -151,12 +160,13 @@ class SequenceCache:
     """One sequence's KV cache for the single-sequence API (`new_cache`, `prefill`, `decode_one_token`):
     a KVCache whose pages hold positions 0 .. capacity - 1 in order."""
 
-    def __init__(self, config: Qwen3Config, capacity: int, xp, dtype, page_size: int = 256):
+    def __init__(self, config: Qwen3Config, capacity: int, xp, dtype, page_size: int = 256,
+                 kv_heads: int | None = None):
         if capacity > config.max_position_embeddings:
             raise NpqwenError(f"a KV cache of {capacity} positions exceeds the model's context of "
                               f"{config.max_position_embeddings} (max_position_embeddings)")
         page_size = max(1, min(page_size, capacity))
-        self.kv = KVCache(config, -(-capacity // page_size), page_size, xp, dtype)
+        self.kv = KVCache(config, -(-capacity // page_size), page_size, xp, dtype, kv_heads)
         self.page_table = np.arange(self.kv.num_pages)
         self.capacity = capacity
         self.length = 0                                # positions filled so far
@@ -165,17 +175,25 @@ class SequenceCache:
 class Qwen3:
     """Config + weights (HF names) + the forward pass. Built by `npqwen.load`."""
 
-    def __init__(self, config: Qwen3Config, weights: dict, fused: dict):
+    def __init__(self, config: Qwen3Config, weights: dict, fused: dict, comm=None):
         self.config = config
-        self.weights = weights    # HF name -> array with the HF shape
-        self.fused = fused        # per-layer stacked qkv_proj / gate_up_proj (and experts); HF names are views
+        self.weights = weights    # HF name -> array with the HF shape (a rank's part of it under tensor parallelism)
+        self.fused = fused        # per-layer stacked qkv_proj / gate_up_proj; HF q/k/v/gate/up (and experts) are views
+        self.comm = comm or SingleProcess()   # the ranks the model is split over (npqwen/comm.py)
         embed = weights["model.embed_tokens.weight"]
         self.xp, self.dtype = xp_of(embed), embed.dtype
+        Dh = config.head_dim      # this rank's heads (all of them in one process), and its first token id
+        self.heads = weights["model.layers.0.self_attn.q_proj.weight"].shape[0] // Dh
+        self.kv_heads = weights["model.layers.0.self_attn.k_proj.weight"].shape[0] // Dh
+        self.vocab_start = split_range(config.vocab_size, self.comm.size, self.comm.rank).start
         inv_freq, self.rope_scale = ops.rope_frequencies(config)
         self.inv_freq = self.xp.asarray(inv_freq)      # (Dh/2,) float32
 
     def new_cache(self, capacity: int) -> SequenceCache:
-        return SequenceCache(self.config, capacity, self.xp, self.dtype)
+        return SequenceCache(self.config, capacity, self.xp, self.dtype, kv_heads=self.kv_heads)
+
+    def new_kv_cache(self, num_pages: int, page_size: int) -> KVCache:
+        return KVCache(self.config, num_pages, page_size, self.xp, self.dtype, self.kv_heads)
 
     def forward(self, token_ids, cache: SequenceCache | None = None, last_only: bool = False, recorder=None):
         """Logits (T, V) for one sequence's `token_ids` (or (1, V) for the last token when last_only).
@@ -186,7 +204,7 @@ class Qwen3:
         ids = self._check_ids(token_ids, cache)
         T = len(ids)
         if cache is None:   # attention still reads keys from pages: one page that holds just these tokens
-            cache = SequenceCache(self.config, T, self.xp, self.dtype, page_size=T)
+            cache = SequenceCache(self.config, T, self.xp, self.dtype, page_size=T, kv_heads=self.kv_heads)
         start = cache.length
         batch = Batch(ids, [start], [T], [cache.page_table], cache.kv.page_size,
                       sample_rows=np.array([T - 1]) if last_only else np.arange(T))
@@ -199,8 +217,11 @@ class Qwen3:
         Rows a prefill-only request wants come back in batch.hidden and batch.scores (see Batch)."""
         cfg, W, xp = self.config, self.weights, self.xp
         recorder = no_recorder if recorder is None else recorder
-        # 1. embedding lookup
-        x = ops.embed(W["model.embed_tokens.weight"], xp.asarray(batch.token_ids))   # (T, D)
+        # 0. tensor parallel: every rank runs rank 0's batch (rank 0 sends it to the others)
+        batch = share_batch(self, batch, kv, recorder is not no_recorder)
+        # 1. embedding lookup: a token's row is on one rank, the others add zeros
+        x = ops.embed(W["model.embed_tokens.weight"], xp.asarray(batch.token_ids), self.vocab_start)   # (T, D)
+        x = self.comm.all_reduce(x)
         recorder("model.embed_tokens", x)
         # 2. RoPE tables for each token's own position, shared by every layer
         cos, sin = ops.rope_cos_sin(self.inv_freq, xp.asarray(batch.positions), self.rope_scale, self.dtype)  # (T, Dh)
@@ -215,15 +236,21 @@ class Qwen3:
             x = x[xp.asarray(rows)]                                                  # (B, D)
         x = ops.rms_norm(x, W["model.norm.weight"], cfg.rms_norm_eps)
         recorder("model.norm", x)
-        # 5. lm_head (tied to the embedding in small Qwen3s), for the rows that sample
+        # 5. lm_head (tied to the embedding in small Qwen3s), for the rows that sample; under tensor
+        # parallelism every rank's V/N logits side by side
         S, R = len(batch.sample_rows), len(batch.hidden_rows)
-        logits = ops.linear(x[:S], self.lm_head_weight()) if S else xp.zeros((0, cfg.vocab_size), x.dtype)
-        recorder("lm_head", logits)                                                # (S, D) @ (D, V) -> (S, V)
-        # 6. prefill-only outputs: hidden states as they are (embeddings), and a few tokens' logits (rerank)
+        if S:
+            logits = self.comm.all_gather(ops.linear(x[:S], self.lm_head_weight()))   # (S, D) @ (D, V) -> (S, V)
+        else:
+            logits = xp.zeros((0, cfg.vocab_size), x.dtype)
+        recorder("lm_head", logits)
+        # 6. prefill-only outputs: hidden states as they are (embeddings), and a few tokens' logits (rerank):
+        # k rows of lm_head, looked up as the embedding is (under tensor parallelism the rank holding a row adds it)
         batch.hidden = x[S:S + R]                                                  # (R, D)
         if len(batch.score_rows):
-            heads = self.lm_head_weight()[xp.asarray(batch.score_ids)]             # (Q, k, D): k rows of lm_head
-            batch.scores = xp.einsum("qd,qkd->qk", x[S + R:], heads)               # (Q, k)
+            ids = xp.asarray(batch.score_ids)                                      # (Q, k)
+            heads = ops.embed(self.lm_head_weight(), ids.reshape(-1), self.vocab_start).reshape(*ids.shape, -1)
+            batch.scores = self.comm.all_reduce(xp.einsum("qd,qkd->qk", x[S + R:], heads))   # (Q, k)
         return logits
 
     @property
@@ -252,7 +279,7 @@ class Qwen3:
     def self_attn(self, i: int, x, cos, sin, batch, kv, slots, recorder=no_recorder):
         """QK-normed, rotary, grouped-query causal attention of layer i, each sequence over its own pages."""
         cfg, W, p = self.config, self.weights, f"model.layers.{i}.self_attn"
-        T, H, K, Dh = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        T, H, K, Dh = x.shape[0], self.heads, self.kv_heads, cfg.head_dim
         # q_proj, k_proj, v_proj in one matmul: qkv_proj stacks their rows
         qkv = ops.linear(x, self.fused[f"{p}.qkv_proj.weight"])                # (T, (H + 2K) * Dh)
         q, k, v = qkv[:, :H * Dh], qkv[:, H * Dh:(H + K) * Dh], qkv[:, (H + K) * Dh:]
@@ -276,20 +303,25 @@ class Qwen3:
             if n > 1 or not len(decoding):   # the others, one sequence at a time
                 out[row:row + n], probs = ops.paged_attention(q[row:row + n], keys, values, table, start,
                                                               want_probs=recorder is not no_recorder)
+        if probs is not None:   # asked for by a recorder: every rank's heads
+            probs = self.comm.all_gather(probs, axis=0)                                   # (H, n, S)
         recorder(f"{p}.attn_probs", probs); recorder(f"{p}.attn_output", out)  # probs: the last sequence's (H, n, S)
         out = ops.linear(out, W[f"{p}.o_proj.weight"])                          # (T, H*Dh) -> (T, D)
+        out = self.comm.all_reduce(out)                                         # the sum of every rank's heads
         recorder(f"{p}.o_proj", out)
         return out
 
     def mlp(self, i: int, x, recorder=no_recorder):
         """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
-        p, F = f"model.layers.{i}.mlp", self.config.intermediate_size
+        p = f"model.layers.{i}.mlp"
         gate_up = ops.linear(x, self.fused[f"{p}.gate_up_proj.weight"])         # (T, 2F): gate_proj | up_proj
+        F = gate_up.shape[1] // 2
         gate, up = gate_up[:, :F], gate_up[:, F:]                               # (T, F) each
         recorder(f"{p}.gate_proj", gate); recorder(f"{p}.up_proj", up)
         act = ops.silu(gate)                                                    # (T, F)
         recorder(f"{p}.act_fn", act)
         out = ops.linear(act * up, self.weights[f"{p}.down_proj.weight"])       # (T, F) -> (T, D)
+        out = self.comm.all_reduce(out)                                         # the sum of every rank's width
         recorder(f"{p}.down_proj", out)
         return out
 

@@ -13,9 +13,16 @@ import numpy as np
 from .backend import xp_of
 
 
-def embed(weight, token_ids):
-    """Row lookup: one D-vector per token."""
-    return weight[token_ids]                          # (V, D)[(T,)] -> (T, D)
+def embed(weight, token_ids, first: int = 0):
+    """Row lookup: one D-vector per token. Under tensor parallelism `weight` holds the vocabulary's
+    rows first .. first + len(weight) - 1 only, and a token outside them gets zeros (the rank that
+    holds it adds its row; in one process every token is inside)."""
+    xp = xp_of(weight)
+    local = token_ids - first                                            # (T,) rows of this shard
+    inside = xp.logical_and(local >= 0, local < weight.shape[0])         # (T,) all True in one process
+    x = weight[xp.where(inside, local, 0)]                               # (V/N, D)[(T,)] -> (T, D)
+    x *= inside[:, None]                                                 # zeros for other ranks' tokens
+    return x
 
 
 def linear(x, weight):

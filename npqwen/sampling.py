@@ -199,9 +199,11 @@ def softmax(logits):
     return e / e.sum()
 
 
-def candidates(logits, params: SamplingParams, prompt_ids=(), generated_ids=()):
+def candidates(logits, params: SamplingParams, prompt_ids=(), generated_ids=(), allowed=None):
     """(token ids, their float64 logits) after penalties, temperature and filters: the distribution
-    the draw uses (-inf: filtered out). Greedy keeps every token and temperature 1."""
+    the draw uses (-inf: filtered out). Greedy keeps every token and temperature 1. `allowed`, a
+    constraint's mask (V,) bool (structured.py), keeps only those tokens, before temperature,
+    top-k, top-p and min-p, so they choose among the allowed tokens only."""
     logits = np.asarray(logits, dtype=np.float32)
     # Only build the list of seen tokens (prompt included) when a penalty will read it.
     seen = list(prompt_ids) + list(generated_ids) if params.repetition_penalty != 1.0 else ()
@@ -209,6 +211,11 @@ def candidates(logits, params: SamplingParams, prompt_ids=(), generated_ids=()):
     logits = presence_penalty(logits, generated_ids, params.presence_penalty)
     logits = frequency_penalty(logits, generated_ids, params.frequency_penalty)
     ids = np.arange(logits.shape[-1])
+    if allowed is not None:
+        # Work on the allowed tokens only: a penalty acts on each token alone, so masking before or
+        # after them is the same, and at a JSON comma a handful of tokens is all there is to sort.
+        ids = np.flatnonzero(allowed)
+        logits = logits[ids]
     if params.greedy:
         return ids, logits.astype(np.float64)
     # Divide after subtracting the max, in float64: the top token stays at 0 and a tiny temperature
@@ -218,8 +225,8 @@ def candidates(logits, params: SamplingParams, prompt_ids=(), generated_ids=()):
     if 0 < params.top_k < logits.shape[-1]:
         # Work on the k survivors only: the filters below give the same result on them as on
         # the full vocabulary with -inf elsewhere, and sorting 20 values beats sorting 151936.
-        ids = np.flatnonzero(logits >= kth_largest(logits, params.top_k))   # the top_k() survivors
-        logits = logits[ids]
+        keep = np.flatnonzero(logits >= kth_largest(logits, params.top_k))   # the top_k() survivors
+        ids, logits = ids[keep], logits[keep]
     return ids, min_p(top_p(logits, params.top_p), params.min_p)
 
 

@@ -12,9 +12,10 @@ from importlib import resources
 import numpy as np
 
 from .backend import array_module
-from .checkpoint import allocate_weights, tie_lm_head
+from .checkpoint import allocate_weights, expected_shapes, tie_lm_head
 from .config import Qwen3Config
 from .model import Qwen3
+from .parallel import check_split, shard_shape, shards, take_shards
 from .tokenizer import Tokenizer, bytes_to_unicode
 
 # Qwen3's special tokens, in Qwen3's order; (text, special) as in its tokenizer_config.json.
@@ -54,9 +55,9 @@ def tiny_tokenizer() -> Tokenizer:
     return Tokenizer(backend, qwen3_chat_template(), {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
 
 
-def tiny_model(device: str = "cpu", dtype: str = "float32", name: str = "tiny") -> Qwen3:
+def tiny_model(device: str = "cpu", dtype: str = "float32", name: str = "tiny", comm=None) -> Qwen3:
     """The tiny Qwen3 (or Qwen3-MoE, name "tiny-moe") with its seeded random weights (std 0.3; norm
-    weights 1 + 0.1 noise)."""
+    weights 1 + 0.1 noise); with a tensor-parallel communicator, this rank's part of them."""
     xp = array_module(device)
     config = Qwen3Config.from_dict(BUILTIN[name], source=f"{name} model")
     weights, fused = allocate_weights(config, xp, np.dtype(dtype))
@@ -64,4 +65,11 @@ def tiny_model(device: str = "cpu", dtype: str = "float32", name: str = "tiny") 
     for name, array in weights.items():   # checkpoint order, so the values never depend on the device
         noise = rng.standard_normal(array.shape)
         array[...] = xp.asarray(1 + 0.1 * noise if name.endswith("norm.weight") else 0.3 * noise)
-    return Qwen3(config, tie_lm_head(config, weights), fused)
+    if comm is not None and comm.size > 1:   # made whole, then cut: it is tiny
+        check_split(config, comm.size)
+        shapes = expected_shapes(config)
+        parts = shards(config, shapes, comm.size, comm.rank)
+        whole, (weights, fused) = weights, allocate_weights(
+            config, xp, np.dtype(dtype), {name: shard_shape(shape, parts[name]) for name, shape in shapes.items()})
+        take_shards(whole, parts, weights)
+    return Qwen3(config, tie_lm_head(config, weights), fused, comm)

@@ -394,7 +394,9 @@ def test_prompt_logprobs_chunked_cached_and_preempted_equal_one_forward_pass(llm
     assert tight.stats["preemptions"] > 0
 
 
-def test_an_attention_probe_equals_a_trace_and_samples_nothing(llm64):
+def test_a_probe_equals_a_trace_and_samples_nothing(llm64):
+    """A probe (the web page's attention): its prompt is read a chunk per step beside another
+    request, its last token alone with its recorder, which sees that token's steps."""
     from npqwen.trace import Trace
 
     P = 16
@@ -403,7 +405,8 @@ def test_an_attention_probe_equals_a_trace_and_samples_nothing(llm64):
     llm64.forward(ids, recorder=trace)
     engine = Engine(llm64, kv_cache_tokens=32 * P, page_size=P, max_batched_tokens=32)
     probe = engine.new_request(ids, 1, temperature=0)
-    probe.attention_layer = 1
+    seen = {}
+    probe.probe = lambda name, array: seen.setdefault(name, to_numpy(array))
     engine.add(probe)
     other = engine.add_request(prompts([10], seed=10)[0], max_new_tokens=8, temperature=0)
     outputs = []
@@ -413,5 +416,6 @@ def test_an_attention_probe_equals_a_trace_and_samples_nothing(llm64):
     mine = [o for o in outputs if o.request_id == probe.request_id]
     assert all(not o.token_ids for o in mine) and mine[-1].finished and len(mine) == 5   # 4 chunks of 32, then alone
     want = trace["model.layers.1.self_attn.attn_probs"][:, -1, :]                        # (H, 100)
-    assert np.abs(mine[-1].attention - want).max() < 1e-12
+    assert np.abs(seen["model.layers.1.self_attn.attn_probs"][:, 0] - want).max() < 1e-12
+    assert np.abs(seen["lm_head"] - trace["lm_head"][-1:]).max() < 1e-10                 # (1, V): the last token's
     assert sum(len(o.token_ids) for o in outputs if o.request_id == other) == 8

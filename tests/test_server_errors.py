@@ -51,8 +51,9 @@ def refused(call, status: int):
     (dict(stop=["x"] * 17), "stop"),
     (dict(seed="7"), "seed"),
     (dict(stream_options={"include_usage": True}), "stream_options"),  # without stream
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), "response_format"),
-    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}),
+     "response_format.json_schema.schema"),
+    (dict(response_format={"type": "json_schema"}), "response_format.json_schema"),
     (dict(logit_bias={"42": 5}), "logit_bias"),
     (dict(tool_choice="required"), "tool_choice"),                   # without tools
     (dict(tools=[{"type": "function", "function": {"name": "f"}}],
@@ -89,7 +90,7 @@ def test_completions_validation(server):
     for kwargs, param in [(dict(prompt="x", max_tokens=0), "max_tokens"), (dict(prompt="x", suffix="y"), "suffix"),
                           (dict(prompt="x", best_of=3), "best_of"), (dict(prompt="x", logprobs=21), "logprobs"),
                           (dict(prompt=[1, 99999]), "prompt"), (dict(prompt=[]), "prompt"),
-                          (dict(prompt=""), "prompt"), (dict(prompt=[[1, 2], "x"]), "prompt"),
+                          (dict(prompt=""), "prompt"), (dict(prompt=[[1, 2], "x"]), "prompt[1]"),
                           (dict(prompt={"a": 1}), "prompt")]:
         e = refused(lambda: client.completions.create(model="test-model", **kwargs), 400)
         assert e.param == param, (kwargs, e.body)

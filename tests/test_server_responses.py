@@ -129,8 +129,8 @@ def test_max_output_tokens_makes_it_incomplete(server):
 
 @pytest.mark.parametrize("kwargs, param", [
     (dict(input="x", previous_response_id="resp_1"), "previous_response_id"),
-    (dict(input="x", text={"format": {"type": "json_schema", "name": "a", "schema": {"type": "object"}}}),
-     "text.format"),
+    (dict(input="x", text={"format": {"type": "json_schema", "name": "a", "schema": {"type": "strin"}}}),
+     "text.format.schema"),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]),
      "input[0].content[0].type"),
     (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input[0].type"),

@@ -1,6 +1,7 @@
 """Qwen3-MoE on the server and its page: POST /v1/npqwen/experts (the experts a token went to in each
-layer) equals a Trace of the same ids, runs on the engine thread, refuses bad input in OpenAI's error
-shape; the page's token inspector shows those experts (and nothing for a dense model)."""
+layer) equals a Trace of the same ids, runs on the engine thread (a probe, read a chunk per step),
+refuses bad input in OpenAI's error shape; the page's token inspector shows those experts (and
+nothing for a dense model)."""
 import threading
 
 import numpy as np
@@ -54,12 +55,14 @@ def test_experts_endpoint_equals_trace_and_runs_on_the_engine_thread(moe_server)
     ids = llm.tokenizer.encode("<|im_start|>user\nWhich experts?<|im_end|>\n")
     trace = routing(ids)
     threads = []
-    forward = llm.forward
+    model = moe_server.engine.model
+    forward = model.forward_batch
 
-    def watched(*args, **kwargs):
-        threads.append(threading.current_thread().name)
-        return forward(*args, **kwargs)
-    llm.forward = watched
+    def watched(batch, kv, recorder=None):   # the passes with a recorder: each probe's last token
+        if recorder is not None:
+            threads.append(threading.current_thread().name)
+        return forward(batch, kv, recorder)
+    model.forward_batch = watched
     try:
         for position in (0, 5, None):
             body = {"tokens": ids} if position is None else {"tokens": ids, "position": position}
@@ -73,17 +76,17 @@ def test_experts_endpoint_equals_trace_and_runs_on_the_engine_thread(moe_server)
                 assert layer["experts"] == trace[f"{gate}.top_k_index"][p].tolist()
                 assert np.abs(np.array(layer["weights"]) - trace[f"{gate}.top_k_weights"][p]).max() < 1e-6
     finally:
-        llm.forward = forward
+        del model.forward_batch
     assert threads == ["npqwen-engine"] * 3, threads
 
 
 def test_a_dense_model_has_no_experts_and_no_pass_is_run(tiny_server):
-    forward = tiny_server.llm.forward
-    tiny_server.llm.forward = lambda *a, **k: pytest.fail("a forward pass ran for a dense model")
+    model = tiny_server.engine.model
+    model.forward_batch = lambda *a, **k: pytest.fail("a forward pass ran for a dense model")
     try:
         status, got = http_json("POST", tiny_server.url + "/v1/npqwen/experts", {"tokens": [65, 66]})
     finally:
-        tiny_server.llm.forward = forward
+        del model.forward_batch
     assert status == 200 and (got["num_experts"], got["layers"], got["position"]) == (0, [], 1), got
 
 

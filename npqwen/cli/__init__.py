@@ -15,6 +15,7 @@ import os
 import sys
 
 from ..errors import NpqwenError
+from . import parallel
 from .common import OutputError, write_out
 
 COMMANDS = [   # npqwen/cli/<name>.py, in the order `npqwen --help` lists them
@@ -31,8 +32,29 @@ COMMANDS = [   # npqwen/cli/<name>.py, in the order `npqwen --help` lists them
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:   # tensor parallel (npqwen/cli/parallel.py): start under mpiexec, or be one of its ranks
+        if parallel.wanted(args):
+            if not parallel.mpi_world_size():
+                parallel.relaunch(args, argv)
+            if parallel.start(args, argv).rank > 0:
+                return parallel.follow_command(args.comm)
+    except NpqwenError as e:
+        if parallel.first_rank():   # every rank finds the same mistake: one says it
+            print(f"npqwen: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        return parallel.finish(args, run(args))
+    except BaseException:   # a bug: the traceback shows; the other ranks may be mid-step, so the group ends
+        if getattr(args, "comm", None) is not None and args.comm.failed is None:
+            args.comm.failed = "rank 0 failed (see its traceback)"
+        raise
+
+
+def run(args) -> int:
+    """The command, its exit status, and its errors as one line."""
     if isinstance(sys.stdout, io.TextIOWrapper):
         # Text the terminal's encoding cannot show (PYTHONIOENCODING=latin-1 and a Chinese answer)
         # prints as "?" instead of ending the run in a UnicodeEncodeError.

@@ -3,16 +3,21 @@ import contextlib
 import signal
 import sys
 
+from ..comm import GroupFailed
 from ..errors import NpqwenError
-from .common import (OutputError, check_sampling_args, checked_text, load_model, model_options, print_stats,
-                     sampling_kwargs, sampling_options, stream_to_stdout, system_messages)
+from .common import (OutputError, check_sampling_args, checked_text, constraint_kwargs, constraint_options,
+                     load_model, model_options, print_stats, sampling_kwargs, sampling_options, stream_to_stdout,
+                     system_messages)
+from .parallel import add_option
 
 
 def add_parser(commands):
-    p = commands.add_parser("chat", parents=[model_options(), sampling_options()], help="interactive multi-turn chat",
+    p = commands.add_parser("chat", parents=[model_options(), sampling_options(), constraint_options()],
+                            help="interactive multi-turn chat",
                             description="Multi-turn chat. /reset clears the history; /exit, Ctrl-D or Ctrl-C at "
                                         "the prompt quits; Ctrl-C during an answer stops that answer (it is not "
                                         "kept in the history). Arrow keys edit the line and recall earlier ones.")
+    add_option(p)
     p.set_defaults(run=cmd_chat)
 
 
@@ -20,9 +25,10 @@ def cmd_chat(args) -> int:
     from ..llm import split_reasoning
 
     check_sampling_args(args)   # a bad value shows before the (slow) load
+    constraint = constraint_kwargs(args)
     system = system_messages(args)
     llm, _ = load_model(args, chat_template=True)
-    kwargs = sampling_kwargs(args)
+    kwargs = {**sampling_kwargs(args), **constraint, "thinking": not args.no_think}   # every answer constrained
     history = list(system)
     line_editing()
     print(f"npqwen chat with {args.model}. /reset clears the history; /exit, Ctrl-D or Ctrl-C quits; "
@@ -53,7 +59,7 @@ def cmd_chat(args) -> int:
             with ctrl_c_sets_a_flag() as pressed:   # from Enter to the answer's end: Ctrl-C stops the answer
                 ids = chat_ids(llm, messages, args, earlier_turns=len(history) > len(system))
                 result = stream_to_stdout(llm, ids, kwargs, stop_requested=pressed)
-        except OutputError:        # stdout is gone: nothing more can be shown
+        except (OutputError, GroupFailed):   # stdout is gone, or a rank of the model: nothing more can be done
             raise
         except NpqwenError as e:   # e.g. the conversation outgrew the context: say so and keep going
             print(f"npqwen: error: {e}", file=sys.stderr)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 from ..errors import NpqwenError
 from ..hub import DEFAULT_MODEL, missing_files
+from .parallel import share_load
 
 # Every option's help ends with its default: "(default: ...)", written out where None means
 # "the checkpoint's value" or "off".
@@ -72,6 +73,53 @@ def one_prompt_options() -> argparse.ArgumentParser:
     one_pass.add_argument("--chat", action="store_true",
                           help="apply the chat template to the prompt first (default: the prompt as is)")
     return one_pass
+
+
+def constraint_options() -> argparse.ArgumentParser:
+    """--json-schema, --regex, --choice, --grammar (at most one): a parent parser for generate and chat."""
+    options = argparse.ArgumentParser(add_help=False)
+    group = options.add_argument_group("structured output (the answer always matches; see README)")
+    one = group.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", metavar="FILE|JSON",
+                     help="the answer is JSON valid against this schema: a file, or the schema's JSON text "
+                          "(default: none)")
+    one.add_argument("--regex", metavar="RE", help="the whole answer matches this regex (default: none)")
+    one.add_argument("--choice", metavar="TEXT", action="append",
+                     help="the answer is one of these (repeatable) (default: none)")
+    one.add_argument("--grammar", metavar="FILE",
+                     help="the answer follows this grammar: llguidance's Lark, or GBNF (default: none)")
+    return options
+
+
+CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar")   # also JSONL fields of --prompts-file
+
+
+def constraint_kwargs(args) -> dict:
+    """The command line's constraint as Engine.add_request's keyword arguments, its files read and its
+    values checked now (the schema, regex or grammar itself is checked when the request is made)."""
+    from ..structured import grammar_entry
+
+    schema, grammar = args.json_schema, args.grammar
+    if schema is not None and not schema.lstrip().startswith(("{", "true", "false")):
+        schema = read_text_file(schema, "--json-schema", "the schema's JSON text")
+    if grammar is not None:
+        grammar = read_text_file(grammar, "--grammar", None)
+    kwargs = {k: v for k, v in zip(CONSTRAINT_FIELDS, (schema, args.regex, args.choice, grammar)) if v is not None}
+    try:
+        grammar_entry(**kwargs)
+    except NpqwenError as e:
+        raise NpqwenError(f"--{next(iter(kwargs)).replace('_', '-')}: {e}") from None
+    return kwargs
+
+
+def read_text_file(path: str, option: str, instead: str | None) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise NpqwenError(f"{option} {path}: no such file" + (f" (give a file or {instead})" if instead else "")) \
+            from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise NpqwenError(f"{option} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
 
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
@@ -150,7 +198,8 @@ def load_model(args, chat_template: bool = False):
     if model not in BUILTIN:
         model = resolve_model(model).resolve()   # absolute: a local folder named "tiny" is not the built-in one
         check_checkpoint(model, tokenizer=True)
-    llm = load(model, device=args.device, dtype=args.dtype)
+    share_load(args, str(model))   # tensor parallel: the other ranks load their parts with this rank
+    llm = load(model, device=args.device, dtype=args.dtype, tensor_parallel=getattr(args, "comm", None) or False)
     if chat_template and llm.tokenizer.chat_template is None:
         instead = {"generate": ", or use --raw for a plain completion", "chat": ""}.get(args.command,
                                                                                        ", or leave out --chat")

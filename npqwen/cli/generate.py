@@ -8,25 +8,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import NpqwenError
-from .common import (ENGINE_SIZES, SAMPLING_FIELDS, add_engine_sizes, check_sampling_args, check_writable,
-                     checked_text, engine_sizes, load_model, model_options, peak_rss_bytes, print_stats,
-                     sampling_kwargs, sampling_options, stream_to_stdout, system_messages, write_out)
+from .common import (CONSTRAINT_FIELDS, ENGINE_SIZES, SAMPLING_FIELDS, add_engine_sizes, check_sampling_args,
+                     check_writable, checked_text, constraint_kwargs, constraint_options, engine_sizes, load_model,
+                     model_options, peak_rss_bytes, print_stats, sampling_kwargs, sampling_options,
+                     stream_to_stdout, system_messages, write_out)
+from .parallel import add_option
 from .progress import Progress
 
 
 def add_parser(commands):
-    p = commands.add_parser("generate", parents=[model_options(), sampling_options()],
+    p = commands.add_parser("generate", parents=[model_options(), sampling_options(), constraint_options()],
                             help="complete one prompt, streaming; or a file of prompts, batched")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", "-p", help="the prompt ('-' reads it from stdin)")
     source.add_argument("--prompts-file", metavar="FILE",
                         help="many prompts, run together through one engine: one per line, or JSONL lines with "
-                             "\"prompt\" or \"messages\" and optional sampling fields ('-' reads stdin)")
+                             "\"prompt\" or \"messages\" and optional sampling and constraint fields ('-' reads "
+                             "stdin)")
     p.add_argument("--raw", action="store_true",
                    help="plain completion: do not apply the chat template (default: the chat template)")
     batch = p.add_argument_group("with --prompts-file")
     batch.add_argument("--output", "-o", metavar="OUT.jsonl", help="write the results here (default: stdout)")
     add_engine_sizes(batch)
+    add_option(p)
     p.set_defaults(run=cmd_generate)
 
 
@@ -46,8 +50,10 @@ def cmd_generate(args) -> int:
     prompt = checked_text(args.prompt, "prompt")
     system = system_messages(args)
     check_sampling_args(args)   # a bad value shows before the (slow) load
+    constraint = constraint_kwargs(args)
     llm, load_seconds = load_model(args, chat_template=not args.raw)
-    kwargs = sampling_kwargs(args)
+    # with thinking, a constraint applies after the free reasoning
+    kwargs = {**sampling_kwargs(args), **constraint, "thinking": not args.raw and not args.no_think}
     if not args.raw:
         prompt = llm.chat_prompt(system + [{"role": "user", "content": prompt}], enable_thinking=not args.no_think)
     print_stats(stream_to_stdout(llm, prompt, kwargs), load_seconds)
@@ -63,6 +69,8 @@ class FilePrompt:
     prompt: str | None = None                      # a plain line, or JSONL "prompt": templated unless --raw
     messages: list | None = None                   # JSONL "messages": always templated
     sampling: dict = field(default_factory=dict)   # JSONL sampling fields: they override the command line
+    constraint: dict = field(default_factory=dict)  # JSONL json_schema, regex, choice or grammar: replaces the
+                                                    # command line's constraint
 
 
 def read_prompts_file(path: str) -> list[FilePrompt]:
@@ -106,10 +114,10 @@ def json_object(line: str) -> dict | None:
 
 def file_prompt(where: str, n: int, obj: dict) -> FilePrompt:
     """A JSONL line: "prompt" (a string) or "messages" (a chat), and sampling fields (null = not given)."""
-    unknown = [k for k in obj if k not in ("prompt", "messages", *SAMPLING_FIELDS)]
+    unknown = [k for k in obj if k not in ("prompt", "messages", *SAMPLING_FIELDS, *CONSTRAINT_FIELDS)]
     if unknown:
         raise NpqwenError(f"{where}: unknown field {unknown[0]!r}; a line has \"prompt\" or \"messages\" and "
-                          f"optionally {', '.join(SAMPLING_FIELDS)}")
+                          f"optionally {', '.join(SAMPLING_FIELDS)} and one of {', '.join(CONSTRAINT_FIELDS)}")
     if ("prompt" in obj) == ("messages" in obj):
         raise NpqwenError(f"{where}: needs \"prompt\" (a string) or \"messages\" (a list of chat messages), "
                           f"{'not both' if 'prompt' in obj else 'and has neither'}")
@@ -124,7 +132,8 @@ def file_prompt(where: str, n: int, obj: dict) -> FilePrompt:
         json.dumps(obj, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise NpqwenError(f"{where}: a string in it is not valid UTF-8 (an unpaired surrogate escape)") from None
-    return FilePrompt(n, prompt, messages, {k: v for k, v in obj.items() if k in SAMPLING_FIELDS and v is not None})
+    return FilePrompt(n, prompt, messages, {k: v for k, v in obj.items() if k in SAMPLING_FIELDS and v is not None},
+                      {k: v for k, v in obj.items() if k in CONSTRAINT_FIELDS and v is not None})
 
 
 def generate_file(args) -> int:
@@ -135,6 +144,7 @@ def generate_file(args) -> int:
     # The command line's values alone first, so a bad one is not blamed on line 1; then the file's own
     # mistakes; all before the (slow) load.
     check_sampling_args(args)
+    constraint = constraint_kwargs(args)
     system_messages(args)
     if args.output:
         check_writable(args.output, "--output")
@@ -146,7 +156,9 @@ def generate_file(args) -> int:
     request_ids = []
     for p in prompts:
         try:
-            request_ids.append(engine.add_request(file_prompt_text(llm, args, p), **{**defaults, **p.sampling}))
+            thinking = not args.no_think and (p.messages is not None or not args.raw)   # templated with thinking
+            request_ids.append(engine.add_request(file_prompt_text(llm, args, p), **{**defaults, **p.sampling},
+                                                  **(p.constraint or constraint), thinking=thinking))
         except NpqwenError as e:
             for request_id in request_ids:
                 engine.abort(request_id)

@@ -3,6 +3,7 @@ import signal
 
 from ..errors import NpqwenError
 from .common import add_engine_sizes, engine_sizes, load_model, model_options
+from .parallel import add_option, check_group, watch_server
 
 
 def add_parser(commands):
@@ -26,6 +27,7 @@ def add_parser(commands):
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; info logs each request (default: info)")
     add_engine_sizes(p.add_argument_group("engine sizes"))
+    add_option(p)
     p.set_defaults(run=cmd_serve)
 
 
@@ -80,8 +82,10 @@ def cmd_serve(args) -> int:
         server.should_exit = True
 
     server.handle_exit = handle_exit
+    watch_server(args, app.state.loop, server)   # tensor parallel: a rank that dies or fails stops the server
     server.run(sockets=[sock])
     print("npqwen: stopped", flush=True)
+    check_group(args)
     return 0
 
 

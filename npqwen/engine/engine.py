@@ -9,9 +9,10 @@
 A step: the scheduler picks (request, n tokens) pairs under the token budget and gives them
 pages; their tokens are packed into one Batch and run through the model once (every matmul
 sees all of them); each request whose last known token was in the batch samples its next
-token from its own logits row with its own random generator; finished requests give their
-pages back at once, and the next step can admit a waiting request in their place. Prefill-only
-requests (embeddings, rerank scores: prefill_only.py) ride in the same batches and never sample.
+token from its own logits row with its own random generator (under its constraint's mask, if it
+has one: structured.py); finished requests give their pages back at once, and the next step can
+admit a waiting request in their place. Prefill-only requests (embeddings, rerank scores:
+prefill_only.py) ride in the same batches and never sample.
 """
 import itertools
 import math
@@ -23,8 +24,10 @@ from ..embed import POOLING_MODES, InputTooLong
 from ..errors import NpqwenError
 from ..generate import StopStrings, check_request, check_token_ids, is_integer
 from ..model import Batch, KVCache, check_lm_head
+from ..parallel import rank_0_leads
 from ..sampling import candidates, draw, sampling_params, score_rows
 from ..sampling import logprobs as sampling_logprobs
+from ..structured import Masks, new_constraint
 from .pages import PagePool
 from .prefill_only import PrefillRows
 from .prefix_cache import PrefixCache
@@ -36,6 +39,9 @@ KV_MEMORY_SHARE = 0.5          # default KV pool: this share of the memory free 
 
 
 class Engine:
+    # Under tensor parallelism the engine lives on rank 0 (npqwen/parallel.py): on the other ranks
+    # each @rank_0_leads method runs rank 0's forward passes, then returns rank 0's result.
+    @rank_0_leads
     def __init__(self, llm, kv_cache_tokens: int | None = None, page_size: int = DEFAULT_PAGE_SIZE,
                  max_batch_size: int = 64, max_batched_tokens: int = 512, prefix_cache: bool = True):
         self.llm, self.model, self.config = llm, llm.model, llm.config
@@ -50,29 +56,36 @@ class Engine:
         if isinstance(kv_cache_tokens, bool) or not isinstance(kv_cache_tokens, int) or kv_cache_tokens < page_size:
             raise NpqwenError(f"kv_cache_tokens must be an integer >= page_size ({page_size}), got {kv_cache_tokens!r}")
         self.page_size = page_size
-        self.kv = KVCache(self.config, kv_cache_tokens // page_size, page_size, self.model.xp, self.model.dtype)
+        self.kv = KVCache(self.config, kv_cache_tokens // page_size, page_size, self.model.xp, self.model.dtype,
+                          getattr(self.model, "kv_heads", None))   # this rank's heads (a stand-in model: all)
         self.pool = PagePool(self.kv.num_pages)
         self.cache = PrefixCache(self.pool, page_size, enabled=prefix_cache)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens)
         self.requests: dict[str, Request] = {}       # unfinished requests by id
         self.last_batch: Batch | None = None         # what the last step ran, for a reader (docs/engine.md, 3)
+        self.masks = Masks(self.config.vocab_size)   # constrained rows' masks, filled beside the forward pass
         self._ids = itertools.count()
 
+    @rank_0_leads
     def add_request(self, prompt, max_new_tokens: int = 512, temperature=None, top_k=None, top_p=None,
                     min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None,
-                    frequency_penalty=None, logprobs=None, prompt_logprobs=None) -> str:
+                    frequency_penalty=None, logprobs=None, prompt_logprobs=None, json_schema=None, regex=None,
+                    choice=None, grammar=None, thinking: bool = False) -> str:
         """Queue a prompt (text, used as is, or token ids); its request id. Everything is checked now."""
         return self.add(self.new_request(prompt, max_new_tokens, temperature, top_k, top_p, min_p,
                                          repetition_penalty, presence_penalty, seed, stop, frequency_penalty,
-                                         logprobs, prompt_logprobs))
+                                         logprobs, prompt_logprobs, json_schema, regex, choice, grammar, thinking))
 
     def new_request(self, prompt, max_new_tokens: int = 512, temperature=None, top_k=None, top_p=None,
                     min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None,
-                    frequency_penalty=None, logprobs=None, prompt_logprobs=None) -> Request:
+                    frequency_penalty=None, logprobs=None, prompt_logprobs=None, json_schema=None, regex=None,
+                    choice=None, grammar=None, thinking: bool = False) -> Request:
         """A checked Request, not queued yet (see add). `logprobs` (an int k >= 0) makes each output
         carry the sampled token's log probability and the k most likely alternatives;
         `prompt_logprobs` (an int k >= 0) the same for every prompt token after the first, under the
-        model's own distribution, as the prompt is read (StepOutput.prompt_logprobs)."""
+        model's own distribution, as the prompt is read (StepOutput.prompt_logprobs). At most one of
+        json_schema, regex, choice, grammar constrains the answer (structured.py); `thinking`: it opens
+        with Qwen3's free <think> reasoning and the constraint applies after "</think>"."""
         ids = self.llm.prompt_ids(prompt)
         check_lm_head(self.model)   # a checkpoint saved without lm_head (Qwen3Model) cannot generate: say so now
         stop, max_new_tokens = check_request(self.config, ids, max_new_tokens, stop)
@@ -89,10 +102,12 @@ class Engine:
                               f"({self.pool.num_pages * self.page_size} positions); lower max_new_tokens or give "
                               f"the engine a larger kv_cache_tokens")
         tokenizer = self.llm.tokenizer
+        constraint = new_constraint(tokenizer, self.config.vocab_size, self.llm.eos_token_ids, json_schema, regex,
+                                    choice, grammar, thinking, ids)
         return Request(f"req-{next(self._ids)}", ids, max_new_tokens, params, frozenset(self.llm.eos_token_ids),
                        StopStrings(stop), tokenizer.stream_decoder() if tokenizer is not None else None,
                        None if logprobs is None else int(logprobs),
-                       prompt_logprobs=None if prompt_logprobs is None else int(prompt_logprobs))
+                       prompt_logprobs=None if prompt_logprobs is None else int(prompt_logprobs), constraint=constraint)
 
     def new_embedding_request(self, prompt, pooling: str = "lasttoken") -> Request:
         """A prefill-only request whose output (StepOutput.embedding) is its pooled final-norm hidden
@@ -131,14 +146,15 @@ class Engine:
         self.scheduler.add(req)
         return req.request_id
 
+    @rank_0_leads
     def step(self) -> list[StepOutput]:
         """Run one scheduling step; one output per request that advanced, in the order of its sequences
-        in the step's Batch (self.last_batch), then one per attention probe that ended (its last token
-        ran alone, Engine._attention_pass)."""
+        in the step's Batch (self.last_batch), then one per probe that ended (its last token ran alone,
+        Engine._probe_pass)."""
         plan = self.scheduler.schedule()
-        plan, probes = hold_back_probes(plan)   # an attention probe's last token runs alone, after the batch
+        plan, probes = hold_back_probes(plan)   # a probe's last token runs alone, after the batch
         if not plan:
-            return [self._attention_pass(req) for req in probes]
+            return [self._probe_pass(req) for req in probes]
         # 1. pack: each request's next n tokens, its cached length and its pages
         samples = [req.cached_len + n == len(req.tokens) and req.task is None   # its last known token is in?
                    for req, n in plan]
@@ -152,7 +168,10 @@ class Engine:
                       page_tables=[np.array(req.page_table) for req, _ in plan], page_size=self.page_size,
                       sample_rows=rows, **prefill_only.batch_fields)
         self.last_batch = batch
-        # 2. one forward pass for all of them; logits only for the rows that sample (or score their prompt)
+        # 2. one forward pass for all of them; logits only for the rows that sample (or score their prompt).
+        # A constrained row's mask depends only on tokens drawn in earlier steps, so a worker thread fills
+        # this step's masks while the forward pass runs (structured.Masks); sampling below waits for them.
+        self.masks.start([req.constraint for (req, _), s in zip(plan, samples) if s and req.constraint])
         logits = to_numpy(self.model.forward_batch(batch, self.kv))                   # (sampling requests, V)
         logits, prompt_scores = self._score_prompts(plan, scoring, rows, logits, (ends - 1)[samples])
         # 3. each request takes its tokens' keys/values as computed and, if its turn, samples
@@ -166,7 +185,9 @@ class Engine:
             if not sample:
                 outputs.append(StepOutput(req.request_id, [], ""))
                 continue
-            ids, candidate_logits = candidates(no_eos_yet(req, logits[row]), req.params, req.prompt_ids, req.output_ids)
+            allowed = self.masks.allowed(req.constraint)   # None for a free request
+            ids, candidate_logits = candidates(no_eos_yet(req, logits[row], allowed), req.params, req.prompt_ids,
+                                               req.output_ids, allowed)
             token = draw(ids, candidate_logits, req.params, req.rng)
             row += 1
             out = req.append(token)
@@ -177,8 +198,9 @@ class Engine:
                 self._finish(req)
         for i, scores in prompt_scores.items():   # one output per request of the plan, in its order
             outputs[i].prompt_logprobs = scores
-        return outputs + [self._attention_pass(req) for req in probes]
+        return outputs + [self._probe_pass(req) for req in probes]
 
+    @rank_0_leads
     def abort(self, request_id: str) -> StepOutput:
         """End a request now and give its pages back; its final output (finish_reason "abort")."""
         req = self.requests.get(request_id)
@@ -188,21 +210,27 @@ class Engine:
         self._finish(req)
         return StepOutput(req.request_id, [], "", True, "abort", req.result())
 
+    @rank_0_leads
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     @property
+    @rank_0_leads
     def stats(self) -> dict:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_pages_total": self.pool.num_pages, "kv_pages_free": len(self.pool.free),
                 "kv_pages_cached": self.cache.cached_pages, "page_size": self.page_size,
                 "prefix_cache_hit_tokens": self.cache.hit_tokens, "preemptions": self.scheduler.preemptions}
 
+    @rank_0_leads
     def check(self):
         """The page bookkeeping invariants (see PagePool.check); the tests call it after every step."""
         self.pool.check([r.page_table for r in self.scheduler.running] + [r.page_table for r in self.scheduler.waiting],
                         self.cache.unused)
         self.cache.check()
+        for req in self.scheduler.running + list(self.scheduler.waiting):   # a preempted one keeps its matcher
+            if req.constraint is not None:
+                req.constraint.check(len(req.output_ids))
 
     def _score_prompts(self, plan, scoring, rows, logits, sample_rows) -> tuple:
         """(the sampling rows' logits, {plan index: prompt logprobs}): requests that score their
@@ -218,26 +246,20 @@ class Engine:
                 req.prompt_scored += len(mine)
         return logits[np.searchsorted(rows, sample_rows)], scores
 
-    def _attention_pass(self, req: Request) -> StepOutput:
-        """An attention probe's last token, run alone with a recorder that keeps the attention
-        weights of its layer, (H, 1, S) -> (H, S); then the probe ends. Its prompt went through the
-        batches a chunk at a time like any other, so while a 2048-token probe runs, every stream
-        keeps getting a token per step (the web page's /v1/npqwen/attention)."""
-        name, kept = f"model.layers.{req.attention_layer}.self_attn.attn_probs", {}
-
-        def keep(step, array):
-            if step == name:
-                kept[step] = array
-
+    def _probe_pass(self, req: Request) -> StepOutput:
+        """A probe's last token, run alone with the probe's recorder, which keeps what it wants of that
+        token's steps (the web page's attention weights of a layer, a Qwen3-MoE router's choices); then
+        the probe ends. Its prompt went through the batches a chunk at a time like any other, so while
+        a 2048-token probe runs every stream keeps getting a token per step."""
         p = req.cached_len
         batch = Batch(np.array(req.tokens[p:p + 1]), starts=[p], lengths=[1], page_tables=[np.array(req.page_table)],
                       page_size=self.page_size, sample_rows=np.array([0]))
-        self.model.forward_batch(batch, self.kv, keep)
+        self.model.forward_batch(batch, self.kv, req.probe)
         req.cached_len += 1
         self._remember_full_pages(req)
         req.finish_reason = "stop"
         self._finish(req)
-        return StepOutput(req.request_id, [], "", True, "stop", req.result(), attention=to_numpy(kept[name])[:, 0])
+        return StepOutput(req.request_id, [], "", True, "stop", req.result())
 
     def _remember_full_pages(self, req: Request):
         """Pages filled by this step become known to the prefix cache (chain hash of the tokens up to their end)."""
@@ -258,11 +280,11 @@ class Engine:
 
 
 def hold_back_probes(plan: list) -> tuple[list, list]:
-    """(the plan without the last token of each attention probe due now, those probes): that
-    token runs on its own after the batch (Engine._attention_pass)."""
+    """(the plan without the last token of each probe due now, those probes): that token runs on
+    its own after the batch (Engine._probe_pass)."""
     kept, probes = [], []
     for req, n in plan:
-        if req.attention_layer is not None and req.cached_len + n == len(req.tokens):
+        if req.probe is not None and req.cached_len + n == len(req.tokens):
             probes.append(req)
             n -= 1
         if n:
@@ -281,10 +303,13 @@ def prompt_rows(req: Request, n: int, first_row: int) -> np.ndarray:
     return first_row + np.arange(lo, max(hi, lo)) - req.cached_len
 
 
-def no_eos_yet(req: Request, logits: np.ndarray) -> np.ndarray:
+def no_eos_yet(req: Request, logits: np.ndarray, allowed: np.ndarray | None = None) -> np.ndarray:
     """A request's logits row (V,), with its eos tokens made impossible while it has fewer than
-    req.min_tokens tokens (vLLM's min_tokens)."""
+    req.min_tokens tokens (vLLM's min_tokens); unless its constraint's mask `allowed` leaves nothing
+    but eos, when the constraint wins (the answer is complete)."""
     if len(req.output_ids) >= req.min_tokens or not req.eos_ids:
+        return logits
+    if allowed is not None and not np.delete(allowed, list(req.eos_ids)).any():
         return logits
     logits = logits.copy()
     logits[list(req.eos_ids)] = -np.inf

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..generate import GenerationResult, StopStrings
 from ..sampling import SamplingParams
+from ..structured import Constraint
 
 
 @dataclass
@@ -21,12 +22,11 @@ class StepOutput:
     token_ids: list[int]                 # tokens sampled in this step (empty while the prompt is being read)
     text: str                            # new text: never ends inside a UTF-8 character or a possible stop string
     finished: bool = False
-    finish_reason: str | None = None     # "stop" (eos or stop string), "length" or "abort"
+    finish_reason: str | None = None     # "stop" (eos, stop string, constraint complete), "length" or "abort"
     result: GenerationResult | None = None   # the whole result, once finished
     logprobs: list | None = None         # per sampled token, when asked: (log p, [(id, log p) most likely first])
     prompt_logprobs: list | None = None  # per prompt token scored in this step, when asked (Request.prompt_logprobs):
                                          # (log p, [(id, log p) most likely first], rank), the model's own distribution
-    attention: object = None             # an attention probe's weights (H, S): its last token over positions 0 .. S - 1
     embedding: np.ndarray | None = None  # a finished "embed" request: its pooled hidden state (D,) float32
     scores: np.ndarray | None = None     # a finished "score" request: the logits of its score_ids (k,) float32
 
@@ -43,12 +43,13 @@ class Request:
     logprobs: int | None = None          # report log p of each sampled token and this many alternatives; None: off
     leader: "Request | None" = None      # one of n choices: admitted once the leader has read the shared prompt
     prompt_logprobs: int | None = None   # score the prompt: log p of each prompt token after the first, and this
-                                         # many alternatives (Engine._score_prompt); None: off
+                                         # many alternatives (Engine._score_prompts); None: off
     prompt_scored: int = 1               # prompt tokens scored so far (the first has no context: never scored)
-    attention_layer: int | None = None   # an attention probe: its last token runs alone, and the request ends with
-                                         # that token's attention in every head of this layer (Engine._attention_pass)
+    probe: object = None                 # a recorder (recorder(name, array)): the request is a probe, its last token
+                                         # runs alone with it, then it ends, sampling nothing (Engine._probe_pass)
     min_tokens: int = 0                  # no eos can be drawn, and no stop string ends it, before this many tokens
     include_stop: bool = False           # the stop string that ends the text stays in it
+    constraint: Constraint | None = None     # structured output: the answer's mask and matcher (structured.py)
     task: str | None = None              # None: generate; "embed" or "score": read the prompt only (prefill_only.py)
     pooling: str = "lasttoken"           # embed: which positions' final-norm states make the embedding (embed.py)
     score_ids: tuple = ()                # score: the tokens whose logits at the last position are the output
@@ -107,6 +108,9 @@ class Request:
                 self.finish_reason, self.stop = "stop", hit
                 self.decoder = None        # nothing held back may follow a stop string
                 piece += hit if self.include_stop else ""
+        if not self.finished and self.constraint is not None and \
+                self.constraint.advance(token, len(self.output_ids) - 1):
+            self.finish_reason, self.stop = "stop", None   # the constrained answer is complete
         if not self.finished and len(self.output_ids) >= self.max_new_tokens:
             self.finish_reason = "length"
         if self.finished and self.decoder is not None and self.finish_reason != "abort":

@@ -44,14 +44,15 @@ from ..errors import NpqwenError
 from ..backend import to_numpy
 from ..generate import check_token_ids
 from ..model import check_lm_head
+from ..structured import ConstraintError
+from .constraints import chat_constraint, format_constraint
 from .embeddings import embeddings, rerank
 from .engine_loop import EngineLoop, EngineStopped
 from .parsers import StreamParser, finish_reason, parse_output
 from .tokenizer_process import LONG_TEXT_CHARS, TokenizerProcess
 from .protocol import (IGNORED, MAX_ATTENTION_TOKENS, APIError, AttentionRequest, ChatCompletionRequest,
-                       CompletionRequest, DetokenizeRequest, EmbeddingRequest, ExpertsRequest, NamedToolChoice,
-                       RerankRequest, TokenizeRequest,
-                       template_messages)
+                       CompletionRequest, DetokenizeRequest, EmbeddingRequest, ExpertsRequest, RerankRequest,
+                       TokenizeRequest, template_messages)
 
 DEFAULT_MAX_QUEUE = 256                    # waiting requests; one more is a 429
 RETRY_AFTER_SECONDS = 1                    # a 429's Retry-After
@@ -307,9 +308,11 @@ class Server:
             self.check_room(fewest, max_tokens, param, f"{len(prompt)} characters, so at least ")
 
     def requests(self, prompt, body, max_tokens: int | None, logprobs: int | None, param: str,
-                 prompt_logprobs: int | None = None) -> list:
+                 prompt_logprobs: int | None = None, constraint: tuple[dict, str] | None = None,
+                 thinking: bool = False) -> list:
         """The n engine requests of one prompt (choices after the first follow it, sharing its pages;
-        the first scores the prompt when `prompt_logprobs` is set)."""
+        the first scores the prompt when `prompt_logprobs` is set); `constraint`: (Engine.new_request's
+        constraint arguments, the body field they came from)."""
         self.check_size(prompt, max_tokens, param)
         try:
             check_lm_head(self.llm.model)   # a Qwen3Model checkpoint (embeddings only) cannot generate
@@ -323,11 +326,15 @@ class Server:
             raise APIError(400, f"{param} is empty", param)
         max_tokens = self.check_room(len(ids), max_tokens, param)
         made = []
+        constrain, constraint_param = constraint or ({}, None)
         for i in range(body.n):
             seed = None if body.seed is None else (body.seed + i) % 2 ** 64   # each choice its own draw
             try:
                 req = self.engine.new_request(ids, max_tokens, seed=seed, logprobs=logprobs, **body.sampling(),
-                                              prompt_logprobs=None if made else prompt_logprobs)
+                                              prompt_logprobs=None if made else prompt_logprobs, **constrain,
+                                              thinking=thinking)
+            except ConstraintError as e:
+                raise APIError(400, str(e), constraint_param) from None
             except NpqwenError as e:
                 field = str(e).split(" ", 1)[0]
                 raise APIError(400, str(e), field if field in type(body).model_fields else "max_tokens") from None
@@ -416,14 +423,12 @@ class Server:
         self.check_model(body.model)
         body.check_supported()
         self.note_ignored(body)
-        tools_on, tools, prefix = self.chat_tools(body)
-        thinking = body.thinking and not prefix and not body.continue_final_message   # a continued message: all content
+        tools_on, tools = self.chat_tools(body)
+        thinking = body.thinking and not body.continue_final_message   # a continued message: all content
         top = (body.top_logprobs or 0) if body.logprobs else None
-        opened, requests = await self.off_loop(self.chat_requests, body, thinking, tools, prefix, top)
+        opened, requests = await self.off_loop(self.chat_requests, body, thinking, tools, top)
         one_call = body.parallel_tool_calls is False
         choices = [Choice(i, r, StreamParser(thinking, tools=tools_on, opened=opened)) for i, r in enumerate(requests)]
-        for c in choices:
-            c.parser.feed(prefix)
         call = dict(id="chatcmpl-" + uuid.uuid4().hex, created=int(time.time()), model=self.model_name)
         queue = self.submit(requests)
         if body.stream:
@@ -435,7 +440,7 @@ class Server:
             return Response(status_code=499)   # nobody is listening any more
         answers = []
         for c in choices:
-            parsed = parse_output(prefix + c.text, thinking, tools=tools_on, opened=opened)
+            parsed = parse_output(c.text, thinking, tools=tools_on, opened=opened)
             tool_calls = parsed.tool_calls[:1] if one_call else parsed.tool_calls
             message = {"role": "assistant", "content": parsed.content if parsed.content or not tool_calls else None}
             if thinking:
@@ -451,21 +456,16 @@ class Server:
             prompt_ids["prompt_logprobs"] = self.vllm_prompt_logprobs(choices[0])
         return {**call, "object": "chat.completion", **prompt_ids, "choices": answers, "usage": usage(requests)}
 
-    def chat_tools(self, body: ChatCompletionRequest) -> tuple[bool, list | None, str]:
-        """(whether tool calls are parsed, the tools for the template, what the answer is made to start with)."""
+    def chat_tools(self, body: ChatCompletionRequest) -> tuple[bool, list | None]:
+        """(whether tool calls are parsed, the tools for the template)."""
         tools_on = bool(body.tools) and body.tool_choice != "none"
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if tools_on else None
-        # tool_choice "required" or a named function: the answer is made to start with the call
-        # (no grammar-constrained decoding here), so the model writes no reasoning first.
-        prefix = ""
-        if tools_on and body.tool_choice == "required":
-            prefix = '<tool_call>\n{"name": "'
-        elif tools_on and isinstance(body.tool_choice, NamedToolChoice):
-            prefix = '<tool_call>\n{"name": ' + json.dumps(body.tool_choice.function.name) + ', "arguments": '
-        return tools_on, tools, prefix
+        return tools_on, [t.model_dump(exclude_none=True) for t in body.tools] if tools_on else None
 
-    def chat_requests(self, body: ChatCompletionRequest, thinking: bool, tools, prefix: str, top) -> tuple:
-        """(whether the template opened the reasoning, the engine requests); runs off the event loop."""
+    def chat_requests(self, body: ChatCompletionRequest, thinking: bool, tools, top) -> tuple:
+        """(whether the template opened the reasoning, the engine requests); runs off the event loop.
+        response_format, structured_outputs, or tool_choice "required" / named / strict functions
+        constrain the answer (after its reasoning, with thinking on): constraints.py."""
+        constraint = chat_constraint(body, self.tokenizer, self.config.vocab_size, self.llm.eos_token_ids)
         texts = [m.content if isinstance(m.content, str) else "".join(getattr(p, "text", "") for p in m.content)
                  for m in body.messages if m.content]
         if sum(map(len, texts)) > LONG_TEXT_CHARS:   # the template only adds text: a bound before it runs
@@ -476,7 +476,8 @@ class Server:
         except NpqwenError as e:
             raise APIError(400, str(e), "messages") from None
         opened = thinking and prompt.rstrip("\n").endswith("<think>")   # a template that opens the reasoning
-        return opened, self.requests(prompt + prefix, body, body.max_new_tokens, top, "messages", body.prompt_logprobs)
+        return opened, self.requests(prompt, body, body.max_new_tokens, top, "messages", body.prompt_logprobs,
+                                     constraint, thinking)
 
     def chat_text(self, body: ChatCompletionRequest, messages: list[dict], thinking: bool, tools) -> str:
         """The chat template's text; vLLM's add_generation_prompt false leaves out the assistant's
@@ -578,8 +579,9 @@ class Server:
         still draws one token, which the answer leaves out."""
         scored = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
         max_tokens, scored = 1 if body.max_tokens == 0 else body.max_tokens, max(scored) if scored else None
+        constraint = format_constraint(body)
         return [r for prompt in body.prompts() for r in self.requests(prompt, body, max_tokens, body.logprobs, "prompt",
-                                                                     scored)]
+                                                                     scored, constraint)]
 
     async def completion_stream(self, queue, choices, call, include_usage: bool, body: CompletionRequest, http):
         prompt_sent = set()   # choices whose first chunk (with prompt_token_ids) is out
@@ -672,8 +674,7 @@ class Server:
 
     async def attention(self, body: AttentionRequest, http: HTTPRequest) -> dict:
         """The attention row of `position` over positions 0 .. position in every head of `layer`, and
-        their mean: an engine request over tokens[:position + 1], read a chunk per step like any
-        prompt, whose last token runs with a recorder (Engine._attention_pass)."""
+        their mean: a probe over tokens[:position + 1] (see probe)."""
         self.check_model(body.model)
         ids, layers, heads = body.tokens, self.config.num_hidden_layers, self.config.num_attention_heads
         limit = min(MAX_ATTENTION_TOKENS, self.config.max_position_embeddings)
@@ -687,17 +688,15 @@ class Server:
                            "position")
         if not 0 <= body.layer < layers:
             raise APIError(400, f"layer {body.layer} does not exist: the model has layers 0 .. {layers - 1}", "layer")
-        try:
-            probe = self.engine.new_request(ids[:p + 1], 1, temperature=0)
-        except NpqwenError as e:
-            raise APIError(400, str(e), "tokens") from None
-        probe.attention_layer = body.layer
-        rows = None
-        async with contextlib.aclosing(self.outputs(self.submit([probe]), [probe], http)) as outputs:
-            async for _, out in outputs:
-                rows = out.attention
-        if rows is None:   # the client went away first
+        name, kept = f"model.layers.{body.layer}.self_attn.attn_probs", {}
+
+        def keep(step, array):   # the probe's last token: (H, 1, p + 1) -> (H, p + 1)
+            if step == name:
+                kept["rows"] = to_numpy(array)[:, 0]
+
+        if not await self.probe(ids[:p + 1], keep, http):
             return Response(status_code=499)
+        rows = kept["rows"]
         rows = rows.astype("float64")                                                  # (H, p + 1)
         decode = self.tokenizer.decode
         return {"object": "npqwen.attention", "model": self.model_name, "layer": body.layer, "position": p,
@@ -705,12 +704,26 @@ class Server:
                 "token_bytes": [list(self.tokenizer.token_bytes(t)) for t in ids[:p + 1]],   # as logprobs' "bytes"
                 "heads": rows.tolist(), "mean": rows.mean(axis=0).tolist()}
 
+    async def probe(self, ids: list[int], recorder, http: HTTPRequest) -> bool:
+        """An engine request that reads `ids` a chunk per step, like any prompt, and whose last token
+        then runs alone with `recorder` (Engine._probe_pass); False if the client went away first."""
+        try:
+            req = self.engine.new_request(ids, 1, temperature=0)
+        except NpqwenError as e:
+            raise APIError(400, str(e), "tokens") from None
+        req.probe = recorder
+        async with contextlib.aclosing(self.outputs(self.submit([req]), [req], http)) as outputs:
+            async for _, out in outputs:
+                if out.finished:
+                    return True
+        return False
+
     # -- experts (for the web page) --
 
     async def experts(self, body: ExpertsRequest, http: HTTPRequest) -> dict:
         """Qwen3-MoE: the experts the router sent token `position` to in each layer, best first, with their
-        weights; a forward pass with a recorder over tokens[:position + 1], run on the engine thread. A dense
-        model has none: num_experts 0 and no layers, answered without a pass."""
+        weights; a probe over tokens[:position + 1] (see probe). A dense model has none: num_experts 0 and
+        no layers, answered without a pass."""
         self.check_model(body.model)
         ids, cfg = body.tokens, self.config
         limit = min(MAX_ATTENTION_TOKENS, cfg.max_position_embeddings)
@@ -728,40 +741,17 @@ class Server:
             return answer
         kept = {}
 
-        def keep(step, array):   # a recorder that keeps position p's row of the router's choices
+        def keep(step, array):   # position p is the probe's last token: the one row of the router's choices
             if step.endswith((".mlp.gate.top_k_index", ".mlp.gate.top_k_weights")):
-                kept[step] = to_numpy(array)[p].tolist()
+                kept[step] = to_numpy(array)[0].tolist()
 
-        def run():   # on the engine thread, between two steps
-            self.llm.forward(ids[:p + 1], last_only=True, recorder=keep)
-
-        result = await self.on_engine_thread(run, http, "the experts pass")
-        if isinstance(result, Response):
-            return result
+        if not await self.probe(ids[:p + 1], keep, http):
+            return Response(status_code=499)
         for i in range(cfg.num_hidden_layers):
             gate = f"model.layers.{i}.mlp.gate"
             answer["layers"].append({"layer": i, "experts": kept.get(f"{gate}.top_k_index"),    # None: dense
                                      "weights": kept.get(f"{gate}.top_k_weights")})
         return answer
-
-    async def on_engine_thread(self, run, http: HTTPRequest, what: str):
-        """run() on the engine thread, between two steps; a 499 Response if the client leaves first."""
-        future = self.loop.call(run)
-        try:
-            while not future.done():   # checked on a clock: the client may go, the engine stop
-                await asyncio.wait([future], timeout=DISCONNECT_POLL_SECONDS)
-                if future.done():
-                    break
-                if not self.loop.thread.is_alive():
-                    raise EngineStopped("the server is shutting down")
-                if await http.is_disconnected():
-                    return Response(status_code=499)
-        finally:
-            future.cancel()   # nothing if it ran; skipped on the engine thread if it had not
-        if future.exception() is not None:   # not the client's doing (the request was checked): say so
-            traceback.print_exception(future.exception(), file=sys.stderr)
-            raise APIError(500, f"{what} failed ({future.exception()!r}); see the server log", type="server_error")
-        return future.result()
 
     # -- tokenizer --
 
@@ -867,6 +857,9 @@ ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a chunk as JSON, or [DONE] at the end of a chat or completion"},
+    "event": {"type": "string", "description": "a Responses event's type; otherwise 'message'"}}}
 ERRORS = {400: "a request the server cannot serve, in OpenAI's error shape; param names the field",
           401: "a missing or wrong API key", 404: "another model's name", 413: "a body over the size limit",
           429: "the queue is full: retry after Retry-After seconds", 503: "the server is shutting down"}
@@ -908,8 +901,8 @@ def openapi_schema(app: FastAPI, with_key: bool, model_name: str) -> dict:
             for code in sorted(codes):
                 responses[str(code)] = {"description": ERRORS[code], "content": {
                     "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-            if path in STREAMED:
-                responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+            if path in STREAMED:   # each server-sent event: its data a JSON chunk (or [DONE]), its event name
+                responses["200"]["content"]["text/event-stream"] = {"schema": SSE_EVENT}
     schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     app.openapi_schema = schema
     return schema

@@ -3,9 +3,9 @@
 Handlers put commands in a queue (add these requests, abort those, call this function); the
 thread drains it before every step, so an abort takes effect before the next step runs, runs
 `engine.step()`, and hands each output to the asyncio queue of the HTTP call that asked for it.
-While nothing is unfinished the thread sleeps on the command queue. A call (the attention
-endpoint's forward pass) runs between two steps, so it never races the engine for the model and
-costs nothing while nobody asks.
+While nothing is unfinished the thread sleeps on the command queue. A call runs between two
+steps, so it never races the engine for the model; it holds every stream up for as long as it
+runs, so the web page's passes are not calls but engine requests (probes, read a chunk per step).
 """
 import asyncio
 import queue
@@ -15,6 +15,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from ..comm import GroupFailed
 from ..engine import Request, StepOutput
 
 
@@ -44,6 +45,7 @@ class EngineLoop:
         self.sinks: dict[str, Sink] = {}
         self.thread = threading.Thread(target=self.run, name="npqwen-engine", daemon=True)
         self.stopping = False
+        self.on_failure = None   # called with the error when the engine cannot go on (a rank of the model is gone)
 
     # -- called from the HTTP side (the asyncio event loop) --
 
@@ -101,6 +103,12 @@ class EngineLoop:
                 continue
             try:
                 outputs = engine.step()
+            except GroupFailed as e:   # tensor parallel: a rank is gone, the model with it; open requests get why
+                self.fail_all(EngineStopped(str(e)))
+                self.stopping = True
+                if self.on_failure is not None:
+                    self.on_failure(e)
+                return
             except Exception:   # a bug, not a client's doing: fail what is running, keep serving
                 traceback.print_exc(file=sys.stderr)
                 self.fail_all(EngineStopped("the engine failed on this request's step; see the server log"))

@@ -1,18 +1,19 @@
 """The OpenAI API's shapes: request bodies (validated by pydantic), errors, and response pieces.
 
 Bodies are strict: a field npqwen does not know is a 400 that names it (OpenAI's shape, never
-FastAPI's 422), and so is a known field with a value npqwen does not implement (response_format
-json_schema, logit_bias, suffix). Nothing that would change the answer is silently ignored;
+FastAPI's 422), and so is a known field with a value npqwen does not implement (logit_bias,
+suffix). Nothing that would change the answer is silently ignored;
 OpenAI's fields about the service (store, metadata, service_tier, ...: IGNORED) are accepted
 and logged once. Beyond OpenAI's fields, the extras that vLLM and SGLang accept: top_k, min_p,
 repetition_penalty, chat_template_kwargs.enable_thinking, and vLLM's return_token_ids,
 prompt_logprobs, ignore_eos, min_tokens, skip_special_tokens, include_stop_str_in_output,
-add_generation_prompt, continue_final_message. An int field takes a whole-number float (2.0).
-npqwen's own endpoint, POST /v1/npqwen/attention, takes an AttentionRequest.
+add_generation_prompt, continue_final_message, structured_outputs (see constraints.py). An int
+field takes a whole-number float (2.0). npqwen's own endpoint, POST /v1/npqwen/attention, takes
+an AttentionRequest.
 """
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
 MAX_CHOICES = 8          # n
 MAX_TOP_LOGPROBS = 20    # top_logprobs (chat), logprobs (completions)
@@ -110,9 +111,25 @@ class ChatTemplateKwargs(Strict):
     enable_thinking: bool | None = None                   # None: on (or as reasoning_effort says)
 
 
+class JSONSchemaFormat(Strict):
+    name: str
+    description: str | None = None
+    schema_: dict | bool = Field(alias="schema")          # "schema" would shadow pydantic's BaseModel.schema
+    strict: bool | None = None                            # enforced either way
+
+
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(Strict):
+    """vLLM's extra field: the answer matches one of these (constraints.py)."""
+    json_: dict | bool | str | None = Field(None, alias="json")   # a JSON Schema, or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None                            # llguidance's Lark, or GBNF
+    json_object: bool | None = None
 
 
 class Sampling(Strict):
@@ -145,6 +162,7 @@ class Sampling(Strict):
     min_tokens: Whole = Field(0, ge=0)                    # no eos and no stop string before this many tokens
     skip_special_tokens: bool = False                     # leave special tokens (<|im_end|>) out of the text
     include_stop_str_in_output: bool = False              # the stop string that ended the text stays in it
+    structured_outputs: StructuredOutputs | None = None   # vLLM's: json, regex, choice or grammar
 
     def sampling(self) -> dict:
         """Keyword arguments for Engine.new_request (None: the checkpoint's default)."""
@@ -178,10 +196,6 @@ class ChatCompletionRequest(Sampling):
 
     def check_supported(self):
         super().check_supported()
-        if self.response_format is not None and self.response_format.type != "text":
-            raise APIError(400, f"response_format {self.response_format.type!r} is not supported by npqwen "
-                                f"(no constrained decoding); use 'text' or leave it out", "response_format",
-                           "unsupported")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if self.prompt_logprobs is not None and self.stream:
@@ -214,8 +228,23 @@ class ChatCompletionRequest(Sampling):
         return self.reasoning_effort not in ("none", "minimal")
 
 
+def prompt_kind(value) -> str:
+    """Which of completions' prompt types a value is, from its first element: pydantic then checks
+    that one alone. (Left to itself it tries every type, and a list of 4M ids fails list[str] with 4M
+    errors first: 2 s of the event loop.)"""
+    if not isinstance(value, list):
+        return "str"
+    first = value[0] if value else 0   # an empty list: no ids (prompts() says it is empty)
+    return "list[str]" if isinstance(first, str) else "list[list[int]]" if isinstance(first, list) else "list[int]"
+
+
+Prompt = Annotated[Annotated[str, Tag("str")] | Annotated[list[str], Tag("list[str]")]
+                   | Annotated[list[int], Tag("list[int]")] | Annotated[list[list[int]], Tag("list[list[int]]")],
+                   Discriminator(prompt_kind)]
+
+
 class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: Whole | None = Field(16, ge=0)             # OpenAI's default for completions; 0: echo alone
     logprobs: Whole | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False                                     # the prompt first (scored too, with logprobs)

@@ -214,7 +214,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         chat["tool_choice"] = body.tool_choice
     if body.reasoning is not None and body.reasoning.effort is not None:
         chat["reasoning_effort"] = body.reasoning.effort
-    if body.text is not None and body.text.format is not None:   # json_schema: once npqwen constrains decoding
+    if body.text is not None and body.text.format is not None:   # json_object, json_schema: constrained
         fmt = body.text.format.model_dump()
         chat["response_format"] = {"type": fmt["type"], **({"json_schema": {
             k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
@@ -227,12 +227,21 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
                        "input") from None
     try:
         request.check_supported()
-    except APIError as e:   # say it with the Responses API's names
-        names = {"response_format": "text.format", "max_tokens": "max_output_tokens", "messages": "input"}
-        e.param = names.get(e.param, e.param)
-        e.message = e.message.replace("response_format", "text.format")
-        raise
+    except APIError as e:
+        raise in_responses_names(e) from None
     return request
+
+
+def in_responses_names(e: APIError) -> APIError:
+    """A chat request's error said with the Responses API's names (text.format, not response_format)."""
+    names = {"response_format": "text.format", "max_tokens": "max_output_tokens", "messages": "input"}
+    param = e.param or ""
+    param = names.get(param, param.replace("response_format.json_schema", "text.format")
+                      .replace("response_format", "text.format").replace(".function.", "."))
+    e.param = param or None
+    e.message = e.message.replace("response_format.json_schema", "text.format").replace("response_format",
+                                                                                         "text.format")
+    return e
 
 
 class Output:
@@ -267,19 +276,21 @@ class Responder:
         body.check_supported()
         server.note_ignored(body, RESPONSE_FIELDS_IGNORED)
         chat = to_chat_request(body)
-        tools_on, tools, prefix = server.chat_tools(chat)
-        thinking = chat.thinking and not prefix
-        opened, requests = await server.off_loop(server.chat_requests, chat, thinking, tools, prefix, None)
+        tools_on, tools = server.chat_tools(chat)
+        thinking = chat.thinking
+        try:   # text.format and tool_choice constrain the answer (constraints.py)
+            opened, requests = await server.off_loop(server.chat_requests, chat, thinking, tools, None)
+        except APIError as e:
+            raise in_responses_names(e) from None
         choice = Choice(0, requests[0], StreamParser(thinking, tools=tools_on, opened=opened))
-        choice.parser.feed(prefix)
         base = self.base(body, chat)
         queue = server.submit(requests)
         if body.stream:
-            return EventStream(self.events(queue, choice, base, thinking, tools_on, opened, prefix, body, http),
+            return EventStream(self.events(queue, choice, base, thinking, tools_on, opened, body, http),
                                lambda: server.loop.abort(requests))
         if not await server.collect(queue, [choice], http):
             return Response(status_code=499)
-        parsed = parse_output(prefix + choice.text, thinking, tools=tools_on, opened=opened)
+        parsed = parse_output(choice.text, thinking, tools=tools_on, opened=opened)
         out = Output()
         if parsed.reasoning:
             item = out.reasoning()
@@ -329,7 +340,7 @@ class Responder:
                           "total_tokens": counts["total_tokens"]}}
 
     async def events(self, queue, choice: Choice, base: dict, thinking: bool, tools_on: bool, opened: bool,
-                     prefix: str, body: ResponsesRequest, http):
+                     body: ResponsesRequest, http):
         """The typed events of a streamed response, as SSE lines: every item is announced
         (output_item.added), grows by deltas and is closed (output_item.done) before the next one."""
         sequence = 0

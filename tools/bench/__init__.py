@@ -35,11 +35,20 @@ Suites (--suites, comma-separated, or all; the default is prefill,decode):
               with a DynamicCache). For npqwen, beside each: its linear layers alone at the same
               shapes (ops.linear on the model's own weights), and their share of the step.
               --profile prints a cProfile table of npqwen's two steps to stderr.
+    tp        tensor parallelism: --tp-size (2) ranks of 1 BLAS thread (mpiexec) against one process of
+              --tp-size threads: decode tokens/s after a 16-token prompt, a --tp-prefill (1024) token
+              prefill, each rank's time in collectives and peak RSS (npqwen only; needs mpi4py).
 
     moe       Qwen3-MoE at the Qwen3-30B-A3B layer shape (2 layers, its own checkpoint: run it alone): a
               --moe-prefill (512) token step and a decode step of --moe-batch (32) requests, npqwen's
               beside its expert products alone and all its matrix products alone; HF with its default
               experts implementation and its eager loop.
+    structured
+              what a constraint's mask costs (npqwen): per token, for a small, a medium and a large
+              JSON schema, llguidance filling the next-token mask and consuming the token (mean,
+              p99), walked along a valid answer; and one decode step of --structured-batch (16)
+              requests through npqwen.Engine with every request constrained vs none (target: at
+              most 5% more). A checkpoint without a tokenizer uses --structured-tokenizer's.
     embed     --embed-texts (64) texts of --embed-lens (16-512) tokens at the Qwen3-Embedding-0.6B shape:
               npqwen's llm.embed (packed, no padding) against sentence-transformers' encode in
               float32 and bfloat16 with its default batching (sorted, batches of 32 padded to their
@@ -72,6 +81,6 @@ prefix run in another worker per engine, once whatever --rounds says, so their p
 #   tables(report)        tables of its own: [(column names, rows)]
 #   notes(report)         sentences printed under the tables
 # The order here is the order of the rows, tables, notes and targets, and of the runs in a worker.
-from tools.bench import batch1, decode, embed, moe, prefill, prefix, serving, step
+from tools.bench import batch1, decode, embed, moe, prefill, prefix, serving, step, structured, tp
 
-SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe, embed)}
+SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe, structured, tp, embed)}

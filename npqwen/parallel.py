@@ -1,0 +1,327 @@
+"""Tensor parallelism: one Qwen3 over N processes (ranks), each holding 1/N of every layer.
+
+The split, by HF name (Megatron-LM's, as vLLM, SGLang, nano-vllm and mini-sglang make it):
+    q_proj, k_proj, v_proj   column-parallel: rank r keeps the rows of its H/N query heads and of the
+                             key/value heads those read (a GQA group stays on one rank)
+    o_proj                   row-parallel: the columns of those heads; each rank's product is a part
+                             of the output, and one all-reduce adds the parts up
+    gate_proj, up_proj       column-parallel: F/N rows each (a slice of the MLP's width)
+    down_proj                row-parallel: the same F/N columns; one all-reduce
+    embed_tokens, lm_head    vocabulary-parallel: V/N rows; a token's embedding is on one rank (the
+                             others give zeros: an all-reduce), and each rank computes the logits of
+                             its V/N tokens (an all-gather)
+    norms                    on every rank, whole
+So a decoder layer costs two all-reduces of (T, D); why the parts add up to the whole product is in
+docs/parallel.md. The rule goes by the name's ending and the tensor's own shape, so a Qwen3-MoE
+expert's gate_proj / up_proj / down_proj are split by their width in the same way (every rank
+holds a slice of every expert, the router whole; the MoE layer then needs its one all-reduce after
+the sum over its experts), which keeps every rank equally busy however the router picks experts.
+
+When N does not divide the K key/value heads: if N is a multiple of K, each key/value head is kept
+by N/K ranks, which split its query heads (vLLM's replication); otherwise the split is refused
+with the sizes. H must be a multiple of N.
+
+Who does what: rank 0 leads. Every forward pass starts with rank 0 sending the others its Batch
+(token ids, positions, page tables) and which KV cache it writes to (`share_batch`); the others run
+it on their shard, and every rank gets the same gathered logits. The engine, its scheduler and
+sampling run on rank 0 only; the other ranks keep a KV cache of the same pages for their own heads.
+Calls that only rank 0 can run (`rank_0_leads`: the Engine's methods, LLM.generate / stream / chat)
+run there while the other ranks `follow` its forward passes, and then hand every rank rank 0's
+result; so a script run on every rank (`mpiexec -n 2 python script.py`) gets the same answers
+everywhere. `npqwen generate|chat|serve --tensor-parallel-size N` is rank 0 leading for its whole
+run, the other ranks following until it stops (npqwen/cli/parallel.py).
+"""
+import functools
+import inspect
+import weakref
+
+import numpy as np
+
+from .comm import GroupFailed, MPICommunicator, SingleProcess
+from .errors import NpqwenError
+
+MAX_ERROR_BYTES = 2000   # of a rank's load error, as the other ranks see it
+
+# ---------------------------------------------------------------------------- the split
+
+def split_range(n: int, parts: int, i: int) -> range:
+    """Part i of range(n) cut into `parts` consecutive pieces, the first n % parts one longer."""
+    size, extra = divmod(n, parts)
+    start = i * size + min(i, extra)
+    return range(start, start + size + (i < extra))
+
+
+def check_split(config, n: int):
+    """N ranks must split the heads whole: H a multiple of N, and K a multiple of N or N of K."""
+    H, K = config.num_attention_heads, config.num_key_value_heads
+    if n < 1:
+        raise NpqwenError(f"the tensor-parallel size must be >= 1, got {n}")
+    if n > 1 and getattr(config, "num_experts", 0):
+        raise NpqwenError(f"tensor parallelism does not split Qwen3-MoE's experts yet ({config.num_experts} experts); "
+                          f"run this checkpoint in one process (tensor-parallel size 1)")
+    if H % n:
+        raise NpqwenError(f"a tensor-parallel size of {n} does not split the model's {H} query heads "
+                          f"(num_attention_heads) evenly; use a divisor of {H}: "
+                          f"{', '.join(str(d) for d in range(1, H + 1) if H % d == 0)}")
+    if K % n and n % K:
+        raise NpqwenError(f"a tensor-parallel size of {n} splits the {H} query heads but not the {K} key/value "
+                          f"heads (num_key_value_heads): neither divides the other, so a key/value head would "
+                          f"serve query heads on two ranks; use a size that divides {K} or a multiple of it")
+
+
+def heads_of(config, n: int, r: int) -> tuple[range, range]:
+    """(query heads, key/value heads) of rank r of n. Query head h reads key/value head h // G, so a
+    rank's H/n query heads read K/n whole heads, or (n > K) share one head with n/K - 1 other ranks."""
+    H, K = config.num_attention_heads, config.num_key_value_heads
+    q = split_range(H, n, r)
+    if n <= K:
+        return q, split_range(K, n, r)
+    kv = q.start // (H // K)                      # n/K ranks per key/value head: each keeps a copy
+    return q, range(kv, kv + 1)
+
+
+def shards(config, shapes: dict, n: int, r: int) -> dict[str, tuple[slice, ...]]:
+    """What rank r of n keeps of each tensor (HF name -> HF shape): a slice per axis (rows, columns)."""
+    Dh, every = config.head_dim, slice(None)
+    q, kv = heads_of(config, n, r)
+
+    def of(r_: range) -> slice:
+        return slice(r_.start, r_.stop)
+
+    parts = {}
+    for name, shape in shapes.items():
+        if name.endswith("q_proj.weight"):
+            parts[name] = (slice(q.start * Dh, q.stop * Dh), every)                   # its query heads' rows
+        elif name.endswith(("k_proj.weight", "v_proj.weight")):
+            parts[name] = (slice(kv.start * Dh, kv.stop * Dh), every)                 # its key/value heads' rows
+        elif name.endswith("o_proj.weight"):
+            parts[name] = (every, slice(q.start * Dh, q.stop * Dh))                   # its heads' columns
+        elif name.endswith(("gate_proj.weight", "up_proj.weight")):
+            parts[name] = (of(split_range(shape[0], n, r)), every)                    # a slice of the width
+        elif name.endswith("down_proj.weight"):
+            parts[name] = (every, of(split_range(shape[1], n, r)))                    # the same slice, as columns
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            parts[name] = (of(split_range(shape[0], n, r)), every)                    # a slice of the vocabulary
+        else:
+            parts[name] = (every,) * len(shape)                                       # norms: whole
+    return parts
+
+
+def shard_shape(shape: tuple, part: tuple[slice, slice]) -> tuple:
+    """The shape of a tensor's part."""
+    return tuple(len(range(*s.indices(d))) for s, d in zip(part, shape)) + tuple(shape[len(part):])
+
+
+def communicator(tensor_parallel, device: str):
+    """SingleProcess for False; for True, MPI's world (one rank per process mpiexec started); a given
+    communicator as it is."""
+    if tensor_parallel is False or tensor_parallel is None:
+        return SingleProcess()
+    if device != "cpu":
+        raise NpqwenError("tensor parallelism runs on the CPU (MPI over NumPy buffers); on CUDA it would need NCCL "
+                          "(see npqwen/comm.py); use device='cpu'")
+    return MPICommunicator() if tensor_parallel is True else tensor_parallel
+
+
+def agreed(comm, load):
+    """load() on every rank; if it failed on any, every rank raises one error that says which and why.
+
+    Each rank reads its own part (its own disk, on several machines), so one may fail where the
+    others do not; without this they would wait for it forever in the first forward pass."""
+    if comm.size == 1:
+        return load()
+    error = result = None
+    try:
+        result = load()
+    except Exception as e:   # every kind: MemoryError, OSError too; they are reported, not hidden
+        error = str(e) if isinstance(e, NpqwenError) else f"{type(e).__name__}: {e}"
+    sent = np.zeros((1, MAX_ERROR_BYTES), dtype=np.uint8)             # each rank's error, "" if none
+    text = (error or "").encode()[:MAX_ERROR_BYTES]
+    sent[0, :len(text)] = np.frombuffer(text, dtype=np.uint8)
+    gathered = comm.all_gather(sent, patient=True).reshape(comm.size, MAX_ERROR_BYTES)   # (ranks, bytes)
+    errors = [(r, row.tobytes().rstrip(b"\0").decode(errors="replace")) for r, row in enumerate(gathered)]
+    errors = [(r, e) for r, e in errors if e]
+    if not errors:
+        return result
+    if len(errors) == comm.size and len({e for _, e in errors}) == 1:   # the same on every rank: the model's fault
+        raise NpqwenError(errors[0][1])
+    raise NpqwenError("; ".join(f"rank {r} of {comm.size} could not load its part of the model: {e}"
+                                for r, e in errors))
+
+
+# ---------------------------------------------------------------------------- rank 0 leads, the others follow
+
+def share_batch(model, batch, kv, recording: bool):
+    """Step 0 of a forward pass: every rank runs rank 0's batch.
+
+    Rank 0 sends it with the key of its KV cache; a rank inside `follow` already has it; a rank
+    running the same script as rank 0 takes rank 0's copy (its own is the same). One process: nothing."""
+    comm = model.comm
+    if comm.size == 1 or comm.following:
+        return batch
+    if comm.rank == 0:
+        comm.broadcast(("batch", batch, cache_key(comm, kv), recording))
+        return batch
+    kind, *rest = comm.broadcast(patient=True)
+    if kind != "batch":
+        raise out_of_step(comm, "a forward pass", kind)
+    return rest[0]
+
+
+def cache_key(comm, kv) -> tuple:
+    """(key, pages, page size, keys of caches rank 0 has let go of): how the followers find their copy."""
+    key = comm.kv_keys.get(kv)
+    if key is None:
+        key = comm.kv_keys[kv] = next(comm.kv_counter)
+        weakref.finalize(kv, lambda k=key: comm.freed.append(k))
+    freed, comm.freed = comm.freed, []
+    return key, kv.num_pages, kv.page_size, freed
+
+
+def follow(model) -> tuple[str, object]:
+    """A rank > 0: run rank 0's forward passes, each on this rank's KV cache for rank 0's, until rank 0
+    ends the call it leads ("end", its result) or its whole run ("stop", an exit code)."""
+    comm = model.comm
+    comm.following = True
+    try:
+        while True:
+            kind, *rest = comm.broadcast(patient=True)
+            if kind == "batch":
+                batch, (key, pages, page_size, freed), recording = rest
+                for k in freed:
+                    comm.caches.pop(k, None)
+                kv = comm.caches.get(key)
+                if kv is None:   # the same pages as rank 0's cache, for this rank's heads
+                    kv = comm.caches[key] = model.new_kv_cache(pages, page_size)
+                model.forward_batch(batch, kv, keep_nothing if recording else None)
+            elif kind in ("end", "stop"):
+                return kind, rest
+            else:
+                raise out_of_step(comm, "rank 0's next step", kind)
+    finally:
+        comm.following = False
+
+
+def keep_nothing(name, array):
+    """A follower's recorder when rank 0 records: the same steps run (attention probabilities too), nothing is kept."""
+
+
+def rank_0_leads(method):
+    """Rank 0 runs the method; the other ranks follow its forward passes meanwhile, then return its
+    result (or raise its error). A generator it returns (LLM.stream) is led item by item. One
+    process, or a call inside one rank 0 leads already: the method."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        comm = comm_of(self, method, args, kwargs)
+        if comm.size == 1 or comm.leading:
+            return method(self, *args, **kwargs)
+        if comm.rank > 0:
+            if method.__name__ == "__init__":   # rank 0's object: here it only knows its LLM
+                self.llm = args[0] if args else kwargs["llm"]
+            result = ended(follow(model_of(self)), comm, method)
+            return following_items(model_of(self), comm, method) if isinstance(result, Items) else result
+        with leading(comm, method):
+            result = method(self, *args, **kwargs)
+        if inspect.isgenerator(result):
+            comm.broadcast(("end", method.__qualname__, Items(), None))
+            return leading_items(result, comm, method)
+        comm.broadcast(("end", method.__qualname__, result, None))
+        return result
+    return run
+
+
+class Items:
+    """Rank 0's call returned a generator: its items follow, each in an "end" message of its own."""
+
+
+def leading_items(items, comm, method):
+    """Rank 0: each item of `items`, computed while the others follow, then handed to them."""
+    done = object()
+    while True:
+        with leading(comm, method):
+            item = next(items, done)
+        if item is done:
+            comm.broadcast(("end", method.__qualname__, ("return", None), None))
+            return
+        comm.broadcast(("end", method.__qualname__, ("item", item), None))
+        try:
+            yield item
+        except GeneratorExit:   # closed early (its request is aborted): the others close theirs too
+            with leading(comm, method):
+                items.close()
+            comm.broadcast(("end", method.__qualname__, ("closed", None), None))
+            raise
+
+
+def following_items(model, comm, method):
+    """The other ranks: rank 0's items, as they come."""
+    while True:
+        kind, item = ended(follow(model), comm, method)
+        if kind == "return":
+            return
+        try:
+            yield item
+        except GeneratorExit:   # closed here as on rank 0: take rank 0's word that it closed too
+            ended(follow(model), comm, method)
+            raise
+
+
+class leading:
+    """Rank 0 inside a call it leads: the calls it makes run directly; an NpqwenError ends the call on
+    every rank; any other exception leaves the others mid-step, so the group is ended."""
+
+    def __init__(self, comm, method):
+        self.comm, self.name = comm, method.__qualname__
+
+    def __enter__(self):
+        self.comm.leading += 1
+
+    def __exit__(self, kind, error, trace):
+        self.comm.leading -= 1
+        if error is None or isinstance(error, GroupFailed):
+            return False
+        if isinstance(error, NpqwenError):
+            self.comm.broadcast(("end", self.name, None, str(error)))
+        elif self.comm.failed is None:
+            self.comm.failed = f"tensor parallel: rank 0 failed in {self.name} ({kind.__name__}: {error})"
+        return False
+
+
+def ended(message: tuple, comm, method):
+    """rank 0's result for `method`, or its error raised here."""
+    kind, rest = message
+    if kind == "stop":
+        raise GroupFailed(f"tensor parallel: rank 0 stopped (exit code {rest[0]}) while rank {comm.rank} was in "
+                          f"{method.__qualname__}")
+    name, result, error = rest
+    if name != method.__qualname__:
+        comm.failed = (f"tensor parallel: rank {comm.rank} called {method.__qualname__} while rank 0 ran {name}; "
+                       f"every rank must make the same calls in the same order")
+        raise GroupFailed(comm.failed)
+    if error is not None:
+        raise NpqwenError(error)
+    return result
+
+
+def out_of_step(comm, what: str, kind: str) -> GroupFailed:
+    comm.failed = (f"tensor parallel: rank {comm.rank} expected {what} but rank 0 sent {kind!r}; every rank must "
+                   f"make the same calls in the same order")
+    return GroupFailed(comm.failed)
+
+
+def comm_of(self, method, args, kwargs):
+    """The communicator of an LLM, or of an Engine (its LLM's; given to __init__ as its first argument)."""
+    if hasattr(self, "comm"):
+        return self.comm
+    return (self.llm if method.__name__ != "__init__" else args[0] if args else kwargs["llm"]).comm
+
+
+def model_of(self):
+    return self.llm.model if hasattr(self, "llm") else self.model
+
+
+def take_shards(weights: dict, parts: dict, target: dict):
+    """Copy each full tensor's part into the rank's own arrays (the built-in tiny model, made whole in memory)."""
+    for name, array in target.items():
+        array[...] = weights[name][parts[name]]
+

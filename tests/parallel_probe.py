@@ -1,0 +1,84 @@
+"""The same calls in one process, or on every rank of `mpiexec -n N` (tensor parallel); what each rank got.
+
+    python tests/parallel_probe.py MODEL OUT [--tp] [--lengths 1,2,300] [--heavy]
+
+Writes OUT.rank<r>.npz (one process: OUT.rank0.npz) for tests/test_parallel.py to compare: greedy
+tokens first, then this process's peak RSS (weights + KV pages: nothing large has been computed
+yet), then the logits of every position of a prompt of each length. Unless --heavy (the exact
+Qwen3-0.6B shape, where only those are checked): a seeded sampled run, a batched engine run that
+reads prompts in chunks over small pages and preempts, a stream, a forward over an explicit cache
+(prefill then one token), the attention probabilities a recorder sees, and an error.
+"""
+import argparse
+import json
+import sys
+
+import numpy as np
+
+import npqwen
+from npqwen.engine import Engine
+from npqwen.generate import decode_one_token, prefill
+from npqwen.trace import Trace
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory (VmHWM: ru_maxrss would count the parent's, kept across fork and exec)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed + n).integers(0, vocab, n).tolist()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("out")
+    p.add_argument("--tp", action="store_true")
+    p.add_argument("--lengths", default="1,2,17,300")
+    p.add_argument("--heavy", action="store_true")
+    args = p.parse_args()
+    llm = npqwen.load(args.model, tensor_parallel=args.tp)
+    V, out = llm.config.vocab_size, {}
+    out["greedy"] = llm.generate(prompt(12, V), max_new_tokens=16, temperature=0).token_ids
+    out["peak_rss"] = peak_rss()
+    for n in map(int, args.lengths.split(",")):
+        out[f"logits_{n}"] = llm.forward(prompt(n, V))
+    if not args.heavy:
+        probe_more(llm, V, out)
+    out["shapes"] = json.dumps({k: list(v.shape) for k, v in llm.weights.items()})
+    np.savez(f"{args.out}.rank{llm.comm.rank}.npz", **{k: np.asarray(v) for k, v in out.items()})
+
+
+def probe_more(llm, V, out):
+    out["sampled"] = llm.generate(prompt(9, V), max_new_tokens=24, temperature=0.9, top_k=50, seed=7).token_ids
+    engine = Engine(llm, kv_cache_tokens=96, page_size=8, max_batch_size=4, max_batched_tokens=24)
+    ids = [engine.add_request(prompt(n, V, seed=1), max_new_tokens=m, temperature=t, seed=3)
+           for n, m, t in ((5, 30, 0), (40, 12, 0), (17, 20, 0.8), (1, 25, 0))]
+    done, steps = {}, 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.result.token_ids
+        steps += 1
+    out["engine"] = np.concatenate([done[i] for i in ids])
+    out["engine_lengths"] = [len(done[i]) for i in ids]
+    out["engine_stats"] = json.dumps({"steps": steps, **engine.stats})
+    out["stream"] = json.dumps([len(piece) for piece in llm.stream(prompt(7, V), max_new_tokens=8, temperature=0)])
+    cache = llm.new_cache(64)
+    first = prefill(llm.model, prompt(30, V), cache, chunk=12)
+    out["cache_logits"] = np.stack([first, decode_one_token(llm.model, int(first.argmax()), cache)])
+    trace = Trace(layers=[1])
+    llm.forward(prompt(6, V), recorder=trace)
+    out["attn_probs"] = trace["model.layers.1.self_attn.attn_probs"]
+    out["o_proj"] = trace["model.layers.1.self_attn.o_proj"]
+    try:
+        llm.generate(prompt(5, V), max_new_tokens=0)
+        out["error"] = ""
+    except npqwen.NpqwenError as e:
+        out["error"] = str(e)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
