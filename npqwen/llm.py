@@ -163,6 +163,7 @@ class LLM:
         result.messages = list(messages) + [{"role": "assistant", "content": result.content}]
         return result
 
+    @rank_0_leads
     def embed(self, texts, instruction: str | None = None, prompt_name: str | None = None, dimensions=None,
               normalize: bool | None = None) -> np.ndarray:
         """(n, d) float32 embeddings of texts (a string, token ids, or a list of either), as
@@ -174,6 +175,7 @@ class LLM:
         """
         return embed(self, texts, instruction, prompt_name, dimensions, normalize)
 
+    @rank_0_leads
     def rerank(self, query: str, documents, instruction: str | None = None) -> np.ndarray:
         """One relevance score in [0, 1] per document: Qwen3-Reranker's p(yes); see npqwen/rerank.py."""
         return rerank(self, query, documents, instruction)
@@ -188,6 +190,7 @@ class LLM:
             return "embedding"
         return "generation"
 
+    @rank_0_leads
     def run_prefill_only(self, requests: list, engine=None) -> list:
         """Run prefill-only requests (engine.new_embedding_request / new_scoring_request) to the end on
         `engine` (default: llm.engine): their final outputs, in order. Outputs of other requests of

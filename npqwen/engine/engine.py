@@ -109,6 +109,7 @@ class Engine:
                        None if logprobs is None else int(logprobs),
                        prompt_logprobs=None if prompt_logprobs is None else int(prompt_logprobs), constraint=constraint)
 
+    @rank_0_leads
     def new_embedding_request(self, prompt, pooling: str = "lasttoken") -> Request:
         """A prefill-only request whose output (StepOutput.embedding) is its pooled final-norm hidden
         state: "lasttoken", "mean" or "cls" (npqwen/embed.py; mean and CLS compute every position)."""
@@ -116,6 +117,7 @@ class Engine:
             raise NpqwenError(f"pooling must be one of {', '.join(POOLING_MODES)}, got {pooling!r}")
         return self._prefill_only_request(prompt, task="embed", pooling=pooling, prefix_reuse=pooling == "lasttoken")
 
+    @rank_0_leads
     def new_scoring_request(self, prompt, token_ids) -> Request:
         """A prefill-only request whose output (StepOutput.scores) is the logits of `token_ids` at its
         last position, and nothing else of the vocabulary (the reranker's "no" and "yes")."""
