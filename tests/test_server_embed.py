@@ -14,20 +14,21 @@ from serving import LiveServer, http_json  # noqa: E402
 TEXTS = ["The capital of China is Beijing.", "", "Gravity is a force that attracts two bodies towards each other. " * 9]
 
 
+def served(path, name):
+    """A live server of the checkpoint, and an LLM of its own to compare with."""
+    server = LiveServer(npqwen.load(path), model_name=name)
+    yield server, npqwen.load(path)
+    server.close()
+
+
 @pytest.fixture(scope="module")
 def embedding(embedding_small):
-    llm = npqwen.load(embedding_small)
-    server = LiveServer(npqwen.load(embedding_small), model_name="emb")
-    yield server, llm
-    server.close()
+    yield from served(embedding_small, "emb")
 
 
 @pytest.fixture(scope="module")
 def reranker(reranker_small):
-    llm = npqwen.load(reranker_small)
-    server = LiveServer(npqwen.load(reranker_small), model_name="rr")
-    yield server, llm
-    server.close()
+    yield from served(reranker_small, "rr")
 
 
 def close(got, want):

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import NpqwenError
-from .common import (add_engine_sizes, check_writable, checked_text, engine_sizes, load_model, model_options,
-                     peak_rss_bytes, write_out)
+from .common import (add_engine_sizes, check_writable, checked_text, engine_sizes, json_object, load_model,
+                     model_options, peak_rss_bytes, write_out)
 from .progress import Progress
 
 OUTPUT_KINDS = (".npy", ".jsonl")
@@ -121,14 +121,6 @@ def read_texts(path: str) -> list[str]:
             texts.append(checked_text(o["text"], f"text on line {n}"))
         return texts
     return [line for _, line in lines]
-
-
-def json_object(line: str) -> dict | None:
-    try:
-        value = json.loads(line)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def write_vectors(vectors: np.ndarray, texts: list[str], ids: list[list[int]], output: str | None):
