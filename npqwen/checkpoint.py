@@ -6,7 +6,10 @@ np.memmap rather than the `safetensors` package because its NumPy loader has no 
 (NumPy has no such dtype) and Qwen3 checkpoints are bfloat16: bf16 is just the top 16 bits
 of a float32, so widening it is one shift (`bf16_bits_to_float32`).
 
-Weights keep their HF names and shapes. For speed, each layer's q/k/v projections are
+Weights keep their HF names and shapes. A checkpoint saved from transformers' `Qwen3Model` (as
+Qwen3-Embedding is) spells them without the `model.` prefix and has no `lm_head`; the loader
+reads it under the prefixed names the model code uses (`canonical_names`), and `npqwen.load`
+shows them to the user as the checkpoint spells them (`stored_names`). For speed, each layer's q/k/v projections are
 stacked into one `qkv_proj` matrix and gate/up into one `gate_up_proj` matrix; the
 HF-named entries are row-slices (views) of those, so writing to one changes the other.
 A Qwen3-MoE checkpoint holds each expert apart, as the hub and transformers' save_pretrained
@@ -189,6 +192,26 @@ def index_checkpoint(directory: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
+def canonical_names(found: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """The tensors under Qwen3ForCausalLM's names: a checkpoint saved from Qwen3Model ("embed_tokens.weight",
+    "layers.0...", "norm.weight") gets the "model." prefix; each TensorInfo keeps the name as stored."""
+    if "model.embed_tokens.weight" in found or "embed_tokens.weight" not in found:
+        return found
+    return {(name if name.startswith("lm_head.") else f"model.{name}"): info for name, info in found.items()}
+
+
+def stored_names(directory) -> dict[str, str]:
+    """The prefixed name of each tensor (as the model code reads it) -> its name in the checkpoint's files."""
+    return {name: info.name for name, info in canonical_names(index_checkpoint(directory)).items()}
+
+
+def has_lm_head(config: Qwen3Config, found: dict[str, TensorInfo]) -> bool:
+    """Whether the checkpoint can compute logits: a tied or stored lm_head. Only a Qwen3Model checkpoint
+    (names without "model.", e.g. Qwen3-Embedding-8B) may lack an untied one; it can embed but not generate."""
+    bare = not any(info.name.startswith("model.") for info in found.values())
+    return config.tie_word_embeddings or "lm_head.weight" in found or not bare
+
+
 def check_config_matches(config: Qwen3Config, found: dict[str, TensorInfo], source) -> None:
     """Compare config.json's sizes with the stored tensors before anything is sized from them.
 
@@ -273,8 +296,9 @@ def warn_unused(found: dict[str, TensorInfo], config: Qwen3Config, shapes: dict,
                       stacklevel=3)
 
 
-def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Qwen3 checkpoint must hold, by HF name, with its HF shape (out, in)."""
+def expected_shapes(config: Qwen3Config, lm_head: bool = True) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Qwen3 checkpoint must hold, by HF name, with its HF shape (out, in); an untied
+    lm_head unless `lm_head` is False (a Qwen3Model checkpoint without one)."""
     D, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
     H, K, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     E, I = config.num_experts, config.moe_intermediate_size
@@ -301,7 +325,7 @@ def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
             shapes.update({f"{p}.mlp.gate_proj.weight": (F, D), f"{p}.mlp.up_proj.weight": (F, D),
                            f"{p}.mlp.down_proj.weight": (D, F)})
     shapes["model.norm.weight"] = (D,)
-    if not config.tie_word_embeddings:
+    if lm_head and not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (V, D)
     return shapes
 
@@ -386,9 +410,10 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype, parts: dict | 
     With `parts` (tensor parallelism: HF name -> (rows, columns) slices, see parallel.shards) each
     array holds only that part of its tensor, and only that part is read.
     """
-    found = index_checkpoint(directory)
+    found = canonical_names(index_checkpoint(directory))
     check_config_matches(config, found, directory)   # before any table is sized from the config
-    shapes = expected_shapes(config)
+    lm_head = has_lm_head(config, found)
+    shapes = expected_shapes(config, lm_head)
     for name, shape in shapes.items():
         if name not in found:
             raise NpqwenError(f"{directory}: tensor {name!r} is missing (expected shape {list(shape)}); "
@@ -431,7 +456,7 @@ def size(nbytes: int) -> str:
 def allocate_weights(config: Qwen3Config, xp, dtype, shapes: dict | None = None) -> tuple[dict, dict]:
     """Empty arrays for every HF tensor (in checkpoint order), q/k/v and gate/up as views of stacked matrices;
     a sparse layer's experts as views of its two expert arrays. `shapes`: other shapes than the HF ones (a
-    tensor-parallel rank's parts)."""
+    tensor-parallel rank's parts; no lm_head.weight for a checkpoint saved from Qwen3Model)."""
     shapes = shapes or expected_shapes(config)
     fused, views = {}, {}
     for i in range(config.num_hidden_layers):

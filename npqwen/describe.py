@@ -9,8 +9,8 @@ import dataclasses
 import math
 import re
 
-from .checkpoint import (MAX_NAMES_IN_WARNING, check_config_matches, expected_shapes, index_checkpoint,
-                         parameter_counts)
+from .checkpoint import (MAX_NAMES_IN_WARNING, canonical_names, check_config_matches, expected_shapes, has_lm_head,
+                         index_checkpoint, parameter_counts)
 from .config import MOE_DEFAULTS, Qwen3Config
 from .hub import resolve_model
 
@@ -42,20 +42,22 @@ def describe(model: str, device: str = "cpu", dtype: str = "float32") -> str:
     else:
         path = resolve_model(model)
         config, source = Qwen3Config.from_json(path / "config.json"), str(path)
-        found = index_checkpoint(path)
+        found = canonical_names(index_checkpoint(path))   # a Qwen3Model checkpoint's names get the model. prefix
         check_config_matches(config, found, path)   # before render sizes its table from the config
         tensors = {n: (t.shape, t.dtype) for n, t in found.items()}
+        return render(config, tensors, source, lm_head=has_lm_head(config, found))
     return render(config, tensors, source)
 
 
-def render(config: Qwen3Config, tensors: dict, source: str) -> str:
-    """`tensors`: name -> (shape, dtype) as stored; the config says which are used and which are tied."""
+def render(config: Qwen3Config, tensors: dict, source: str, lm_head: bool = True) -> str:
+    """`tensors`: name -> (shape, dtype) as stored; the config says which are used and which are tied
+    (lm_head False: a Qwen3Model checkpoint, which has none)."""
     lines = [f"{source}", "", "config"]
     for field in dataclasses.fields(config):
         if config.num_experts or field.name not in MOE_DEFAULTS:   # a dense model has no expert fields
             lines.append(f"  {field.name:<26} {getattr(config, field.name)}")
     lines.append(f"  {'(derived) kv groups G':<26} {config.num_key_value_groups}")
-    expected = expected_shapes(config)
+    expected = expected_shapes(config, lm_head)
     names = list(expected) + (["lm_head.weight"] if config.tie_word_embeddings else [])
     width = max(len(EXPERT.sub(rf"\1.{{0..{config.num_experts - 1}}}.\3", n)) for n in names) + 2
     total = unique = 0

@@ -10,14 +10,16 @@ from pathlib import Path
 import numpy as np
 
 from .backend import array_module
-from .checkpoint import expected_shapes, load_weights
+from .checkpoint import expected_shapes, load_weights, stored_names
 from .comm import SingleProcess
 from .config import Qwen3Config
+from .embed import embed, read_sentence_transformers
 from .errors import NpqwenError
 from .generate import ChatResult, GenerationResult, ScoreResult, check_token_ids
 from .hub import resolve_model
 from .model import Qwen3
 from .parallel import agreed, check_split, communicator, rank_0_leads, shards
+from .rerank import rerank
 from .sampling import read_generation_config
 from .tokenizer import Tokenizer
 
@@ -31,14 +33,19 @@ class LLM:
     `.generate`, `.stream`, `.chat`."""
 
     def __init__(self, model: Qwen3, tokenizer: Tokenizer | None = None, generation_defaults: dict | None = None,
-                 path: Path | None = None):
+                 path: Path | None = None, stored_names: dict | None = None):
         self.model = model
         self.comm = getattr(model, "comm", SINGLE)   # the ranks the model is split over (npqwen/comm.py)
         self.config = model.config
-        self.weights = model.weights
+        # HF names as the checkpoint spells them: a Qwen3Model checkpoint (Qwen3-Embedding) has no "model."
+        # prefix and no lm_head; the model code reads the same arrays under the prefixed names.
+        renamed = stored_names is not None and any(k != v for k, v in stored_names.items())
+        self.weights = {stored_names[n]: a for n, a in model.weights.items() if n in stored_names} if renamed \
+            else model.weights
         self.tokenizer = tokenizer
         self.generation_defaults = generation_defaults or {}   # from generation_config.json
         self.path = path
+        self.embedding_config = read_sentence_transformers(path)   # pooling, prompts (npqwen/embed.py)
         self._engine = None       # made on first use: generate / stream / chat run through it
         self._inbox = {}          # engine outputs that arrived for another stream than the one stepping
 
@@ -155,6 +162,56 @@ class LLM:
         result.reasoning, result.content = split_reasoning(result.text)
         result.messages = list(messages) + [{"role": "assistant", "content": result.content}]
         return result
+
+    @rank_0_leads
+    def embed(self, texts, instruction: str | None = None, prompt_name: str | None = None, dimensions=None,
+              normalize: bool | None = None) -> np.ndarray:
+        """(n, d) float32 embeddings of texts (a string, token ids, or a list of either), as
+        sentence-transformers computes them from this checkpoint's files; see npqwen/embed.py.
+
+        instruction="..." makes Qwen3-Embedding's query form "Instruct: {instruction}\nQuery:{text}";
+        prompt_name uses one of the checkpoint's prompts; dimensions=d keeps the first d values;
+        normalize (default: as the checkpoint says) makes unit-length rows after that.
+        """
+        return embed(self, texts, instruction, prompt_name, dimensions, normalize)
+
+    @rank_0_leads
+    def rerank(self, query: str, documents, instruction: str | None = None) -> np.ndarray:
+        """One relevance score in [0, 1] per document: Qwen3-Reranker's p(yes); see npqwen/rerank.py."""
+        return rerank(self, query, documents, instruction)
+
+    @property
+    def kind(self) -> str:
+        """What the checkpoint was made for: "embedding", "reranker" or "generation" (embed and rerank run
+        on any; generation needs an lm_head, which a Qwen3Model checkpoint lacks)."""
+        if self.embedding_config.model_type == "CrossEncoder":
+            return "reranker"
+        if self.embedding_config.is_embedding_model or not getattr(self.model, "has_lm_head", True):
+            return "embedding"
+        return "generation"
+
+    @rank_0_leads
+    def run_prefill_only(self, requests: list, engine=None) -> list:
+        """Run prefill-only requests (engine.new_embedding_request / new_scoring_request) to the end on
+        `engine` (default: llm.engine): their final outputs, in order. Outputs of other requests of
+        llm.engine wait in the inbox for their own streams."""
+        engine = self.engine if engine is None else engine
+        done, ours = {}, {r.request_id for r in requests}
+        for req in requests:
+            engine.add(req)
+        try:
+            while len(done) < len(requests):
+                for out in engine.step():
+                    if out.request_id in ours:
+                        if out.finished:
+                            done[out.request_id] = out
+                    elif engine is self._engine:   # another stream's: it picks it up from the inbox
+                        self._inbox.setdefault(out.request_id, []).append(out)
+        finally:
+            for req in requests:
+                if req.request_id in engine.requests:   # stopped early (Ctrl-C, an error): free their pages
+                    engine.abort(req.request_id)
+        return [done[r.request_id] for r in requests]
 
     def save(self, directory, dtype: str = "F32"):
         """Write a Hugging Face checkpoint directory (config, weights, tokenizer, generation defaults)."""
@@ -303,4 +360,4 @@ def load_part(path, device: str, dtype: str, comm) -> LLM:
     parts = None if comm.size == 1 else shards(config, expected_shapes(config), comm.size, comm.rank)
     weights, fused = load_weights(path, config, xp, np.dtype(dtype), parts)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
-    return LLM(Qwen3(config, weights, fused, comm), tokenizer, read_generation_config(path), path)
+    return LLM(Qwen3(config, weights, fused, comm), tokenizer, read_generation_config(path), path, stored_names(path))

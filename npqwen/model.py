@@ -47,6 +47,14 @@ def no_recorder(name, array):
     """The default recorder: keeps nothing."""
 
 
+def check_lm_head(model):
+    """Logits need an lm_head; a checkpoint saved from Qwen3Model (Qwen3-Embedding-8B) has none."""
+    if not getattr(model, "has_lm_head", True):   # (a test's stand-in model has logits of its own)
+        raise NpqwenError("this checkpoint has no lm_head (it was saved from Qwen3Model, as Qwen3-Embedding "
+                          "models are): it computes embeddings (llm.embed) but no logits, so it cannot generate "
+                          "or rerank")
+
+
 class KVCache:
     """Keys and values of every layer, in N pages of P positions each: (layers, N, K, P, Dh).
 
@@ -97,7 +105,10 @@ class Batch:
 
     Sequence i contributes lengths[i] tokens at positions starts[i] .. starts[i] + lengths[i] - 1;
     its keys and values live in the pages page_tables[i] (page j holds positions j*P .. j*P + P - 1).
-    Logits are computed only for the rows in sample_rows.
+    Logits are computed only for the rows in sample_rows. Requests that only read their prompt
+    (embeddings, rerank) want other outputs, which forward_batch puts into `hidden` and `scores`:
+    the final-norm hidden state of each of hidden_rows, and for each of score_rows the logits of
+    just the tokens score_ids names (two rows of lm_head, not the vocabulary).
     """
     token_ids: np.ndarray                 # (T,) int64
     starts: list[int]                     # per sequence: positions already in the cache
@@ -105,6 +116,11 @@ class Batch:
     page_tables: list[np.ndarray]         # per sequence: page ids covering positions 0 .. start + length - 1
     page_size: int
     sample_rows: np.ndarray               # rows of token_ids whose logits are wanted
+    hidden_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # (R,) rows whose state is wanted
+    score_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))    # (Q,) rows scored on a few tokens
+    score_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))  # (Q, k) the tokens of each
+    hidden: object = field(init=False, default=None)   # (R, D) set by forward_batch: final-norm states of hidden_rows
+    scores: object = field(init=False, default=None)   # (Q, k) set by forward_batch: logits of score_ids
     positions: np.ndarray = field(init=False)      # (T,) each token's position in its own sequence
     write_pages: np.ndarray = field(init=False)    # (T,) the page each token's keys/values go to
     write_offsets: np.ndarray = field(init=False)  # (T,) ... and the position within that page
@@ -120,6 +136,11 @@ class Batch:
         """(first row, number of rows) of each sequence."""
         first = np.cumsum([0] + list(self.lengths[:-1]))
         return list(zip(first.tolist(), self.lengths))
+
+    @cached_property
+    def output_rows(self) -> np.ndarray:
+        """Rows that go through the final norm: sampled, then hidden, then scored ones."""
+        return np.concatenate([self.sample_rows, self.hidden_rows, self.score_rows]).astype(np.int64)
 
     @cached_property
     def decode_rows(self) -> np.ndarray:
@@ -192,7 +213,8 @@ class Qwen3:
         return logits
 
     def forward_batch(self, batch: Batch, kv: KVCache, recorder=no_recorder):
-        """Logits (len(batch.sample_rows), V) of a packed batch; each sequence's new keys/values go to its pages."""
+        """Logits (len(batch.sample_rows), V) of a packed batch; each sequence's new keys/values go to its pages.
+        Rows a prefill-only request wants come back in batch.hidden and batch.scores (see Batch)."""
         cfg, W, xp = self.config, self.weights, self.xp
         recorder = no_recorder if recorder is None else recorder
         # 0. tensor parallel: every rank runs rank 0's batch (rank 0 sends it to the others)
@@ -208,16 +230,37 @@ class Qwen3:
         # 3. the decoder layers, each two residual updates
         for i in range(cfg.num_hidden_layers):
             x = self.decoder_layer(i, x, cos, sin, batch, kv, slots, recorder)
-        # 4. final norm, only where logits are wanted
-        if len(batch.sample_rows) < x.shape[0]:
-            x = x[xp.asarray(batch.sample_rows)]                                     # (B, D)
+        # 4. final norm, only for the rows that have an output (usually: the rows that sample)
+        rows = batch.output_rows
+        if len(rows) < x.shape[0] or (rows != np.arange(len(rows))).any():
+            x = x[xp.asarray(rows)]                                                  # (B, D)
         x = ops.rms_norm(x, W["model.norm.weight"], cfg.rms_norm_eps)
         recorder("model.norm", x)
-        # 5. lm_head (tied to the embedding in small Qwen3s); every rank's V/N logits side by side
-        logits = ops.linear(x, W["lm_head.weight"])                                # (B, D) @ (D, V) -> (B, V)
-        logits = self.comm.all_gather(logits)
+        # 5. lm_head (tied to the embedding in small Qwen3s), for the rows that sample; under tensor
+        # parallelism every rank's V/N logits side by side
+        S, R = len(batch.sample_rows), len(batch.hidden_rows)
+        if S:
+            logits = self.comm.all_gather(ops.linear(x[:S], self.lm_head_weight()))   # (S, D) @ (D, V) -> (S, V)
+        else:
+            logits = xp.zeros((0, cfg.vocab_size), x.dtype)
         recorder("lm_head", logits)
+        # 6. prefill-only outputs: hidden states as they are (embeddings), and a few tokens' logits (rerank):
+        # k rows of lm_head, looked up as the embedding is (under tensor parallelism the rank holding a row adds it)
+        batch.hidden = x[S:S + R]                                                  # (R, D)
+        if len(batch.score_rows):
+            ids = xp.asarray(batch.score_ids)                                      # (Q, k)
+            heads = ops.embed(self.lm_head_weight(), ids.reshape(-1), self.vocab_start).reshape(*ids.shape, -1)
+            batch.scores = self.comm.all_reduce(xp.einsum("qd,qkd->qk", x[S + R:], heads))   # (Q, k)
         return logits
+
+    @property
+    def has_lm_head(self) -> bool:
+        return "lm_head.weight" in self.weights
+
+    def lm_head_weight(self):
+        """lm_head.weight (V, D), or a clear error for a checkpoint saved without one (Qwen3Model)."""
+        check_lm_head(self)
+        return self.weights["lm_head.weight"]
 
     def decoder_layer(self, i: int, x, cos, sin, batch, kv, slots, recorder=no_recorder):
         """Pre-norm residual block: x + attention(norm(x)), then h + mlp(norm(h))."""

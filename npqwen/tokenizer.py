@@ -60,7 +60,8 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in the text (<|im_start|>) become their ids.
-        `add_special_tokens` adds what the tokenizer's post-processor adds (for Qwen3: nothing)."""
+        `add_special_tokens` adds what the tokenizer's post-processor adds (for Qwen3: nothing;
+        Qwen3-Embedding's appends <|endoftext|>)."""
         if not isinstance(text, str):
             raise NpqwenError(f"encode expects a str, got {type(text).__name__}")
         try:

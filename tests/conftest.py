@@ -151,3 +151,116 @@ def pytest_addoption(parser):
     parser.addoption("--screenshots", metavar="DIR", default=None,
                      help="tests/test_web_page.py: save the page's screenshots in DIR (docs/images regenerates "
                           "the README's); without it they go to each test's temporary folder")
+
+
+# Qwen/Qwen3-Embedding-0.6B's config.json: Qwen3-0.6B's shape with the tokenizer's 151,669 tokens as its vocabulary.
+QWEN3_EMBEDDING_0_6B = {**QWEN3_0_6B, "vocab_size": 151669}
+# Qwen3-Embedding's query prompt (config_sentence_transformers.json of its hub repos)
+QWEN3_EMBEDDING_PROMPTS = {"query": "Instruct: Given a web search query, retrieve relevant passages that answer the "
+                                    "query\nQuery:", "document": ""}
+# Qwen3-Embedding's tokenizer.json post_processor: byte-level, then a template that appends <|endoftext|>
+ENDOFTEXT_TEMPLATE = {"type": "TemplateProcessing",
+                      "single": [{"Sequence": {"id": "A", "type_id": 0}},
+                                 {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}],
+                      "pair": [{"Sequence": {"id": "A", "type_id": 0}},
+                               {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                               {"Sequence": {"id": "B", "type_id": 1}},
+                               {"SpecialToken": {"id": "<|endoftext|>", "type_id": 1}}],
+                      "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [151643],
+                                                           "tokens": ["<|endoftext|>"]}}}
+
+
+def add_qwen3_embedding_tokenizer(path: Path) -> Path:
+    """The real Qwen3 tokenizer files with Qwen3-Embedding's post-processor: every text ends in <|endoftext|>."""
+    add_qwen3_tokenizer(path)
+    tokenizer = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
+    tokenizer["post_processor"] = {"type": "Sequence", "processors": [tokenizer["post_processor"], ENDOFTEXT_TEMPLATE]}
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
+    return path
+
+
+def build_embedding_checkpoint(path: Path, config: dict, layout: str = "hub", pooling: str = "lasttoken",
+                               seed: int = 0, std: float = 0.05, save_dtype: str = "float32") -> Path:
+    """A random-weight transformers Qwen3Model saved by sentence-transformers' own modules
+    (Transformer, Pooling, Normalize) with Qwen3-Embedding's tokenizer and prompts.
+
+    layout "hub": the files as the Qwen3-Embedding repositories hold them (the older sentence-transformers
+    format: modules.json with sentence_transformers.models.* types, pooling_mode_* booleans, no
+    modality_config, architectures Qwen3ForCausalLM); "current": what sentence-transformers 6 saves
+    (with this tokenizer's chat template it adds the "message" modality: texts go through the template);
+    "current-text": the current format with the text modality only.
+    """
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+    from transformers import Qwen3Config, Qwen3Model
+
+    needs_qwen3_tokenizer()
+    path = Path(path)
+    try:   # transformers' own initialisation is skipped (14 s at the 0.6B shape): every weight is drawn below
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        from contextlib import nullcontext as no_init_weights
+    torch.manual_seed(seed)
+    cfg = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "torch_dtype")}
+    with no_init_weights():
+        model = Qwen3Model(Qwen3Config(**cfg))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p)) if name.endswith("norm.weight") else p.normal_(0.0, std)
+    model.to(getattr(torch, save_dtype)).save_pretrained(path)
+    del model
+    add_qwen3_embedding_tokenizer(path)
+    text_only = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}
+    transformer = Transformer(str(path), model_kwargs={"dtype": getattr(torch, save_dtype)},
+                              **({"modality_config": text_only, "module_output_name": "token_embeddings"}
+                                 if layout == "current-text" else {}))
+    modules = [transformer, Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling), Normalize()]
+    SentenceTransformer(modules=modules, prompts=QWEN3_EMBEDDING_PROMPTS).save(str(path))
+    if layout == "hub":
+        write_older_sentence_transformers_files(path, config, pooling)
+    return path
+
+
+def write_older_sentence_transformers_files(path: Path, config: dict, pooling: str):
+    """Rewrite the sentence-transformers files as the Qwen3-Embedding hub repositories hold them."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (path / "modules.json").write_text(json.dumps(modules, indent=2))
+    modes = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "lasttoken": "pooling_mode_lasttoken"}
+    keys = ["pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_max_tokens",
+            "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens", "pooling_mode_lasttoken"]
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": config["hidden_size"], **{k: k == modes[pooling] for k in keys},
+         "include_prompt": True}, indent=4))
+    (path / "2_Normalize" / "config.json").unlink()   # the older Normalize saved nothing
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 8192, "do_lower_case": False}))
+    (path / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": QWEN3_EMBEDDING_PROMPTS, "default_prompt_name": None, "similarity_fn_name": "cosine"}, indent=2))
+    hf_config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**hf_config, "architectures": ["Qwen3ForCausalLM"]}, indent=2))
+
+
+# a small Qwen3-Embedding: tiny layers, the full 151,669-token vocabulary and the real tokenizer
+EMBEDDING_SMALL = tiny_config(vocab_size=151669, max_position_embeddings=2048, bos_token_id=151643,
+                              eos_token_id=151643)
+
+
+@pytest.fixture(scope="session")
+def embedding_small(tmp_path_factory) -> Path:
+    """A small random Qwen3-Embedding checkpoint in the hub's layout (see build_embedding_checkpoint)."""
+    pytest.importorskip("sentence_transformers")
+    return build_embedding_checkpoint(tmp_path_factory.mktemp("embedding-small"), EMBEDDING_SMALL, layout="hub")
+
+
+@pytest.fixture(scope="session")
+def reranker_small(tiny_full_vocab, tmp_path_factory) -> Path:
+    """A small random Qwen3ForCausalLM with the real Qwen3 tokenizer, as Qwen3-Reranker's repositories hold it."""
+    import shutil
+
+    needs_qwen3_tokenizer()
+    path = tmp_path_factory.mktemp("reranker-small")
+    shutil.copytree(tiny_full_vocab, path, dirs_exist_ok=True)
+    return add_qwen3_tokenizer(path)

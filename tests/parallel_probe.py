@@ -7,7 +7,8 @@ tokens first, then this process's peak RSS (weights + KV pages: nothing large ha
 yet), then the logits of every position of a prompt of each length. Unless --heavy (the exact
 Qwen3-0.6B shape, where only those are checked): a seeded sampled run, a batched engine run that
 reads prompts in chunks over small pages and preempts, a stream, a forward over an explicit cache
-(prefill then one token), the attention probabilities a recorder sees, and an error.
+(prefill then one token), the attention probabilities a recorder sees, embeddings and two tokens'
+scores (prefill-only requests), and an error.
 """
 import argparse
 import json
@@ -73,6 +74,9 @@ def probe_more(llm, V, out):
     llm.forward(prompt(6, V), recorder=trace)
     out["attn_probs"] = trace["model.layers.1.self_attn.attn_probs"]
     out["o_proj"] = trace["model.layers.1.self_attn.o_proj"]
+    out["embed"] = llm.embed([prompt(n, V, seed=2) for n in (1, 9, 40)])   # prefill-only requests: pooled states
+    scoring = [engine.new_scoring_request(prompt(n, V, seed=4), [3, V - 1]) for n in (6, 30)]
+    out["scores"] = np.stack([o.scores for o in llm.run_prefill_only(scoring, engine)])   # lm_head rows of two ranks
     try:
         llm.generate(prompt(5, V), max_new_tokens=0)
         out["error"] = ""

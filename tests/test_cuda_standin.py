@@ -288,6 +288,24 @@ def test_a_step_moves_only_the_sampled_logits_to_the_host(cpu_and_cuda):
     assert seen["prefill"] and seen["decode"]
 
 
+def test_embed_and_rerank_equal_cpu_and_move_only_their_rows(embedding_small, reranker_small):
+    """llm.embed and llm.rerank on device "cuda": the CPU's values, as NumPy arrays; per text the host gets
+    one pooled row (D floats) or two logits, and nothing of the vocabulary."""
+    pytest.importorskip("sentence_transformers")
+    texts = ["The capital of China is Beijing.", "", "Gravity attracts two bodies towards each other. " * 30]
+    query = "What is the capital of China?"
+    for path, run, per_text in [(embedding_small, lambda llm: llm.embed(texts, dimensions=48), 64),
+                                (embedding_small, lambda llm: llm.embed(texts, instruction="Find it"), 64),
+                                (reranker_small, lambda llm: llm.rerank(query, texts), 2)]:
+        cpu, cuda = npqwen.load(path), npqwen.load(path, device="cuda")
+        want = run(cpu)
+        strict_cupy.transfers.reset()
+        got = run(cuda)
+        print(f"{path.name}: max |diff| {np.abs(got - want).max():.1e}, to host {strict_cupy.transfers}")
+        assert isinstance(got, np.ndarray) and got.shape == want.shape and np.abs(got - want).max() <= 1e-6
+        assert strict_cupy.transfers.to_host_bytes == len(texts) * per_text * 4
+
+
 def stored_bytes(path: Path) -> int:
     """Bytes of tensor data in a single-file checkpoint (the file less its header)."""
     with open(path / "model.safetensors", "rb") as f:

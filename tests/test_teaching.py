@@ -324,6 +324,28 @@ def test_bench_serving_reports_every_figure(npqwen_tiny_dir):
     assert "serving: linear-layer bound / engine's time" in table(report)
 
 
+def test_bench_embed_suite_reports_every_figure(embedding_small):
+    """The embed suite on a small embedding checkpoint: npqwen and sentence-transformers embed the same texts
+    (the same tokens, nearly the same vectors), the padding is counted, every figure is there; no time asserted."""
+    pytest.importorskip("sentence_transformers")
+    from tools.bench.report import markdown
+
+    cmd = [sys.executable, "-m", "tools.bench", "--suites", "embed", "--threads", "1", "--embed-texts", "5",
+           "--embed-lens", "4-40", "--embed-model", str(embedding_small), "--json"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    runs = report["serving"]["embed"]
+    assert set(runs) == {"npqwen", "hf-float32", "hf-bfloat16"} and report["serving"]["errors"] == {}
+    assert len({(r["texts"], r["tokens"]) for r in runs.values()}) == 1 and runs["npqwen"]["texts"] == 5
+    assert max(abs(a - b) for a, b in zip(runs["npqwen"]["first"], runs["hf-float32"]["first"])) < 1e-5
+    st = runs["hf-float32"]
+    assert st["padded_tokens"] >= st["tokens"] and st["unpadded_seconds"] > 0
+    for key in ("embed_vs_hf-float32", "embed_vs_hf-bfloat16", "embed_st_unpadded_over_padded"):
+        assert report["figures"][key] > 0, key
+    assert "| texts/s |" in markdown(report) and "npqwen texts/s vs sentence-transformers float32" in markdown(report)
+
+
 def test_bench_suites_are_modules_of_one_shape():
     """Every suite in the registry is a module with the parts the command and the report call, and
     --help lists each suite's flags; an unknown suite is refused with the list of them."""
@@ -339,7 +361,8 @@ def test_bench_suites_are_modules_of_one_shape():
     run = lambda *args: subprocess.run([sys.executable, "-m", "tools.bench", *args], capture_output=True,  # noqa: E731
                                        text=True, cwd=ROOT)
     help_text = run("--help").stdout
-    for flag in ("--decode-prompts", "--prefill", "--serving-requests", "--prefix-tokens", "--step-batch", "--profile"):
+    for flag in ("--decode-prompts", "--prefill", "--serving-requests", "--prefix-tokens", "--step-batch", "--profile",
+                 "--embed-texts"):
         assert flag in help_text, flag
     refused = run("--suites", "nope")
     assert refused.returncode == 2 and f"choose from {', '.join(SUITES)}" in refused.stderr

@@ -20,6 +20,8 @@ from .common import OutputError, write_out
 
 COMMANDS = [   # npqwen/cli/<name>.py, in the order `npqwen --help` lists them
     "generate",
+    "embed",
+    "rerank",
     "serve",
     "chat",
     "inspect",

@@ -1,6 +1,7 @@
 """What the commands share: the option groups (model, sampling, engine sizes, one prompt), checks
 made before the (slow) load, the load itself, writing to stdout, and the closing statistics."""
 import argparse
+import json
 import os
 import resource
 import sys
@@ -221,6 +222,15 @@ def check_checkpoint(path: Path, tokenizer: bool):
                       f"*.safetensors weights, tokenizer.json and tokenizer_config.json, all from one hub repo "
                       f"(`hf download {DEFAULT_MODEL} --local-dir DIR` fetches them), or try --model tiny "
                       f"(built in, no files)")
+
+
+def json_object(line: str) -> dict | None:
+    """A line of a JSONL input file as an object, or None (not JSON, or not an object)."""
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def checked_text(text: str, what: str) -> str:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from ..errors import NpqwenError
 from .common import (CONSTRAINT_FIELDS, ENGINE_SIZES, SAMPLING_FIELDS, add_engine_sizes, check_sampling_args,
-                     check_writable, checked_text, constraint_kwargs, constraint_options, engine_sizes, load_model,
-                     model_options, peak_rss_bytes, print_stats, sampling_kwargs, sampling_options,
+                     check_writable, checked_text, constraint_kwargs, constraint_options, engine_sizes, json_object,
+                     load_model, model_options, peak_rss_bytes, print_stats, sampling_kwargs, sampling_options,
                      stream_to_stdout, system_messages, write_out)
 from .parallel import add_option
 from .progress import Progress
@@ -102,14 +102,6 @@ def read_prompts_file(path: str) -> list[FilePrompt]:
 
 def file_name(path: str) -> str:
     return "stdin" if path == "-" else path
-
-
-def json_object(line: str) -> dict | None:
-    try:
-        value = json.loads(line)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def file_prompt(where: str, n: int, obj: dict) -> FilePrompt:

@@ -4,6 +4,7 @@
     pages.py         the fixed pool of KV-cache pages and its reference counts (PagePool)
     prefix_cache.py  full pages reused by requests that share a prefix, LRU eviction (PrefixCache)
     scheduler.py     who runs in the next step, with how many tokens, preemption (Scheduler)
+    prefill_only.py  requests that only read their prompt: embeddings and rerank scores (PrefillRows)
     engine.py        add_request / step / abort: one packed forward pass per step (Engine)
 """
 from .engine import Engine

@@ -10,8 +10,9 @@ A step: the scheduler picks (request, n tokens) pairs under the token budget and
 pages; their tokens are packed into one Batch and run through the model once (every matmul
 sees all of them); each request whose last known token was in the batch samples its next
 token from its own logits row with its own random generator (under its constraint's mask, if it
-has one: structured.py); finished requests give their
-pages back at once, and the next step can admit a waiting request in their place.
+has one: structured.py); finished requests give their pages back at once, and the next step can
+admit a waiting request in their place. Prefill-only requests (embeddings, rerank scores:
+prefill_only.py) ride in the same batches and never sample.
 """
 import itertools
 import math
@@ -19,14 +20,16 @@ import math
 import numpy as np
 
 from ..backend import free_memory_bytes, to_numpy
+from ..embed import POOLING_MODES, InputTooLong
 from ..errors import NpqwenError
-from ..generate import StopStrings, check_request, is_integer
-from ..model import Batch, KVCache
+from ..generate import StopStrings, check_request, check_token_ids, is_integer
+from ..model import Batch, KVCache, check_lm_head
 from ..parallel import rank_0_leads
 from ..sampling import candidates, draw, sampling_params, score_rows
 from ..sampling import logprobs as sampling_logprobs
 from ..structured import Masks, new_constraint
 from .pages import PagePool
+from .prefill_only import PrefillRows
 from .prefix_cache import PrefixCache
 from .request import Request, StepOutput
 from .scheduler import Scheduler
@@ -84,6 +87,7 @@ class Engine:
         json_schema, regex, choice, grammar constrains the answer (structured.py); `thinking`: it opens
         with Qwen3's free <think> reasoning and the constraint applies after "</think>"."""
         ids = self.llm.prompt_ids(prompt)
+        check_lm_head(self.model)   # a checkpoint saved without lm_head (Qwen3Model) cannot generate: say so now
         stop, max_new_tokens = check_request(self.config, ids, max_new_tokens, stop)
         params = sampling_params(self.llm.generation_defaults, temperature=temperature, top_k=top_k, top_p=top_p,
                                  min_p=min_p, repetition_penalty=repetition_penalty,
@@ -105,6 +109,39 @@ class Engine:
                        None if logprobs is None else int(logprobs),
                        prompt_logprobs=None if prompt_logprobs is None else int(prompt_logprobs), constraint=constraint)
 
+    @rank_0_leads
+    def new_embedding_request(self, prompt, pooling: str = "lasttoken") -> Request:
+        """A prefill-only request whose output (StepOutput.embedding) is its pooled final-norm hidden
+        state: "lasttoken", "mean" or "cls" (npqwen/embed.py; mean and CLS compute every position)."""
+        if pooling not in POOLING_MODES:
+            raise NpqwenError(f"pooling must be one of {', '.join(POOLING_MODES)}, got {pooling!r}")
+        return self._prefill_only_request(prompt, task="embed", pooling=pooling, prefix_reuse=pooling == "lasttoken")
+
+    @rank_0_leads
+    def new_scoring_request(self, prompt, token_ids) -> Request:
+        """A prefill-only request whose output (StepOutput.scores) is the logits of `token_ids` at its
+        last position, and nothing else of the vocabulary (the reranker's "no" and "yes")."""
+        ids = check_token_ids(list(token_ids), self.config.vocab_size).tolist() if len(token_ids) else []
+        if not ids:
+            raise NpqwenError("token_ids must name at least one token to score")
+        check_lm_head(self.model)   # a checkpoint without lm_head says so now, not in a step
+        return self._prefill_only_request(prompt, task="score", score_ids=tuple(ids))
+
+    def _prefill_only_request(self, prompt, **fields) -> Request:
+        ids = self.llm.prompt_ids(prompt)
+        if not ids:
+            raise NpqwenError("the prompt is empty")
+        context = self.config.max_position_embeddings
+        if len(ids) > context:
+            raise InputTooLong(f"the prompt has {len(ids)} tokens but the context holds {context} "
+                               f"(max_position_embeddings); shorten it")
+        need = math.ceil(len(ids) / self.page_size)
+        if need > self.pool.num_pages:
+            raise InputTooLong(f"a prompt of {len(ids)} tokens needs {need} KV pages of {self.page_size} positions, "
+                              f"but the pool has {self.pool.num_pages}; give the engine a larger kv_cache_tokens")
+        return Request(f"req-{next(self._ids)}", ids, 0, sampling_params({}), frozenset(), StopStrings(None),
+                       **fields)
+
     def add(self, req: Request) -> str:
         """Queue a request made by new_request; its id."""
         self.requests[req.request_id] = req
@@ -121,15 +158,17 @@ class Engine:
         if not plan:
             return [self._probe_pass(req) for req in probes]
         # 1. pack: each request's next n tokens, its cached length and its pages
-        samples = [req.cached_len + n == len(req.tokens) for req, n in plan]   # its last known token is in?
+        samples = [req.cached_len + n == len(req.tokens) and req.task is None   # its last known token is in?
+                   for req, n in plan]
         lengths = [n for _, n in plan]
         ends = np.cumsum(lengths)
         scoring = [prompt_rows(req, n, end - n) for (req, n), end in zip(plan, ends)]   # rows scoring a prompt token
         rows = np.sort(np.concatenate([(ends - 1)[samples], *scoring])).astype(np.int64)
+        prefill_only = PrefillRows(plan, ends)   # the rows embeddings and scores read instead of sampling
         batch = Batch(np.array([t for req, n in plan for t in req.tokens[req.cached_len:req.cached_len + n]]),
                       starts=[req.cached_len for req, _ in plan], lengths=lengths,
                       page_tables=[np.array(req.page_table) for req, _ in plan], page_size=self.page_size,
-                      sample_rows=rows)
+                      sample_rows=rows, **prefill_only.batch_fields)
         self.last_batch = batch
         # 2. one forward pass for all of them; logits only for the rows that sample (or score their prompt).
         # A constrained row's mask depends only on tokens drawn in earlier steps, so a worker thread fills
@@ -142,6 +181,9 @@ class Engine:
         for (req, n), sample in zip(plan, samples):
             req.cached_len += n
             self._remember_full_pages(req)
+            if req.task is not None:   # prefill-only: its rows folded in; finished once the prompt is read
+                outputs.append(self._finish_if(prefill_only.output(req, batch)))
+                continue
             if not sample:
                 outputs.append(StepOutput(req.request_id, [], ""))
                 continue
@@ -228,6 +270,11 @@ class Engine:
             j = len(req.page_hashes)
             parent = req.page_hashes[-1] if req.page_hashes else None
             req.page_hashes.append(self.cache.register(req.page_table[j], parent, req.tokens[j * P:(j + 1) * P]))
+
+    def _finish_if(self, out: StepOutput) -> StepOutput:
+        if out.finished:
+            self._finish(self.requests[out.request_id])
+        return out
 
     def _finish(self, req: Request):
         self.scheduler.finish(req)

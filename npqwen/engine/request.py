@@ -27,6 +27,8 @@ class StepOutput:
     logprobs: list | None = None         # per sampled token, when asked: (log p, [(id, log p) most likely first])
     prompt_logprobs: list | None = None  # per prompt token scored in this step, when asked (Request.prompt_logprobs):
                                          # (log p, [(id, log p) most likely first], rank), the model's own distribution
+    embedding: np.ndarray | None = None  # a finished "embed" request: its pooled hidden state (D,) float32
+    scores: np.ndarray | None = None     # a finished "score" request: the logits of its score_ids (k,) float32
 
 
 @dataclass(eq=False)
@@ -48,6 +50,12 @@ class Request:
     min_tokens: int = 0                  # no eos can be drawn, and no stop string ends it, before this many tokens
     include_stop: bool = False           # the stop string that ends the text stays in it
     constraint: Constraint | None = None     # structured output: the answer's mask and matcher (structured.py)
+    task: str | None = None              # None: generate; "embed" or "score": read the prompt only (prefill_only.py)
+    pooling: str = "lasttoken"           # embed: which positions' final-norm states make the embedding (embed.py)
+    score_ids: tuple = ()                # score: the tokens whose logits at the last position are the output
+    prefix_reuse: bool = True            # False: every position is computed, none taken from the prefix cache
+    pooled: np.ndarray | None = None     # embed: the pooling so far (mean: the running sum), float32
+    pooled_upto: int = 0                 # embed: positions already folded into `pooled` (kept over a preemption)
     tokens: list[int] = field(init=False)       # prompt + generated
     output_ids: list[int] = field(default_factory=list)
     cached_len: int = 0                  # positions whose keys/values are in the pages
@@ -73,6 +81,8 @@ class Request:
         """Leading positions whose keys/values may come from the prefix cache: all but the last token
         (its logits are needed), and while the prompt is being scored, only the positions that
         scored it already (a cached position computes no logits)."""
+        if not self.prefix_reuse:   # mean and CLS pooling read every position's state
+            return 0
         if self.prompt_logprobs is not None and self.prompt_scored < len(self.prompt_ids):
             return self.prompt_scored - 1
         return len(self.tokens) - 1

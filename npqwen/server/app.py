@@ -5,6 +5,8 @@
     POST /v1/chat/completions       chat, streamed or not: reasoning, tool calls, logprobs, n
     POST /v1/completions            plain completion of a prompt (text or token ids); echo, prompt logprobs
     POST /v1/responses              OpenAI's Responses API (responses.py), over the same requests as a chat
+    POST /v1/embeddings             OpenAI's embeddings: a vector per input (npqwen/embed.py)
+    POST /v1/rerank                 a relevance score per document, best first (npqwen/rerank.py)
     POST /v1/npqwen/attention       one position's attention in every head of a layer (for the page)
     POST /v1/npqwen/experts         the experts one token went to in each layer (Qwen3-MoE; for the page)
     POST /tokenize, /detokenize     the model's tokenizer (vLLM's shapes); GET /tokenizer_info
@@ -41,13 +43,16 @@ from starlette.exceptions import HTTPException
 from ..errors import NpqwenError
 from ..backend import to_numpy
 from ..generate import check_token_ids
+from ..model import check_lm_head
 from ..structured import ConstraintError
 from .constraints import chat_constraint, format_constraint
+from .embeddings import embeddings, rerank
 from .engine_loop import EngineLoop, EngineStopped
 from .parsers import StreamParser, finish_reason, parse_output
 from .tokenizer_process import LONG_TEXT_CHARS, TokenizerProcess
 from .protocol import (IGNORED, MAX_ATTENTION_TOKENS, APIError, AttentionRequest, ChatCompletionRequest,
-                       CompletionRequest, DetokenizeRequest, ExpertsRequest, TokenizeRequest, template_messages)
+                       CompletionRequest, DetokenizeRequest, EmbeddingRequest, ExpertsRequest, RerankRequest,
+                       TokenizeRequest, template_messages)
 
 DEFAULT_MAX_QUEUE = 256                    # waiting requests; one more is a 429
 RETRY_AFTER_SECONDS = 1                    # a 429's Retry-After
@@ -55,12 +60,6 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # a bigger body is a 413
 DISCONNECT_POLL_SECONDS = 0.05             # how often a waiting handler checks that its client is still there
 PROMPT_WORKERS = 4                         # threads that apply the chat template and tokenize (see Server.off_loop)
 STATIC = Path(__file__).parent / "static"   # the web page: plain files, no build step
-NOT_SERVED = {   # endpoints of the APIs npqwen follows that it does not serve: a 404 that says what they are
-    "/v1/embeddings": "OpenAI's embeddings endpoint (a vector for each input text)",
-    "/v1/rerank": "the rerank endpoint of vLLM and Jina (documents ordered by relevance to a query)",
-    "/rerank": "the rerank endpoint of vLLM and Jina (documents ordered by relevance to a query)",
-    "/v2/rerank": "Cohere's rerank endpoint (documents ordered by relevance to a query)",
-}
 PAGE_FILES = {"app.js": "text/javascript", "markdown.js": "text/javascript", "style.css": "text/css"}
 OPEN_PATHS = ("/health", "/metrics", "/", "/openapi.json", "/docs",                       # answered without the API key
               *(f"/static/{name}" for name in PAGE_FILES))
@@ -81,6 +80,10 @@ class Metrics:
         self.generation_tokens = Counter("npqwen_generation_tokens", "Tokens generated", registry=registry)
         self.finished = Counter("npqwen_requests_finished", "Requests finished, by finish reason",
                                 ["finish_reason"], registry=registry)
+        self.embedding_inputs = Counter("npqwen_embedding_inputs", "Inputs embedded by /v1/embeddings",
+                                        registry=registry)
+        self.rerank_documents = Counter("npqwen_rerank_documents", "Documents scored by /v1/rerank",
+                                        registry=registry)
         self.time_to_first_token = Histogram(
             "npqwen_time_to_first_token_seconds", "From a request's arrival to its first token",
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120), registry=registry)
@@ -182,6 +185,16 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     async def responses(body: ResponsesRequest, http: HTTPRequest):
         return await responder.respond(body, http)
 
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest, http: HTTPRequest):
+        return await embeddings(server, body, http)
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    @app.post("/v2/rerank")
+    async def create_rerank(body: RerankRequest, http: HTTPRequest):
+        return await rerank(server, body, http)
+
     @app.post("/v1/npqwen/attention")
     async def attention(body: AttentionRequest, http: HTTPRequest):
         return await server.attention(body, http)
@@ -252,7 +265,8 @@ class Server:
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "npqwen",
-                "max_model_len": self.config.max_position_embeddings}
+                "max_model_len": self.config.max_position_embeddings,
+                "kind": self.llm.kind}   # "embedding", "reranker" or "generation": what it was made for
 
     def check_model(self, name: str | None):
         if name is not None and name != self.model_name:
@@ -300,6 +314,10 @@ class Server:
         the first scores the prompt when `prompt_logprobs` is set); `constraint`: (Engine.new_request's
         constraint arguments, the body field they came from)."""
         self.check_size(prompt, max_tokens, param)
+        try:
+            check_lm_head(self.llm.model)   # a Qwen3Model checkpoint (embeddings only) cannot generate
+        except NpqwenError as e:
+            raise APIError(400, str(e), "model", "model_not_supported") from None
         try:
             ids = self.encode(prompt) if isinstance(prompt, str) else self.llm.prompt_ids(prompt)
         except NpqwenError as e:
@@ -915,9 +933,7 @@ def add_error_handlers(app: FastAPI):
         message = str(e.detail)
         if isinstance(e.__cause__, UnicodeDecodeError):   # FastAPI's "error parsing the body"
             message = f"the body is not valid JSON: it is not UTF-8 ({e.__cause__.reason} at byte {e.__cause__.start})"
-        if e.status_code == 404 and request.url.path in NOT_SERVED:
-            message = f"{request.url.path} is {NOT_SERVED[request.url.path]}: not served by npqwen (yet)"
-        elif e.status_code == 404 and request.url.path.startswith("/v1/responses/"):
+        if e.status_code == 404 and request.url.path.startswith("/v1/responses/"):
             message = "npqwen keeps no responses (each is answered and forgotten): there is nothing to fetch here"
         elif e.status_code == 404:
             message = f"no endpoint {request.url.path}: see GET /openapi.json for the endpoints this server has"

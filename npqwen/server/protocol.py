@@ -324,3 +324,37 @@ def template_messages(messages: list[Message]) -> list[dict]:
             d["role"] = "system"
         out.append(d)
     return out
+
+
+class EmbeddingRequest(Strict):
+    """POST /v1/embeddings, OpenAI's shape: `input` a string, a list of strings, token ids or a list of those."""
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"   # the openai client asks for base64 by default
+    dimensions: int | None = None                          # keep the first d values (Matryoshka), renormalised
+    user: str | None = None                                # an end-user id for the caller's logs; unused
+
+    def inputs(self) -> list:
+        """One input (a string or token ids) per entry."""
+        x = self.input
+        if isinstance(x, str) or (x and isinstance(x[0], int)):
+            return [x]
+        if not x:
+            raise APIError(400, "input is empty: send a string or a non-empty list", "input")
+        return list(x)
+
+
+class RerankDocument(Strict):
+    text: str
+
+
+class RerankRequest(Strict):
+    """POST /v1/rerank (and /rerank): the shape vLLM, llama.cpp's server, Jina and Cohere share."""
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = None                               # the n best; default: every document
+    return_documents: bool = False                         # put each document's text beside its score
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]

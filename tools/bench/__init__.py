@@ -49,9 +49,17 @@ Suites (--suites, comma-separated, or all; the default is prefill,decode):
               p99), walked along a valid answer; and one decode step of --structured-batch (16)
               requests through npqwen.Engine with every request constrained vs none (target: at
               most 5% more). A checkpoint without a tokenizer uses --structured-tokenizer's.
+    embed     --embed-texts (64) texts of --embed-lens (16-512) tokens at the Qwen3-Embedding-0.6B shape:
+              npqwen's llm.embed (packed, no padding) against sentence-transformers' encode in
+              float32 and bfloat16 with its default batching (sorted, batches of 32 padded to their
+              longest text), and float32 one text at a time (no padding): texts/s, tokens/s, and
+              the share of the positions its batching pads. Its workers load a checkpoint of their
+              own (--embed-model, default a random one of that shape, built once; needs the real
+              Qwen3 tokenizer in .cache/qwen3-tokenizer).
 
     python -m tools.bench --suites batch1,serving,prefix    # the serving benchmark alone
     python -m tools.bench --suites moe                      # the mixture-of-experts steps
+    python -m tools.bench --suites embed                    # embeddings against sentence-transformers
 
 decode, batch1, prefill and step share one worker process per engine and round; serving and
 prefix run in another worker per engine, once whatever --rounds says, so their peak RSS is their own.
@@ -60,6 +68,8 @@ prefix run in another worker per engine, once whatever --rounds says, so their p
 #   NAME, WORKER, NEEDS   its --suites name; "single" (a worker per engine and round, shared with
 #                         the other one-sequence suites) or "serving" (a worker per engine, once);
 #                         the suites it implies
+#   OWN_MODEL (optional)  True: its workers load a checkpoint of their own, and run gets the
+#                         engine's name instead of a loaded engine
 #   add_arguments(group)  its flags
 #   runs_on(engine, args) whether it runs in that engine's worker ("npqwen", "hf-float32", ...)
 #   run(engine, args, rng) -> dict
@@ -71,6 +81,6 @@ prefix run in another worker per engine, once whatever --rounds says, so their p
 #   tables(report)        tables of its own: [(column names, rows)]
 #   notes(report)         sentences printed under the tables
 # The order here is the order of the rows, tables, notes and targets, and of the runs in a worker.
-from tools.bench import batch1, decode, moe, prefill, prefix, serving, step, structured, tp
+from tools.bench import batch1, decode, embed, moe, prefill, prefix, serving, step, structured, tp
 
-SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe, structured, tp)}
+SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe, structured, tp, embed)}

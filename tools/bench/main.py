@@ -61,7 +61,8 @@ def main(argv=None) -> int:
 
     if "moe" in suites and suites != {"moe"}:
         p.error("the moe suite runs on a Qwen3-MoE checkpoint of its own: run it alone, --suites moe")
-    model = Path(args.model).resolve() if args.model else default_checkpoint(moe="moe" in suites)
+    own = all(getattr(SUITES[s], "OWN_MODEL", False) for s in suites)   # (the embed suite alone needs no --model)
+    model = Path(args.model).resolve() if args.model else None if own else default_checkpoint(moe="moe" in suites)
     if "moe" in suites and json.loads((model / "config.json").read_text()).get("model_type") != "qwen3_moe":
         p.error(f"--suites moe needs a Qwen3-MoE checkpoint (model_type qwen3_moe); {model} is not one")
     report = {"machine": machine(args), "checkpoint": str(model), "rounds": args.rounds,
@@ -110,10 +111,15 @@ def run_worker(args) -> dict:
     """Load one engine, then run this worker's suites; runs in its own process."""
     import time
 
+    mine = [s for s in SUITES.values() if s.NAME in args.suites and s.runs_on(args.worker, args)]
+    if all(getattr(s, "OWN_MODEL", False) for s in mine):   # suites that load a checkpoint of their own
+        out = {}
+        for suite in mine:
+            out.update(suite.run(args.worker, args, None))
+        return out
     started = time.perf_counter()
     engine = load_engine(args)
     out = {"load_s": time.perf_counter() - started, **engine.sizes}
-    mine = [s for s in SUITES.values() if s.NAME in args.suites and s.runs_on(engine.name, args)]
     single = [s for s in mine if s.WORKER == "single"]
     if single:
         out.update(one_sequence(engine, args, single))
@@ -179,6 +185,7 @@ def run_serving(model: Path, argv, args, engines, suites) -> dict:
             out["errors"][engine] = result["error"]
             continue
         out["runs"].update(result.get("serving", {}))
+        out.setdefault("embed", {}).update(result.get("embed", {}))
         for key in ("memory", "prefix", "machine"):
             if key in result:
                 out[key] = result[key]
