@@ -829,7 +829,7 @@ def sse(events, abort) -> "EventStream":
             async for event in events:
                 yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
         except EngineStopped as e:
-            yield f"data: {json.dumps(APIError(503, str(e), type='server_error').body())}\n\n"
+            yield f"data: {json.dumps(APIError(e.status, str(e), type='server_error').body())}\n\n"
         yield "data: [DONE]\n\n"
     return EventStream(lines(), abort)
 
@@ -862,7 +862,8 @@ SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
     "event": {"type": "string", "description": "a Responses event's type; otherwise 'message'"}}}
 ERRORS = {400: "a request the server cannot serve, in OpenAI's error shape; param names the field",
           401: "a missing or wrong API key", 404: "another model's name", 413: "a body over the size limit",
-          429: "the queue is full: retry after Retry-After seconds", 503: "the server is shutting down"}
+          429: "the queue is full: retry after Retry-After seconds", 503: "the server is shutting down",
+          500: "this request's constraint failed while it ran (llguidance); the other requests go on"}
 
 
 def openapi_schema(app: FastAPI, with_key: bool, model_name: str) -> dict:
@@ -896,6 +897,7 @@ def openapi_schema(app: FastAPI, with_key: bool, model_name: str) -> dict:
             codes += [401] if with_key and path not in OPEN_PATHS else []
             codes += [404] if method == "post" or path.startswith("/v1/models/") else []
             codes += [429, 503] if path in ENGINE_PATHS else [503] if path == "/health" else []
+            codes += [500] if path in STREAMED else []
             responses = operation["responses"]
             responses.pop("422", None)
             for code in sorted(codes):
@@ -948,7 +950,7 @@ def add_error_handlers(app: FastAPI):
 
     @app.exception_handler(EngineStopped)
     async def engine_stopped(request, e: EngineStopped):
-        return error_response(APIError(503, str(e), type="server_error"))
+        return error_response(APIError(e.status, str(e), type="server_error"))
 
 
 def validation_api_error(errors: list[dict]) -> APIError:
