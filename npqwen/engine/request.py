@@ -60,6 +60,7 @@ class Request:
     tokens: list[int] = field(init=False)       # prompt + generated
     output_ids: list[int] = field(default_factory=list)
     cached_len: int = 0                  # positions whose keys/values are in the pages
+    prompt_cached: int | None = None     # prompt positions the prefix cache served at its first admission
     page_table: list[int] = field(default_factory=list)
     page_hashes: list[int] = field(default_factory=list)   # chain hash of each full page, in order
     text: str = ""

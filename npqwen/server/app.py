@@ -815,10 +815,14 @@ def token_logprobs(out) -> list[tuple]:
 
 def usage(requests, generated: bool = True) -> dict:
     """Token counts: each prompt once (its n choices share it), every generated token (an eos
-    included), unless `generated` is False (completions' echo with max_tokens 0)."""
-    prompt = sum(len(r.prompt_ids) for r in requests if r.leader is None)
+    included), unless `generated` is False (completions' echo with max_tokens 0); of the prompt
+    tokens, those the prefix cache served (OpenAI's prompt_tokens_details.cached_tokens)."""
+    leaders = [r for r in requests if r.leader is None]
+    prompt = sum(len(r.prompt_ids) for r in leaders)
+    cached = sum(r.prompt_cached or 0 for r in leaders)
     completion = sum(len(r.output_ids) for r in requests) if generated else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def sse(events, abort) -> "EventStream":

@@ -334,7 +334,7 @@ class Responder:
         return {**base, "status": "incomplete" if cut else "completed", "output": items,
                 "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
                 "usage": {"input_tokens": counts["prompt_tokens"],
-                          "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                          "input_tokens_details": {"cached_tokens": counts["prompt_tokens_details"]["cached_tokens"]},
                           "output_tokens": counts["completion_tokens"],
                           "output_tokens_details": {"reasoning_tokens": reasoning},
                           "total_tokens": counts["total_tokens"]}}
