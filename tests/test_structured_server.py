@@ -285,6 +285,12 @@ def test_a_constraint_that_fails_while_running_is_a_500_and_every_other_request_
     assert info.value.status_code == 500 and "could not fill the json_schema constraint's" in info.value.message
     with pytest.raises(openai.APIError, match="could not fill the regex constraint's"):
         streamed(server, max_tokens=50, seed=2, extra_body={**OFF, "structured_outputs": {"regex": "[a-z]+!"}})
+    text = {"format": {"type": "json_schema", "name": "a", "schema": schema}}
+    events = list(server.client().responses.create(model="test-model", input="JSON please", stream=True,
+                                                   max_output_tokens=50, text=text, reasoning={"effort": "none"}))
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"], [e.type for e in events]
+    failed = events[-1].response
+    assert failed.status == "failed" and "could not fill the json_schema constraint's" in failed.error.message
     thread.join(60)
     assert free["answer"][2] == "length" and free["answer"][1], free
     monkeypatch.undo()

@@ -420,8 +420,13 @@ class Responder:
                                 continue
                             for line in close() + function_call(whole):
                                 yield line
-        except EngineStopped as e:
+        except EngineStopped as e:   # the error, then the response as failed: the stream's last event, as OpenAI ends it
             yield event("error", code="server_error", message=str(e), param=None)
+            for item in out.items:
+                if item["status"] == "in_progress":   # cut off by the failure
+                    item["status"] = "incomplete"
+            yield event("response.failed", response={**base, "status": "failed", "output": out.items,
+                                                     "error": {"code": "server_error", "message": str(e)}})
             return
         for line in close():
             yield line
