@@ -24,11 +24,12 @@ PREFILL_CHUNK = 512   # prompt tokens per forward call: bounds the activations o
 class GenerationResult:
     text: str                           # generated text, without the eos token or a stop string
     token_ids: list[int]                # generated tokens only (an eos token included, as HF returns it)
-    finish_reason: str                  # "stop" (eos or stop string) or "length" (max_new_tokens)
+    finish_reason: str                  # "stop" (eos or stop string), "length" (max_new_tokens) or "error"
     prompt_tokens: int = 0
     prefill_seconds: float = 0.0        # prompt -> first token's logits (time to first token)
     decode_seconds: float = 0.0         # the remaining tokens
     stop: str | None = None             # the stop string or eos token that ended generation
+    error: str | None = None            # finish_reason "error": what failed (a constraint llguidance failed on)
 
     @property
     def prompt_tokens_per_second(self) -> float:

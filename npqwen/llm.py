@@ -276,6 +276,8 @@ class LLM:
                     if out.finished:
                         finished = True
                         vars(result).update(vars(out.result))
+                        if out.result.error is not None:
+                            raise NpqwenError(out.result.error)
         finally:
             if not finished and request_id in engine.requests:   # the caller stopped early: free its pages
                 engine.abort(request_id)
@@ -291,12 +293,18 @@ class LLM:
                 engine.abort(request_id)
             raise NpqwenError(f"prompt {len(ids)}: {e}") from e
         results = {}
-        while len(results) < len(ids):
-            for out in engine.step():
-                if out.finished and out.request_id in ids:
-                    results[out.request_id] = out.result
-                elif out.request_id not in ids:
-                    self._inbox.setdefault(out.request_id, []).append(out)
+        try:
+            while len(results) < len(ids):
+                for out in engine.step():
+                    if out.finished and out.request_id in ids:
+                        if out.result.error is not None:
+                            raise NpqwenError(f"prompt {ids.index(out.request_id)}: {out.result.error}")
+                        results[out.request_id] = out.result
+                    elif out.request_id not in ids:
+                        self._inbox.setdefault(out.request_id, []).append(out)
+        finally:
+            for request_id in set(ids) & set(engine.requests):   # interrupted, or one failed: free the others' pages
+                engine.abort(request_id)
         return [results[i] for i in ids]
 
 

@@ -49,6 +49,11 @@ class ConstraintError(NpqwenError):
     """A constraint that cannot be used (bad value, schema, regex or grammar); the server answers 400."""
 
 
+class ConstraintFailed(NpqwenError):
+    """llguidance failed on a running request (a mask it could not fill, a token it refused): the
+    engine ends that request with finish_reason "error" and this message, and the others go on."""
+
+
 def llguidance():
     """The llguidance module, or an error that names the extra to install."""
     try:
@@ -155,7 +160,8 @@ class Constraint:
                 self.start = position + 1
             return False
         if not self.matcher.consume_token(token):   # never, when the token was drawn under the mask
-            raise NpqwenError(f"the {self.kind} constraint refused token {token}: {self.matcher.get_error()}")
+            raise ConstraintFailed(f"the {self.kind} constraint refused token {token}: "
+                                   f"{one_line(self.matcher.get_error(), self.kind)}")
         self.consumed += 1
         return self.matcher.is_stopped()
 
@@ -216,6 +222,7 @@ class Masks:
         self.pool = self.executor = None      # the worker thread and llguidance's executor, made on first use
         self.job: Future | None = None        # the fill running now, if any
         self.masks: np.ndarray | None = None  # (B, V) bool: the last fill's result
+        self.failure: Exception | None = None # what the last fill raised instead
         self.rows: dict[int, int] = {}        # id(constraint) -> its row in the masks
 
     def start(self, constraints: list[Constraint]):
@@ -223,7 +230,7 @@ class Masks:
         self.wait()                           # the matchers are never read by two threads at once
         active = [c for c in constraints if not c.reasoning]
         self.rows = {id(c): i for i, c in enumerate(active)}
-        self.masks = None
+        self.masks = self.failure = None
         if not active:
             return
         if self.pool is None:
@@ -241,8 +248,12 @@ class Masks:
         return bits[:, :self.vocab_size].view(bool)
 
     def wait(self):
-        if self.job is not None:
-            self.masks, self.job = self.job.result(), None
+        job, self.job = self.job, None
+        if job is not None:
+            try:
+                self.masks = job.result()
+            except Exception as e:   # this step's constrained requests end (allowed raises), the free ones go on
+                self.failure = e
 
     def allowed(self, constraint: Constraint | None) -> np.ndarray | None:
         """The tokens this constraint allows next, (V,) bool; None for a free request."""
@@ -251,4 +262,13 @@ class Masks:
         if constraint.reasoning:
             return constraint.free_mask()
         self.wait()
-        return self.masks[self.rows[id(constraint)]]
+        if self.failure is not None:
+            raise ConstraintFailed(f"llguidance could not fill the {constraint.kind} constraint's next-token mask: "
+                                   f"{self.failure}")
+        if constraint.matcher.is_error():   # its mask would allow only end-of-sequence: an invalid answer
+            raise ConstraintFailed(f"the {constraint.kind} constraint failed: "
+                                   f"{one_line(constraint.matcher.get_error(), constraint.kind)}")
+        allowed = self.masks[self.rows[id(constraint)]]
+        if not allowed.any():
+            raise ConstraintFailed(f"the {constraint.kind} constraint allows no next token")
+        return allowed

@@ -542,3 +542,19 @@ def test_prompt_and_prompts_file_exclude_each_other(tmp_path):
     assert code == 2 and "not allowed with" in err
     code, _, err = run("generate", "--model", "tiny")
     assert code == 2 and "--prompt/-p --prompts-file is required" in err
+
+
+def test_peak_memory_is_the_commands_own_not_its_parents():
+    """A parent that once held 1.5 GB starts `npqwen generate --model tiny` (fork and exec): the command
+    reports its own peak (Linux's VmHWM), not the parent's, which ru_maxrss keeps across exec."""
+    if not os.path.isfile("/proc/self/status"):
+        pytest.skip("no /proc here (not Linux)")
+    parent = ("import subprocess, sys, numpy as np\n"
+              "big = np.ones(1_500_000_000 // 8); del big\n"   # touched, then freed: the parent's peak stays
+              "r = subprocess.run([sys.executable, '-m', 'npqwen', 'generate', '--model', 'tiny', '-p', 'hi', '-n', '2'],"
+              " capture_output=True, text=True)\n"
+              "print(r.stderr)\n")
+    result = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    peak = float(re.search(r"peak memory: ([0-9.]+) GB", result.stdout).group(1))
+    print(result.stdout)
+    assert 0 < peak < 1.0, peak

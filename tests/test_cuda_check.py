@@ -65,8 +65,10 @@ def test_dry_run_passes_every_step_and_check(dry_run):
     for part in ("greedy = HF: tiny", "engine batched = alone: tiny", "seeded sampling = CPU",
                  "forward float32: Qwen3-0.6B shape", "forward float16: Qwen3-0.6B shape",
                  "greedy = HF: Qwen3-0.6B shape", "engine batched = alone: Qwen3-0.6B shape",
-                 "MoE", "embeddings", "structured output"):
+                 "MoE", "embeddings", "rerank scores", "structured output"):
         assert part in names, part
+    features = {name: c for name, c in checks.items() if name.startswith(("MoE", "embeddings", "rerank", "structured"))}
+    assert len(features) == 4 and all(c["status"] == "pass" for c in features.values()), features   # all in the tree
     assert "max |logit diff|" in checks[f"forward float32: {next(iter(CASES))}"]["detail"]
     assert done.returncode == 0, done.stderr[-2000:]
 

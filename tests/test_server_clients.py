@@ -290,3 +290,23 @@ def test_tokenizer_info_tokenize_add_special_tokens_and_chat_prompt_logprobs(ser
 def test_nothing_above_made_either_server_log_an_error(server, scripted_server):
     for s in (server, scripted_server):
         assert not s.errors, [r.getMessage() for r in s.errors]
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(server):
+    """usage.prompt_tokens_details.cached_tokens (chat, completions, the Responses API's
+    input_tokens_details): 0 for a new prompt, its full cached pages (16 positions each) the second time."""
+    client = server.client(api_key="k")
+    prompt = "A prompt of its own for the cache count: " + "seven words make up this phrase. " * 12
+    first = client.completions.create(model="test-model", prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model="test-model", prompt=prompt, max_tokens=2, temperature=0)
+    n = first.usage.prompt_tokens
+    print("prompt tokens", n, "cached", first.usage.prompt_tokens_details, again.usage.prompt_tokens_details)
+    assert n > 64 and first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16   # its last token is computed
+    messages = [{"role": "user", "content": prompt}]
+    chats = [client.chat.completions.create(model="test-model", messages=messages, max_tokens=2) for _ in range(2)]
+    assert chats[0].usage.prompt_tokens_details.cached_tokens < chats[1].usage.prompt_tokens_details.cached_tokens
+    assert chats[1].usage.prompt_tokens_details.cached_tokens == (chats[1].usage.prompt_tokens - 1) // 16 * 16
+    response = client.responses.create(model="test-model", input=prompt + " (responses)", max_output_tokens=16)
+    response = client.responses.create(model="test-model", input=prompt + " (responses)", max_output_tokens=16)
+    assert response.usage.input_tokens_details.cached_tokens == (response.usage.input_tokens - 1) // 16 * 16

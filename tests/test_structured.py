@@ -266,6 +266,40 @@ def test_the_masks_are_filled_while_the_forward_pass_runs(tiny, monkeypatch):
         assert thread.startswith("npqwen-masks") and fill_start < forward_end   # begun before the pass ended
 
 
+@pytest.mark.parametrize("failure", ["matcher", "fill"])
+def test_a_constraint_that_fails_while_running_ends_only_its_own_request(tiny, monkeypatch, failure):
+    """llguidance failing mid-answer (its matcher in error: it would allow only end-of-sequence, an
+    invalid answer; or the mask fill raising): that request ends with finish_reason "error" and the
+    message, the free request beside it draws what it draws alone, and LLM.generate raises it."""
+    requests = [("Once upon", dict(max_new_tokens=30, temperature=1.0, seed=7)),
+                ("JSON:", dict(max_new_tokens=300, temperature=1.0, seed=9, json_schema=SCHEMAS["$ref $defs"]))]
+    alone = run(Engine(tiny, kv_cache_tokens=8192, page_size=16), requests[:1])[0]
+    engine = Engine(tiny, kv_cache_tokens=8192, page_size=16)
+    steps = []
+
+    def break_llguidance(engine):
+        steps.append(engine)
+        if len(steps) == 4 and failure == "matcher":   # it takes a token no JSON answer can have
+            constraint = next(r.constraint for r in engine.requests.values() if r.constraint is not None)
+            constraint.matcher.consume_token(5)
+            assert constraint.matcher.is_error()
+            constraint.consumed += 1   # what the engine's bookkeeping expects of a taken token
+        if len(steps) == 4 and failure == "fill":
+            monkeypatch.setattr(Masks, "fill", lambda self, matchers: 1 / 0)
+    free, failed = run(engine, requests, on_step=break_llguidance)
+    assert free.token_ids == alone.token_ids, (free.text, alone.text)
+    assert failed.finish_reason == "error" and len(failed.token_ids) >= 3, failed
+    print("error:", failed.error)
+    assert ("json_schema constraint failed" in failed.error if failure == "matcher"
+            else "could not fill the json_schema constraint's next-token mask: division by zero" in failed.error)
+    assert not engine.requests and not engine.scheduler.running   # run() checked the pages after every step
+    if failure == "fill":
+        with pytest.raises(npqwen.NpqwenError, match="could not fill"):
+            tiny.generate("JSON:", max_new_tokens=20, json_schema=SCHEMAS["$ref $defs"])
+        monkeypatch.undo()
+        assert tiny.generate("JSON:", max_new_tokens=5, temperature=0).finish_reason == "length"   # it goes on
+
+
 # -- the thinking rule --
 
 def test_chat_thinking_on_reasons_freely_then_constrains_off_from_the_first_token(tiny):

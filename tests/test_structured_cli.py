@@ -79,3 +79,14 @@ def test_a_bad_constraint_in_a_prompts_file_names_its_line(tmp_path):
     path.write_text('{"prompt": "a"}\n{"prompt": "b", "json_schema": {"type": "strin"}}\n')
     code, _, err = run("generate", "-m", "tiny", "--prompts-file", str(path))
     assert code == 1 and f"{path} line 2: the json_schema constraint cannot be used: Invalid type" in err
+
+
+def test_a_prompts_file_record_of_a_failed_constraint_says_what_failed():
+    """A request whose constraint failed while it ran (Engine._fail) is written with its error, the rest as usual."""
+    from npqwen.cli.generate import FilePrompt, result_record
+    from npqwen.generate import GenerationResult
+
+    failed = GenerationResult("{\"a\"", [1, 2], "error", 4, error="the json_schema constraint failed: ...")
+    record = result_record(0, FilePrompt(1, prompt="json"), failed)
+    assert record["finish_reason"] == "error" and record["error"].startswith("the json_schema constraint failed")
+    assert "error" not in result_record(1, FilePrompt(2, prompt="x"), GenerationResult("ok", [3], "stop", 1))

@@ -262,3 +262,40 @@ def test_every_bad_constraint_is_a_400_naming_the_field_and_the_server_goes_on(s
     server.wait_idle()
     assert not server.errors, [r.getMessage() for r in server.errors]
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_constraint_that_fails_while_running_is_a_500_and_every_other_request_goes_on(server, monkeypatch, capfd):
+    """llguidance failing on a running request (here its mask fill raises): that request gets a 500
+    naming the constraint, streamed or not, and a free stream that was running beside it ends as usual."""
+    import threading
+
+    from npqwen.structured import Masks
+
+    monkeypatch.setattr(Masks, "fill", lambda self, matchers: 1 / 0)
+    free = {}
+
+    def free_stream():
+        free["answer"] = streamed(server, max_tokens=120, seed=3, extra_body={**OFF, "ignore_eos": True})
+    thread = threading.Thread(target=free_stream)
+    thread.start()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    with pytest.raises(openai.InternalServerError) as info:
+        chat(server, max_tokens=50, seed=1, extra_body=OFF,
+             response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert info.value.status_code == 500 and "could not fill the json_schema constraint's" in info.value.message
+    with pytest.raises(openai.APIError, match="could not fill the regex constraint's"):
+        streamed(server, max_tokens=50, seed=2, extra_body={**OFF, "structured_outputs": {"regex": "[a-z]+!"}})
+    text = {"format": {"type": "json_schema", "name": "a", "schema": schema}}
+    events = list(server.client().responses.create(model="test-model", input="JSON please", stream=True,
+                                                   max_output_tokens=50, text=text, reasoning={"effort": "none"}))
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"], [e.type for e in events]
+    failed = events[-1].response
+    assert failed.status == "failed" and "could not fill the json_schema constraint's" in failed.error.message
+    thread.join(60)
+    assert free["answer"][2] == "length" and free["answer"][1], free
+    monkeypatch.undo()
+    out = chat(server, max_tokens=5, seed=0, extra_body={**OFF, "structured_outputs": {"choice": ["ok"]}})
+    assert out.choices[0].message.content == "ok"
+    server.wait_idle()
+    assert not server.errors, [r.getMessage() for r in server.errors]
+    assert "Traceback" not in capfd.readouterr().err

@@ -246,6 +246,24 @@ def embeddings_equal_hf(path: Path, ref_device: str):
     return f"{len(inputs)} inputs: max |diff| from HF's last-token hidden state {err:.2e}"
 
 
+def rerank_scores_equal_hf(path: Path, ref_device: str):
+    """The reranker's scores (engine.new_scoring_request: two tokens' logits at the last position, two rows
+    of lm_head) equal HF's logits of those tokens, for prompts that share a prefix (the prefix cache)."""
+    import torch
+
+    llm, ref = npqwen.load(path, device="cuda"), hf_reference(path, ref_device)
+    shared = np.random.default_rng(3).integers(0, 512, size=40).tolist()
+    prompts = [shared + np.random.default_rng(n).integers(0, 512, size=n).tolist() for n in (1, 9, 70)]
+    token_ids = [7, 300]
+    got = np.stack([o.scores for o in llm.run_prefill_only(
+        [llm.engine.new_scoring_request(p, token_ids) for p in prompts])])
+    want = np.stack([ref(torch.tensor([p])).logits[0, -1, token_ids].numpy() for p in prompts])
+    err = np.abs(got - want).max()
+    print(f"{len(prompts)} prompts, 2 tokens: max |logit diff| from HF {err:.2e}")
+    assert got.shape == want.shape and err <= 1e-4, f"max |logit diff| {err:.2e} from HF"
+    return f"{len(prompts)} prompts sharing a prefix: max |logit diff| from HF {err:.2e}"
+
+
 def structured_equals_cpu():
     """A JSON-schema and a regex constraint on the built-in tiny model (it has a tokenizer): greedy answers
     on the device equal the CPU's, token for token, and match the constraint."""
@@ -321,6 +339,7 @@ def checks(args) -> list[tuple[str, callable]]:
 
     features = [("MoE = HF: test_moe's tiny checkpoints", "npqwen.moe", lambda: moe_equals_hf(work, ref)),
                 ("embeddings = HF: tiny", "npqwen.embed", lambda: embeddings_equal_hf(gen_tiny(), ref)),
+                ("rerank scores = HF: tiny", "npqwen.rerank", lambda: rerank_scores_equal_hf(gen_tiny(), ref)),
                 ("structured output = CPU: the built-in tiny model", "npqwen.structured", structured_equals_cpu)]
     for label, module, check in features:
         out.append((label, check if importlib.util.find_spec(module) else not_present(module)))

@@ -291,6 +291,11 @@ def print_stats(result, load_seconds: float | None = None):
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident memory of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    """Peak resident memory of this process: Linux's VmHWM (ru_maxrss would count the peak of the process
+    that started this one, kept across fork and exec); elsewhere ru_maxrss (KiB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024

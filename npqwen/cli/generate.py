@@ -211,7 +211,7 @@ def result_record(i: int, p: FilePrompt, result) -> dict:
     source = {"prompt": p.prompt} if p.messages is None else {"messages": p.messages}
     return {"index": i, **source, "text": result.text, "token_ids": [int(t) for t in result.token_ids],
             "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
-            "generated_tokens": len(result.token_ids)}
+            "generated_tokens": len(result.token_ids), **({"error": result.error} if result.error else {})}
 
 
 def print_batch_stats(results: list, seconds: float, stats: dict, load_seconds: float):

@@ -27,7 +27,7 @@ from ..model import Batch, KVCache, check_lm_head
 from ..parallel import rank_0_leads
 from ..sampling import candidates, draw, sampling_params, score_rows
 from ..sampling import logprobs as sampling_logprobs
-from ..structured import Masks, new_constraint
+from ..structured import ConstraintFailed, Masks, new_constraint
 from .pages import PagePool
 from .prefill_only import PrefillRows
 from .prefix_cache import PrefixCache
@@ -187,12 +187,16 @@ class Engine:
             if not sample:
                 outputs.append(StepOutput(req.request_id, [], ""))
                 continue
-            allowed = self.masks.allowed(req.constraint)   # None for a free request
-            ids, candidate_logits = candidates(no_eos_yet(req, logits[row], allowed), req.params, req.prompt_ids,
-                                               req.output_ids, allowed)
-            token = draw(ids, candidate_logits, req.params, req.rng)
-            row += 1
-            out = req.append(token)
+            row_logits, row = logits[row], row + 1
+            try:
+                allowed = self.masks.allowed(req.constraint)   # None for a free request
+                ids, candidate_logits = candidates(no_eos_yet(req, row_logits, allowed), req.params, req.prompt_ids,
+                                                   req.output_ids, allowed)
+                token = draw(ids, candidate_logits, req.params, req.rng)
+                out = req.append(token)
+            except ConstraintFailed as e:   # llguidance failed on this request: it ends, the others go on
+                outputs.append(self._fail(req, str(e)))
+                continue
             if req.logprobs is not None:
                 out.logprobs = [sampling_logprobs(ids, candidate_logits, token, req.logprobs)]
             outputs.append(out)
@@ -279,6 +283,13 @@ class Engine:
     def _finish(self, req: Request):
         self.scheduler.finish(req)
         del self.requests[req.request_id]
+
+    def _fail(self, req: Request, message: str) -> StepOutput:
+        """End a request that cannot go on (its constraint failed): finish_reason "error", the message in
+        its result; LLM.generate raises it, the server answers 500, a batch file records it."""
+        req.finish_reason, req.error = "error", message
+        self._finish(req)
+        return StepOutput(req.request_id, [], "", True, "error", req.result())
 
 
 def hold_back_probes(plan: list) -> tuple[list, list]:

@@ -22,7 +22,8 @@ class StepOutput:
     token_ids: list[int]                 # tokens sampled in this step (empty while the prompt is being read)
     text: str                            # new text: never ends inside a UTF-8 character or a possible stop string
     finished: bool = False
-    finish_reason: str | None = None     # "stop" (eos, stop string, constraint complete), "length" or "abort"
+    finish_reason: str | None = None     # "stop" (eos, stop string, constraint complete), "length", "abort" or
+                                         # "error" (its constraint failed: result.error says how)
     result: GenerationResult | None = None   # the whole result, once finished
     logprobs: list | None = None         # per sampled token, when asked: (log p, [(id, log p) most likely first])
     prompt_logprobs: list | None = None  # per prompt token scored in this step, when asked (Request.prompt_logprobs):
@@ -59,11 +60,13 @@ class Request:
     tokens: list[int] = field(init=False)       # prompt + generated
     output_ids: list[int] = field(default_factory=list)
     cached_len: int = 0                  # positions whose keys/values are in the pages
+    prompt_cached: int | None = None     # prompt positions the prefix cache served at its first admission
     page_table: list[int] = field(default_factory=list)
     page_hashes: list[int] = field(default_factory=list)   # chain hash of each full page, in order
     text: str = ""
     finish_reason: str | None = None
     stop: str | None = None              # the stop string or eos token that ended it
+    error: str | None = None             # finish_reason "error": what failed (Engine._fail)
     arrival: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)   # when each token was sampled
 
@@ -132,4 +135,4 @@ class Request:
         last = self.token_times[-1] if self.token_times else first
         return GenerationResult(self.text, list(self.output_ids), self.finish_reason, len(self.prompt_ids),
                                 prefill_seconds=first - self.arrival, decode_seconds=last - first,
-                                stop=self.stop)
+                                stop=self.stop, error=self.error)

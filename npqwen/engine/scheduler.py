@@ -71,6 +71,8 @@ class Scheduler:
             self.free_pages(req)
             return False
         self.cache.hit_tokens += req.cached_len
+        if req.prompt_cached is None:   # readmitted after a preemption, it found its own pages: not counted
+            req.prompt_cached = req.cached_len
         self.grow(req, req.cached_len + min(req.uncomputed, budget))
         return True
 

@@ -815,10 +815,14 @@ def token_logprobs(out) -> list[tuple]:
 
 def usage(requests, generated: bool = True) -> dict:
     """Token counts: each prompt once (its n choices share it), every generated token (an eos
-    included), unless `generated` is False (completions' echo with max_tokens 0)."""
-    prompt = sum(len(r.prompt_ids) for r in requests if r.leader is None)
+    included), unless `generated` is False (completions' echo with max_tokens 0); of the prompt
+    tokens, those the prefix cache served (OpenAI's prompt_tokens_details.cached_tokens)."""
+    leaders = [r for r in requests if r.leader is None]
+    prompt = sum(len(r.prompt_ids) for r in leaders)
+    cached = sum(r.prompt_cached or 0 for r in leaders)
     completion = sum(len(r.output_ids) for r in requests) if generated else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def sse(events, abort) -> "EventStream":
@@ -829,7 +833,7 @@ def sse(events, abort) -> "EventStream":
             async for event in events:
                 yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
         except EngineStopped as e:
-            yield f"data: {json.dumps(APIError(503, str(e), type='server_error').body())}\n\n"
+            yield f"data: {json.dumps(APIError(e.status, str(e), type='server_error').body())}\n\n"
         yield "data: [DONE]\n\n"
     return EventStream(lines(), abort)
 
@@ -862,7 +866,8 @@ SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
     "event": {"type": "string", "description": "a Responses event's type; otherwise 'message'"}}}
 ERRORS = {400: "a request the server cannot serve, in OpenAI's error shape; param names the field",
           401: "a missing or wrong API key", 404: "another model's name", 413: "a body over the size limit",
-          429: "the queue is full: retry after Retry-After seconds", 503: "the server is shutting down"}
+          429: "the queue is full: retry after Retry-After seconds", 503: "the server is shutting down",
+          500: "this request's constraint failed while it ran (llguidance); the other requests go on"}
 
 
 def openapi_schema(app: FastAPI, with_key: bool, model_name: str) -> dict:
@@ -896,6 +901,7 @@ def openapi_schema(app: FastAPI, with_key: bool, model_name: str) -> dict:
             codes += [401] if with_key and path not in OPEN_PATHS else []
             codes += [404] if method == "post" or path.startswith("/v1/models/") else []
             codes += [429, 503] if path in ENGINE_PATHS else [503] if path == "/health" else []
+            codes += [500] if path in STREAMED else []
             responses = operation["responses"]
             responses.pop("422", None)
             for code in sorted(codes):
@@ -948,7 +954,7 @@ def add_error_handlers(app: FastAPI):
 
     @app.exception_handler(EngineStopped)
     async def engine_stopped(request, e: EngineStopped):
-        return error_response(APIError(503, str(e), type="server_error"))
+        return error_response(APIError(e.status, str(e), type="server_error"))
 
 
 def validation_api_error(errors: list[dict]) -> APIError:

@@ -20,7 +20,14 @@ from ..engine import Request, StepOutput
 
 
 class EngineStopped(Exception):
-    """Sent to the HTTP calls still waiting when the engine thread stops or fails."""
+    """Sent to the HTTP calls still waiting when the engine thread stops or fails (a 503)."""
+    status = 503
+
+
+class RequestFailed(EngineStopped):
+    """Sent to one HTTP call whose request the engine ended with an error (its constraint failed: a 500);
+    the other requests go on."""
+    status = 500
 
 
 @dataclass
@@ -174,7 +181,8 @@ class EngineLoop:
             if self.metrics:
                 self.metrics.finished.labels(out.finish_reason).inc()
         if sink is not None:
-            sink.put(out)
+            failed = out.finished and out.result is not None and out.result.error is not None
+            sink.put(RequestFailed(out.result.error) if failed else out)
 
     def fail_all(self, error: Exception):
         for request_id in list(self.engine.requests):

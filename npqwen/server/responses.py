@@ -334,7 +334,7 @@ class Responder:
         return {**base, "status": "incomplete" if cut else "completed", "output": items,
                 "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
                 "usage": {"input_tokens": counts["prompt_tokens"],
-                          "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                          "input_tokens_details": {"cached_tokens": counts["prompt_tokens_details"]["cached_tokens"]},
                           "output_tokens": counts["completion_tokens"],
                           "output_tokens_details": {"reasoning_tokens": reasoning},
                           "total_tokens": counts["total_tokens"]}}
@@ -420,8 +420,13 @@ class Responder:
                                 continue
                             for line in close() + function_call(whole):
                                 yield line
-        except EngineStopped as e:
+        except EngineStopped as e:   # the error, then the response as failed: the stream's last event, as OpenAI ends it
             yield event("error", code="server_error", message=str(e), param=None)
+            for item in out.items:
+                if item["status"] == "in_progress":   # cut off by the failure
+                    item["status"] = "incomplete"
+            yield event("response.failed", response={**base, "status": "failed", "output": out.items,
+                                                     "error": {"code": "server_error", "message": str(e)}})
             return
         for line in close():
             yield line

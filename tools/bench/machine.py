@@ -2,10 +2,10 @@
 bandwidth and matrix rate), peak RSS, and the FLOPs a workload needs, which those rates turn into bounds."""
 import math
 import os
-import resource
-import sys
 import time
 from pathlib import Path
+
+from npqwen.cli.common import peak_rss_bytes  # noqa: F401  (this process's own peak: VmHWM; the suites use it)
 
 
 def machine(args) -> dict:
@@ -92,16 +92,6 @@ def measure_device(xp, dtype) -> dict:
     matmul = 2 * n ** 3 / seconds_per_run(lambda: a @ a, 10 if once < 0.02 else 2) / 1e9
     return {"bandwidth_GBps": bandwidth, "matmul_GFLOPs": matmul, "copy_bytes": copied, "matmul_size": n}
 
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory (VmHWM; ru_maxrss would include the parent's, kept across exec)."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def best_time(fn, n) -> float:
