@@ -1,6 +1,7 @@
 """Shared test helpers: random-weight Qwen3 checkpoints written by HF transformers or by npqwen itself."""
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -145,6 +146,31 @@ def doc_samples(name: str) -> tuple[list[str], list[str]]:
     python = [code for lang, code in blocks if lang == "python"]
     shell = [line for lang, code in blocks if lang == "bash" for line in code.strip().splitlines()]
     return python, shell
+
+
+def run_doc_python(python: list[str], script: Path, timeout: float = 300):
+    """A doc's ```python samples, in order, as one script run from the repository root: it must end
+    without a traceback. Its CompletedProcess."""
+    import subprocess
+
+    script.write_text("\n\n".join(python))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    print(result.stdout[-3000:])
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result
+
+
+def run_doc_line(line: str, check: bool = True, timeout: float = 300):
+    """One ```bash line of a doc, from the repository root with this Python's commands first on PATH;
+    with `check`, it must succeed without a traceback. Its CompletedProcess."""
+    import subprocess
+
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(line, shell=True, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+    if check:
+        assert result.returncode == 0, (line, result.stdout[-2000:], result.stderr[-2000:])
+        assert "Traceback" not in result.stderr, (line, result.stderr[-2000:])
+    return result
 
 
 def pytest_addoption(parser):

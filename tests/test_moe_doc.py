@@ -1,22 +1,10 @@
 """docs/moe.md: every ```python sample, in order, as one script; every ```bash line too."""
-import os
-import subprocess
-import sys
-
-from conftest import ROOT, doc_samples
+from conftest import doc_samples, run_doc_line, run_doc_python
 
 
 def test_moe_doc_code_samples_run(tmp_path):
     python, shell = doc_samples("moe.md")
     assert len(python) >= 7
-    script = tmp_path / "moe_doc.py"
-    script.write_text("\n\n".join(python))
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    print(result.stdout[-3000:])
-    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    bindir = os.path.dirname(sys.executable)
-    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
+    run_doc_python(python, tmp_path / "moe_doc.py")
     for line in shell:
-        result = subprocess.run(line, shell=True, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-        assert result.returncode == 0, (line, result.stdout[-2000:], result.stderr[-2000:])
-        assert "Traceback" not in result.stderr, (line, result.stderr[-2000:])
+        run_doc_line(line)

@@ -1,11 +1,7 @@
 """docs/parallel.md: every ```python sample, in order, as one script; every ```bash line too."""
-import os
-import subprocess
-import sys
-
 import pytest
 
-from conftest import ROOT, doc_samples
+from conftest import doc_samples, run_doc_line, run_doc_python
 
 pytest.importorskip("mpi4py")
 
@@ -13,18 +9,9 @@ pytest.importorskip("mpi4py")
 def test_parallel_doc_code_samples_run(tmp_path):
     python, shell = doc_samples("parallel.md")
     assert len(python) >= 5 and len(shell) >= 1
-    script = tmp_path / "parallel_doc.py"
-    script.write_text("\n\n".join(python))
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    print(result.stdout[-3000:])
-    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    bindir = os.path.dirname(sys.executable)
-    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
+    run_doc_python(python, tmp_path / "parallel_doc.py")
     for line in shell:
-        result = subprocess.run(line, shell=True, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-        assert result.returncode == 0, (line, result.stdout[-2000:], result.stderr[-2000:])
-        assert "Traceback" not in result.stderr, (line, result.stderr[-2000:])
+        result = run_doc_line(line)
         if "--tensor-parallel-size" in line:   # two ranks print what one process prints
-            one = subprocess.run(line.replace(" --tensor-parallel-size 2", ""), shell=True, capture_output=True,
-                                 text=True, cwd=ROOT, env=env, timeout=300)
+            one = run_doc_line(line.replace(" --tensor-parallel-size 2", ""), check=False)
             assert result.stdout == one.stdout and one.stdout

@@ -11,7 +11,7 @@ import pytest
 import npqwen
 from npqwen.trace import Trace
 
-from conftest import ROOT, doc_samples, tiny_config, write_npqwen_checkpoint
+from conftest import ROOT, doc_samples, run_doc_line, run_doc_python, tiny_config, write_npqwen_checkpoint
 
 STEPS = ["self_attn.q_rope", "self_attn.k_rope", "self_attn.attn_probs", "self_attn.attn_output",
          "attn_residual", "mlp.act_fn"]   # named intermediate steps, besides the weighted modules
@@ -242,19 +242,10 @@ def test_walkthrough_code_samples_run(tmp_path):
     """Every ```python sample of docs/walkthrough.md, in order, as one script; every ```bash line too."""
     python, shell = doc_samples("walkthrough.md")
     assert len(python) >= 10 and len(shell) >= 2
-    script = tmp_path / "walkthrough.py"
-    script.write_text("\n\n".join(python))
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    bindir = os.path.dirname(sys.executable)
+    run_doc_python(python, tmp_path / "walkthrough.py")
     for line in shell:
-        result = subprocess.run(line, shell=True, capture_output=True, text=True, cwd=ROOT,
-                                env={**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"})
-        assert result.returncode == 0, (line, result.stderr[-2000:])
-        assert "Traceback" not in result.stderr
-    pdb_line = next(line for line in shell if "pdb" in line)
-    result = subprocess.run(pdb_line, shell=True, capture_output=True, text=True, cwd=ROOT,
-                            env={**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"})
+        run_doc_line(line)
+    result = run_doc_line(next(line for line in shell if "pdb" in line), check=False)
     assert "Breakpoint 1 at" in result.stdout and "(21, 16)" in result.stdout   # it stopped and printed shapes
 
 
