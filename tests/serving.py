@@ -167,6 +167,16 @@ def tiny_server():
     server.close()
 
 
+def scripted_server(script: dict, kv_cache_tokens: int = 4096):
+    """A live server over the tiny model answering each prompt that contains a key of `script` with its
+    text (ScriptedModel), the prefix cache off; yields it, then closes it (a test module's fixture body)."""
+    llm = npqwen.load("tiny")
+    llm.model = ScriptedModel(llm.model, llm.tokenizer, script, eos_id=llm.eos_token_ids[0])
+    server = LiveServer(llm, engine=Engine(llm, kv_cache_tokens=kv_cache_tokens, page_size=16, prefix_cache=False))
+    yield server
+    server.close()
+
+
 @pytest.fixture(scope="module")
 def reference():
     """A second copy of the tiny model (same seeded weights), for expected values outside the server."""

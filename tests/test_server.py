@@ -8,10 +8,8 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
-import npqwen  # noqa: E402
-from npqwen import Engine  # noqa: E402
-
-from serving import LiveServer, ScriptedModel, http_json, reference, tiny_server  # noqa: E402,F401  (fixtures)
+import serving  # noqa: E402
+from serving import http_json, reference, tiny_server  # noqa: E402,F401  (fixtures)
 
 THINK_OFF = "<think>\n\n</think>\n\n"     # what the chat template adds with enable_thinking false
 WEATHER_TOOL = {"type": "function", "function": {
@@ -40,11 +38,7 @@ SCRIPT = {
 
 @pytest.fixture(scope="module")
 def scripted_server():
-    llm = npqwen.load("tiny")
-    llm.model = ScriptedModel(llm.model, llm.tokenizer, SCRIPT, eos_id=llm.eos_token_ids[0])
-    server = LiveServer(llm, engine=Engine(llm, kv_cache_tokens=4096, page_size=16, prefix_cache=False))
-    yield server
-    server.close()
+    yield from serving.scripted_server(SCRIPT)
 
 
 def chat(server, content, **kwargs):

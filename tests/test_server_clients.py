@@ -180,13 +180,9 @@ SCRIPT = {"Q-PLAIN": THINK_OFF + "Plain answer.", "Q-CONT": THINK_OFF + "The ans
 
 @pytest.fixture(scope="module")
 def scripted_server():
-    from serving import ScriptedModel
+    from serving import scripted_server
 
-    llm = npqwen.load("tiny")
-    llm.model = ScriptedModel(llm.model, llm.tokenizer, SCRIPT, eos_id=llm.eos_token_ids[0])
-    server = LiveServer(llm, engine=Engine(llm, kv_cache_tokens=4096, page_size=16, prefix_cache=False))
-    yield server
-    server.close()
+    yield from scripted_server(SCRIPT)
 
 
 def plain(server, **kwargs):

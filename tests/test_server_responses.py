@@ -8,10 +8,8 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-import npqwen  # noqa: E402
-from npqwen import Engine  # noqa: E402
 
-from serving import LiveServer, ScriptedModel, http_json  # noqa: E402
+from serving import http_json, scripted_server  # noqa: E402
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -29,11 +27,7 @@ SCRIPT = {   # the first trigger found in the prompt answers
 
 @pytest.fixture(scope="module")
 def server():
-    llm = npqwen.load("tiny")
-    llm.model = ScriptedModel(llm.model, llm.tokenizer, SCRIPT, eos_id=llm.eos_token_ids[0])
-    server = LiveServer(llm, engine=Engine(llm, kv_cache_tokens=8192, page_size=16, prefix_cache=False))
-    yield server
-    server.close()
+    yield from scripted_server(SCRIPT, kv_cache_tokens=8192)
 
 
 def kinds(response) -> list[str]:
