@@ -1,6 +1,7 @@
 """What the commands share: the option groups (model, sampling, engine sizes, one prompt), checks
 made before the (slow) load, the load itself, writing to stdout, and the closing statistics."""
 import argparse
+import codecs
 import json
 import os
 import resource
@@ -111,6 +112,27 @@ def constraint_kwargs(args) -> dict:
     except NpqwenError as e:
         raise NpqwenError(f"--{next(iter(kwargs)).replace('_', '-')}: {e}") from None
     return kwargs
+
+
+def input_name(path: str) -> str:
+    """How messages name an input file ("-" is stdin)."""
+    return "stdin" if path == "-" else path
+
+
+def read_input_file(path: str) -> str:
+    """The text of an input file, or stdin for "-": UTF-8, a byte-order mark dropped; a file that cannot be
+    read, or is not UTF-8 (the line of the first bad byte named), is one clear error."""
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as e:
+        raise NpqwenError(f"{input_name(path)}: cannot read it ({e.strerror or e})") from None
+    data = data.removeprefix(codecs.BOM_UTF8)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise NpqwenError(f"{input_name(path)} line {line}: not valid UTF-8 (byte {data[e.start]:#04x}); "
+                          f"fix the file's encoding") from None
 
 
 def read_text_file(path: str, option: str, instead: str | None) -> str:

@@ -1,7 +1,6 @@
 """`npqwen embed`: texts -> embeddings (as llm.embed computes them), all run together through one engine,
 written as a NumPy .npy array or JSONL; a progress line on stderr for long inputs."""
 import argparse
-import codecs
 import json
 import sys
 import time
@@ -10,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import NpqwenError
-from .common import (add_engine_sizes, check_writable, checked_text, engine_sizes, json_object, load_model,
-                     model_options, peak_rss_bytes, write_out)
+from .common import (add_engine_sizes, check_writable, checked_text, engine_sizes, input_name, json_object,
+                     load_model, model_options, peak_rss_bytes, read_input_file, write_out)
 from .progress import Progress
 
 OUTPUT_KINDS = (".npy", ".jsonl")
@@ -99,16 +98,7 @@ def check_output(path: str):
 
 def read_texts(path: str) -> list[str]:
     """The texts of FILE: JSONL ("text" fields) if every non-empty line is a JSON object, else one per line."""
-    name = "stdin" if path == "-" else path
-    try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
-    except OSError as e:
-        raise NpqwenError(f"{name}: cannot read it ({e.strerror or e})") from None
-    try:
-        text = data.removeprefix(codecs.BOM_UTF8).decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise NpqwenError(f"{name} line {line}: not valid UTF-8 (byte {data[e.start]:#04x})") from None
+    name, text = input_name(path), read_input_file(path)
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not lines:
         raise NpqwenError(f"{name}: no texts (every line is blank)")

@@ -1,17 +1,15 @@
 """`npqwen generate`: one prompt streamed to stdout, or a --prompts-file run together through one
 engine, its results as JSONL in input order."""
-import codecs
 import json
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..errors import NpqwenError
 from .common import (CONSTRAINT_FIELDS, ENGINE_SIZES, SAMPLING_FIELDS, add_engine_sizes, check_sampling_args,
-                     check_writable, checked_text, constraint_kwargs, constraint_options, engine_sizes, json_object,
-                     load_model, model_options, peak_rss_bytes, print_stats, sampling_kwargs, sampling_options,
-                     stream_to_stdout, system_messages, write_out)
+                     check_writable, checked_text, constraint_kwargs, constraint_options, engine_sizes, input_name,
+                     json_object, load_model, model_options, peak_rss_bytes, print_stats, read_input_file,
+                     sampling_kwargs, sampling_options, stream_to_stdout, system_messages, write_out)
 from .parallel import add_option
 from .progress import Progress
 
@@ -75,18 +73,7 @@ class FilePrompt:
 
 def read_prompts_file(path: str) -> list[FilePrompt]:
     """The prompts in FILE: JSONL if every non-empty line is a JSON object, else one prompt per line."""
-    name = file_name(path)
-    try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
-    except OSError as e:
-        raise NpqwenError(f"{name}: cannot read it ({e.strerror or e})") from None
-    data = data.removeprefix(codecs.BOM_UTF8)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise NpqwenError(f"{name} line {line}: not valid UTF-8 (byte {data[e.start]:#04x}); "
-                          f"fix the file's encoding") from None
+    name, text = input_name(path), read_input_file(path)
     lines = [(n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not lines:
         raise NpqwenError(f"{name}: no prompts in it ({'every line is blank' if text else 'the file is empty'})")
@@ -98,10 +85,6 @@ def read_prompts_file(path: str) -> list[FilePrompt]:
                   file=sys.stderr)
         return [FilePrompt(n, prompt=line) for n, line in lines]
     return [file_prompt(f"{name} line {n}", n, o) for (n, _), o in zip(lines, objects)]
-
-
-def file_name(path: str) -> str:
-    return "stdin" if path == "-" else path
 
 
 def file_prompt(where: str, n: int, obj: dict) -> FilePrompt:
@@ -132,7 +115,7 @@ def generate_file(args) -> int:
     """--prompts-file: every prompt through one engine; the results as JSONL, in input order."""
     from ..engine import Engine
 
-    name = file_name(args.prompts_file)
+    name = input_name(args.prompts_file)
     # The command line's values alone first, so a bad one is not blamed on line 1; then the file's own
     # mistakes; all before the (slow) load.
     check_sampling_args(args)

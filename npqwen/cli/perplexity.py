@@ -6,14 +6,12 @@ the windows before it did not, so every token but the first is scored once, with
 window - stride tokens of context before it. The windows run together through the engine
 (llm.score), each a prompt whose logprobs are read chunk by chunk.
 """
-import codecs
 import math
 import sys
 import time
-from pathlib import Path
 
 from ..errors import NpqwenError
-from .common import load_model, model_options, write_out
+from .common import input_name, load_model, model_options, read_input_file, write_out
 
 DEFAULT_WINDOW = 2048   # tokens a window holds (lm-evaluation-harness's default max_length)
 
@@ -36,7 +34,7 @@ def cmd_perplexity(args) -> int:
         value = getattr(args, name)
         if value is not None and value < (2 if name == "window" else 1):
             raise NpqwenError(f"--{name} must be at least {2 if name == 'window' else 1}, got {value}")
-    text = read_text(args.input)   # before the (slow) load
+    text = read_input_file(args.input)   # before the (slow) load
     llm, load_seconds = load_model(args)
     context = llm.config.max_position_embeddings - 1   # a window is a prompt, with room for the token it draws
     window = min(args.window or DEFAULT_WINDOW, context)
@@ -48,8 +46,8 @@ def cmd_perplexity(args) -> int:
                           f"that the first token each one scores has tokens before it")
     ids = llm.tokenizer.encode(text)
     if len(ids) < 2:
-        raise NpqwenError(f"{source(args.input)} has {len(ids)} token{'s' * (len(ids) != 1)}: a perplexity needs at "
-                          f"least two (the first token has nothing before it to be predicted from)")
+        raise NpqwenError(f"{input_name(args.input)} has {len(ids)} token{'s' * (len(ids) != 1)}: a perplexity "
+                          f"needs at least two (the first token has nothing before it to be predicted from)")
     started = time.perf_counter()
     windows, news = sliding_windows(len(ids), window, stride)
     scores = llm.score([ids[a:b] for a, b in windows])
@@ -58,7 +56,7 @@ def cmd_perplexity(args) -> int:
     assert len(logprobs) == len(ids) - 1
     mean = sum(logprobs) / len(logprobs)
     write_out(f"perplexity {math.exp(-mean):.4f} (mean log p {mean:.4f}) over {len(logprobs)} tokens of "
-              f"{source(args.input)}; {len(windows)} window{'s' * (len(windows) > 1)} of up to {window} tokens, "
+              f"{input_name(args.input)}; {len(windows)} window{'s' * (len(windows) > 1)} of up to {window} tokens, "
               f"stride {stride}\n")
     print(f"load: {load_seconds:.2f} s; scored {sum(b - a for a, b in windows)} tokens in {seconds:.2f} s "
           f"({sum(b - a for a, b in windows) / seconds:.1f} tokens/s)", file=sys.stderr)
@@ -79,19 +77,3 @@ def sliding_windows(total: int, window: int, stride: int) -> tuple[list[tuple[in
     return windows, news
 
 
-def read_text(path: str) -> str:
-    try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
-    except OSError as e:
-        raise NpqwenError(f"{source(path)}: cannot read it ({e.strerror or e})") from None
-    data = data.removeprefix(codecs.BOM_UTF8)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise NpqwenError(f"{source(path)} line {line}: not valid UTF-8 (byte {data[e.start]:#04x}); fix the "
-                          f"file's encoding") from None
-
-
-def source(path: str) -> str:
-    return "stdin" if path == "-" else path
