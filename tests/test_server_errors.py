@@ -266,7 +266,7 @@ def test_the_error_log_check_bites():
     try:
         def broken(body):
             raise RuntimeError("planted")
-        planted.app.state.server.tokenize = broken
+        planted.app.state.tokenization.tokenize = broken
         status, body = http_json("POST", planted.url + "/tokenize", {"prompt": "hi"})
         assert status == 500 and body["error"]["type"] == "server_error", body
         deadline = time.monotonic() + 5   # uvicorn logs it after the response has gone out
