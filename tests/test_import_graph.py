@@ -98,6 +98,8 @@ def test_the_graph_is_read_as_python_resolves_imports():
     assert "npqwen.engine" in edges["npqwen.server.engine_loop"]   # from ..engine import Request (a name)
     assert "npqwen.server.parsers" in edges["npqwen.server.serving_chat"]   # from .parsers import ...
     assert APP in edges[SERVE]                                             # a function-level import
+    assert {"npqwen.moe", "npqwen.ops"} <= edges["npqwen.model"]           # from . import moe, ops: submodules
+    assert "npqwen" in edges["npqwen.server.http"]                         # from .. import __version__: a name
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
 
 

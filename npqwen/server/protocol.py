@@ -8,8 +8,8 @@ and logged once. Beyond OpenAI's fields, the extras that vLLM and SGLang accept:
 repetition_penalty, chat_template_kwargs.enable_thinking, and vLLM's return_token_ids,
 prompt_logprobs, ignore_eos, min_tokens, skip_special_tokens, include_stop_str_in_output,
 add_generation_prompt, continue_final_message, structured_outputs (see constraints.py). An int
-field takes a whole-number float (2.0). npqwen's own endpoint, POST /v1/npqwen/attention, takes
-an AttentionRequest.
+field takes a whole-number float (2.0). npqwen's own endpoints for the page take an
+AttentionRequest and an ExpertsRequest; the Responses API's request (ResponsesRequest) is last.
 """
 from typing import Annotated, Literal
 

@@ -1,10 +1,11 @@
 """The shared base of the handlers: every API (serving_*.py) is a subclass of Serving.
 
-Serving owns what the APIs have in common: the model's name and the checks every body gets (its
-model, its size before tokenizing, its token ids, the room it leaves to generate); building engine
-requests (requests, engine_request: the one place Engine.new_request is called); the one way to
-the engine thread (submit, with its one 429); and reading what comes back (outputs, collect,
-finished). JSON shapes and templates stay in the subclasses: this module knows no endpoint.
+Serving owns what the APIs have in common: the model (its name, GET /v1/models, /health) and the
+checks every body gets (its model, its size before tokenizing, its token ids, the room it leaves
+to generate); building engine requests (requests, and engine_request, the one call of
+Engine.new_request); the one way to the engine thread (submit, with its one 429 and Retry-After);
+and reading what comes back (outputs, collect, finished; Choice, usage). The chat template and
+each API's JSON shapes stay in its subclass.
 """
 import asyncio
 import codecs

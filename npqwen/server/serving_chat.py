@@ -16,6 +16,8 @@ from .tokenizer_process import LONG_TEXT_CHARS
 
 
 class ServingChat(Serving):
+    """POST /v1/chat/completions; ServingResponses builds on its template and requests."""
+
     async def chat(self, body: ChatCompletionRequest, http: HTTPRequest):
         self.check_model(body.model)
         body.check_supported()

@@ -13,6 +13,8 @@ from .serving import Choice, Serving, TextOffsets, token_logprobs, usage
 
 
 class ServingCompletion(Serving):
+    """POST /v1/completions."""
+
     async def complete(self, body: CompletionRequest, http: HTTPRequest):
         self.check_model(body.model)
         body.check_supported()

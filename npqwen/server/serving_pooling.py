@@ -35,6 +35,8 @@ def refused(e: NpqwenError, param: str) -> APIError:
 
 
 class ServingPooling(Serving):
+    """POST /v1/embeddings and /v1/rerank (also at /rerank and /v2/rerank)."""
+
     async def embeddings(self, body: EmbeddingRequest, http: HTTPRequest):
         self.check_model(body.model)
         llm, engine = self.llm, self.engine

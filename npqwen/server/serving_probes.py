@@ -14,6 +14,8 @@ from .serving import Serving
 
 
 class ServingProbes(Serving):
+    """POST /v1/npqwen/attention and /v1/npqwen/experts."""
+
     async def attention(self, body: AttentionRequest, http: HTTPRequest) -> dict:
         """The attention row of `position` over positions 0 .. position in every head of `layer`, and
         their mean: a probe over tokens[:position + 1] (see probe)."""

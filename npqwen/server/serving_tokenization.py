@@ -7,6 +7,8 @@ from .tokenizer_process import LONG_TEXT_CHARS
 
 
 class ServingTokenization(Serving):
+    """POST /tokenize, /detokenize (run in a worker thread, Serving.off_loop) and GET /tokenizer_info."""
+
     def tokenize(self, body: TokenizeRequest) -> dict:
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
