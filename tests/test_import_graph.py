@@ -35,7 +35,7 @@ def imports(name: str, path: Path, known: dict) -> set[str]:
         else:
             continue
         for target in targets:
-            while target and target not in known:   # import npqwen.engine.request as x: that module
+            while target and target not in known:   # a module outside npqwen (json, numpy) comes to ""
                 target = target.rpartition(".")[0]
             if target and target != name:
                 found.add(target)
