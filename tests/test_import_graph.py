@@ -116,4 +116,4 @@ def test_nothing_imports_the_app_but_the_serve_command():
 def test_no_server_file_is_long():
     lengths = {p.name: len(p.read_text().splitlines()) for p in sorted((PACKAGE / "server").glob("*.py"))}
     long = {name: n for name, n in lengths.items() if n > SERVER_MAX_LINES}
-    assert not long, f"files of npqwen/server/ over {SERVER_MAX_LINES} lines (split them by what each part does): {long}"
+    assert not long, f"npqwen/server/ files over {SERVER_MAX_LINES} lines (split them by what each part does): {long}"

@@ -335,7 +335,7 @@ class ServingResponses(ServingChat):
                                 continue
                             for line in close() + function_call(whole):
                                 yield line
-        except EngineStopped as e:   # the error, then the response as failed: the stream's last event, as OpenAI ends it
+        except EngineStopped as e:   # the error, then the response as failed: the last event, as OpenAI ends it
             yield event("error", code="server_error", message=str(e), param=None)
             for item in out.items:
                 if item["status"] == "in_progress":   # cut off by the failure
