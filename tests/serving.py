@@ -109,7 +109,7 @@ class LiveServer:
     def __init__(self, llm, model_name: str = "test-model", engine=None, **app_kwargs):
         import uvicorn
 
-        from npqwen.server.app import create_app
+        from npqwen.server.api_server import create_app
 
         self.llm = llm
         self.engine = engine if engine is not None else Engine(llm, kv_cache_tokens=4096, page_size=16)

@@ -200,6 +200,14 @@ def test_queue_full_is_a_429(slow_server):
         time.sleep(0.01)
     e = refused(lambda: slow_server.client().chat.completions.create(model="test-model", messages=USER), 429)
     assert e.code == "queue_full" and e.response.headers["retry-after"] == "1"   # a real 429 says when
+    for path, body in (("/v1/embeddings", {"model": "test-model", "input": ["a", "b"]}),   # the other roads
+                       ("/v1/npqwen/attention", {"tokens": [1, 2], "layer": 0})):
+        conn = http_client(urlparse(slow_server.url))
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 429 and response.getheader("Retry-After") == "1", (path, response.read())
+        assert json.loads(response.read())["error"]["code"] == "queue_full"
+        conn.close()
     for conn, _ in busy:
         conn.close()
     assert slow_server.wait_idle() < 1.0
@@ -266,7 +274,7 @@ def test_the_error_log_check_bites():
     try:
         def broken(body):
             raise RuntimeError("planted")
-        planted.app.state.server.tokenize = broken
+        planted.app.state.tokenization.tokenize = broken
         status, body = http_json("POST", planted.url + "/tokenize", {"prompt": "hi"})
         assert status == 500 and body["error"]["type"] == "server_error", body
         deadline = time.monotonic() + 5   # uvicorn logs it after the response has gone out

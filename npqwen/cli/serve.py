@@ -38,7 +38,7 @@ def cmd_serve(args) -> int:
     try:
         import uvicorn
 
-        from ..server.app import create_app
+        from ..server.api_server import create_app
     except ImportError as e:
         raise NpqwenError(f"npqwen serve needs the serve extra: pip install 'npqwen[serve]' ({e.name} is "
                           f"missing)") from None

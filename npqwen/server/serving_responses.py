@@ -3,7 +3,7 @@ SDK's openai(model), OpenAI's Agents SDK), over the same engine requests as a ch
 
 A Responses call is turned into a chat completion request (its input items into messages, its
 function tools into chat tools) and run as one; what comes back is written as output items: a
-`reasoning` item for Qwen3's <think> part, a `message` with the answer, a `function_call` for
+`reasoning` item for Qwen3's reasoning, a `message` with the answer, a `function_call` for
 each tool call. Streamed, as OpenAI's typed events: response.created, response.in_progress,
 for each item output_item.added, its deltas (reasoning_text, output_text, function_call_arguments)
 and output_item.done, then response.completed (or response.incomplete when max_output_tokens cut
@@ -14,99 +14,18 @@ import contextlib
 import json
 import time
 import uuid
-from typing import Literal
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
-from .app import Choice, EventStream, usage   # (app.py imports this module only once it is loaded)
 from .engine_loop import EngineStopped
-from .parsers import StreamParser, finish_reason, parse_output
-from .protocol import IGNORED, APIError, ChatCompletionRequest, Whole
-
-RESPONSE_FIELDS_IGNORED = (*IGNORED, "store", "truncation", "stream_options", "max_tool_calls")
-INCLUDES_ACCEPTED = ("reasoning.encrypted_content",)   # reasoning comes back in the clear, in the item itself
-
-
-class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict | None = None
-    strict: bool | None = None
-
-
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["function"]
-    name: str
-
-
-class Reasoning(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None   # the reasoning comes whole, not summarised
-    generate_summary: Literal["auto", "concise", "detailed"] | None = None
-
-
-class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Literal["text", "json_object", "json_schema"]
-
-
-class TextConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    format: TextFormat | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None
-
-
-class ResponsesRequest(BaseModel):
-    """POST /v1/responses. Input items are checked one by one (to_messages), with their index in `param`."""
-    model_config = ConfigDict(extra="forbid", strict=True)
-    model: str
-    input: str | list[dict]
-    instructions: str | None = None
-    max_output_tokens: Whole | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
-    parallel_tool_calls: bool | None = None
-    reasoning: Reasoning | None = None
-    text: TextConfig | None = None
-    stream: bool = False
-    previous_response_id: str | None = None
-    include: list[str] | None = None
-    background: bool | None = None
-    top_logprobs: Whole | None = Field(None, ge=0, le=20)
-    # accepted and ignored (logged once): they change nothing in the answer
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
-    user: str | None = None
-    truncation: Literal["auto", "disabled"] | None = None   # "auto" is not done: too long is a 400
-    stream_options: dict | None = None
-    max_tool_calls: Whole | None = Field(None, ge=1)
-
-    def check_supported(self):
-        if self.previous_response_id is not None:
-            raise APIError(400, "npqwen keeps no responses, so previous_response_id cannot be looked up: send the "
-                                "whole conversation as input items (with store: false)", "previous_response_id",
-                           "unsupported")
-        if self.background:
-            raise APIError(400, "background responses are not served by npqwen: leave background out, or stream",
-                           "background", "unsupported")
-        for name in self.include or []:
-            if name not in INCLUDES_ACCEPTED:
-                raise APIError(400, f"include {name!r} is not served by npqwen (it can include only "
-                                    f"{', '.join(INCLUDES_ACCEPTED)})", "include", "unsupported")
-        if self.top_logprobs:
-            raise APIError(400, "logprobs are not served by npqwen's Responses API; /v1/chat/completions has them",
-                           "top_logprobs", "unsupported")
+from .http import EventStream
+from .parsers import THINK_CLOSE, StreamParser, finish_reason, parse_output
+from .protocol import (RESPONSE_FIELDS_IGNORED, APIError, ChatCompletionRequest, FunctionToolChoice,
+                       ResponsesRequest)
+from .serving import Choice, usage
+from .serving_chat import ServingChat
 
 
 def to_messages(body: ResponsesRequest) -> list[dict]:
@@ -208,7 +127,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     if body.tools:
         chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                          for t in body.tools]
-    if isinstance(body.tool_choice, NamedFunction):
+    if isinstance(body.tool_choice, FunctionToolChoice):
         chat["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}
     elif body.tool_choice is not None:
         chat["tool_choice"] = body.tool_choice
@@ -264,31 +183,27 @@ class Output:
                 "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
 
 
-class Responder:
-    """What POST /v1/responses does, with the chat's machinery of the Server."""
-
-    def __init__(self, server):
-        self.server = server
+class ServingResponses(ServingChat):
+    """A Responses call runs as the chat it translates to (ServingChat's template, requests and parser)."""
 
     async def respond(self, body: ResponsesRequest, http: HTTPRequest):
-        server = self.server
-        server.check_model(body.model)
+        self.check_model(body.model)
         body.check_supported()
-        server.note_ignored(body, RESPONSE_FIELDS_IGNORED)
+        self.note_ignored(body, RESPONSE_FIELDS_IGNORED)
         chat = to_chat_request(body)
-        tools_on, tools = server.chat_tools(chat)
+        tools_on, tools = self.chat_tools(chat)
         thinking = chat.thinking
         try:   # text.format and tool_choice constrain the answer (constraints.py)
-            opened, requests = await server.off_loop(server.chat_requests, chat, thinking, tools, None)
+            opened, requests = await self.off_loop(self.chat_requests, chat, thinking, tools, None)
         except APIError as e:
             raise in_responses_names(e) from None
         choice = Choice(0, requests[0], StreamParser(thinking, tools=tools_on, opened=opened))
         base = self.base(body, chat)
-        queue = server.submit(requests)
+        queue = self.submit(requests)
         if body.stream:
             return EventStream(self.events(queue, choice, base, thinking, tools_on, opened, body, http),
-                               lambda: server.loop.abort(requests))
-        if not await server.collect(queue, [choice], http):
+                               lambda: self.loop.abort(requests))
+        if not await self.collect(queue, [choice], http):
             return Response(status_code=499)
         parsed = parse_output(choice.text, thinking, tools=tools_on, opened=opened)
         out = Output()
@@ -310,13 +225,13 @@ class Responder:
         """The response object's fields that do not depend on the answer."""
         return {"id": "resp_" + uuid.uuid4().hex, "object": "response", "created_at": int(time.time()),
                 "status": "in_progress", "error": None, "incomplete_details": None, "instructions": body.instructions,
-                "max_output_tokens": body.max_output_tokens, "model": self.server.model_name, "output": [],
+                "max_output_tokens": body.max_output_tokens, "model": self.model_name, "output": [],
                 "parallel_tool_calls": body.parallel_tool_calls is not False, "previous_response_id": None,
                 "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
                 "store": False, "temperature": body.temperature, "top_p": body.top_p,
                 "text": {"format": body.text.format.model_dump() if body.text and body.text.format
                          else {"type": "text"}},
-                "tool_choice": body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedFunction)
+                "tool_choice": body.tool_choice.model_dump() if isinstance(body.tool_choice, FunctionToolChoice)
                 else body.tool_choice or "auto",
                 "tools": [t.model_dump() for t in body.tools or []], "truncation": body.truncation or "disabled",
                 "metadata": body.metadata or {}, "user": body.user, "usage": None}
@@ -327,7 +242,7 @@ class Responder:
         for item in items:
             item["status"] = "incomplete" if cut and item["type"] != "function_call" else "completed"
         request = choice.request
-        think_end = self.server.tokenizer.token_to_id("</think>")
+        think_end = self.tokenizer.token_to_id(THINK_CLOSE)
         reasoning = (request.output_ids.index(think_end) + 1 if think_end in request.output_ids
                      else len(request.output_ids) if any(i["type"] == "reasoning" for i in items) else 0)
         counts = usage([request])
@@ -398,7 +313,7 @@ class Responder:
         yield event("response.in_progress", response=base)
         pending: dict[int, dict] = {}   # tool calls by index: a delta with the name, then one with the arguments
         try:
-            async with contextlib.aclosing(self.server.outputs(queue, [choice.request], http)) as outputs:
+            async with contextlib.aclosing(self.outputs(queue, [choice.request], http)) as outputs:
                 async for _, output in outputs:
                     choice.text += output.text
                     choice.finish_reason = output.finish_reason
@@ -420,7 +335,7 @@ class Responder:
                                 continue
                             for line in close() + function_call(whole):
                                 yield line
-        except EngineStopped as e:   # the error, then the response as failed: the stream's last event, as OpenAI ends it
+        except EngineStopped as e:   # the error, then the response as failed: the last event, as OpenAI ends it
             yield event("error", code="server_error", message=str(e), param=None)
             for item in out.items:
                 if item["status"] == "in_progress":   # cut off by the failure

@@ -1,0 +1,152 @@
+"""`npqwen serve`: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn).
+
+    GET  /                          the web page: chat, and why each token was chosen (static/)
+    GET  /v1/models                 the one model served
+    POST /v1/chat/completions       chat, streamed or not: reasoning, tool calls, logprobs, n (serving_chat.py)
+    POST /v1/completions            plain completion of a prompt (text or token ids); echo, prompt logprobs
+    POST /v1/responses              OpenAI's Responses API (serving_responses.py), run as a chat
+    POST /v1/embeddings             OpenAI's embeddings: a vector per input (serving_pooling.py, npqwen/embed.py)
+    POST /v1/rerank                 a relevance score per document, best first (npqwen/rerank.py)
+    POST /v1/npqwen/attention       one position's attention in every head of a layer (serving_probes.py)
+    POST /v1/npqwen/experts         the experts one token went to in each layer (Qwen3-MoE; for the page)
+    POST /tokenize, /detokenize     the model's tokenizer (vLLM's shapes); GET /tokenizer_info
+    GET  /health                    200 while the engine thread is alive
+    GET  /metrics                   Prometheus text format (metrics.py)
+
+How a request flows, the way vLLM's OpenAI server splits it: the route (one line here) calls its
+API's handler, a method of a serving_*.py subclass of serving.Serving. The handler checks the body
+(protocol.py) and turns it into engine Requests: the chat template and the tokenizer run here, in
+worker threads (Serving.off_loop), never model code. Serving.submit hands them to the one thread
+that owns the engine (engine_loop.py), which steps it and sends each output back through the
+call's queue; the handler writes them in OpenAI's shapes, whole or as server-sent events (http.py).
+JSON shapes and templates stay in the HTTP layer: the engine sees token ids and sampling values.
+A client that goes away has its requests aborted before the next engine step.
+"""
+import contextlib
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .engine_loop import EngineLoop
+from .http import (DEFAULT_MAX_BODY_BYTES, APIKey, BodyLimit, JSONBodies, add_error_handlers, openapi_schema, page,
+                   page_file)
+from .metrics import Metrics
+from .protocol import (AttentionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                       EmbeddingRequest, ExpertsRequest, RerankRequest, ResponsesRequest, TokenizeRequest)
+from .serving import PromptWorkers, Serving
+from .serving_chat import ServingChat
+from .serving_completion import ServingCompletion
+from .serving_pooling import ServingPooling
+from .serving_probes import ServingProbes
+from .serving_responses import ServingResponses
+from .serving_tokenization import ServingTokenization
+
+DEFAULT_MAX_QUEUE = 256                    # waiting requests; one more is a 429
+
+
+def create_app(llm, engine, model_name: str, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready=None,
+               allowed_origins: list[str] | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` (over `llm`) as `model_name`; on_ready() runs once it is up.
+    `allowed_origins`: web pages of these origins may call the API (CORS; "*" any); none by default."""
+    metrics = Metrics(engine)
+    loop = EngineLoop(engine, metrics)
+    workers = PromptWorkers(llm.tokenizer)
+    # one object per API, all over the same engine thread and prompt workers
+    shared = dict(llm=llm, loop=loop, model_name=model_name, max_queue=max_queue, workers=workers)
+    server, chat, completion = Serving(**shared), ServingChat(**shared), ServingCompletion(**shared)
+    responder, pooling = ServingResponses(**shared), ServingPooling(**shared)
+    probes, tokenization = ServingProbes(**shared), ServingTokenization(**shared)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        loop.start()
+        if on_ready is not None:
+            on_ready()
+        yield
+        loop.stop()
+        workers.close()
+
+    app = FastAPI(title="npqwen", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    app.state.loop, app.state.metrics = loop, metrics
+    app.state.server, app.state.chat, app.state.completion, app.state.responses = server, chat, completion, responder
+    app.state.pooling, app.state.probes, app.state.tokenization = pooling, probes, tokenization
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(JSONBodies)
+    if api_key:
+        app.add_middleware(APIKey, key=api_key)
+    if allowed_origins:   # outermost: a browser's preflight OPTIONS is answered before the key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["Retry-After"])
+    app.openapi = lambda: openapi_schema(app, api_key is not None, model_name)
+    add_error_handlers(app)
+
+    @app.get("/", include_in_schema=False)
+    async def page_index():
+        return page()
+
+    @app.get("/static/{name}", include_in_schema=False)
+    async def static_file(name: str):
+        return page_file(name)
+
+    @app.get("/health")
+    async def health():
+        return server.health()
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return server.models()
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        return server.model(name)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
+        return await chat.chat(body, http)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        return await completion.complete(body, http)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, http: HTTPRequest):
+        return await responder.respond(body, http)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest, http: HTTPRequest):
+        return await pooling.embeddings(body, http)
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    @app.post("/v2/rerank")
+    async def create_rerank(body: RerankRequest, http: HTTPRequest):
+        return await pooling.rerank(body, http)
+
+    @app.post("/v1/npqwen/attention")
+    async def attention(body: AttentionRequest, http: HTTPRequest):
+        return await probes.attention(body, http)
+
+    @app.post("/v1/npqwen/experts")
+    async def experts(body: ExpertsRequest, http: HTTPRequest):
+        return await probes.experts(body, http)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return await tokenization.off_loop(tokenization.tokenize, body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return tokenization.tokenizer_info()
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await tokenization.off_loop(tokenization.detokenize, body)
+
+    return app

@@ -1,0 +1,263 @@
+"""The HTTP layer under the handlers: the web page's files, server-sent events, OpenAI's error
+shape for every error (FastAPI's own included), the /openapi.json schema, and three ASGI
+middlewares (a body-size limit, JSON bodies whatever their Content-Type, the API key).
+"""
+import json
+import secrets
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from .engine_loop import EngineStopped
+from .protocol import APIError
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # a bigger body is a 413
+STATIC = Path(__file__).parent / "static"   # the web page: plain files, no build step
+PAGE_FILES = {"app.js": "text/javascript", "markdown.js": "text/javascript", "style.css": "text/css"}
+OPEN_PATHS = ("/health", "/metrics", "/", "/openapi.json", "/docs",                       # answered without the API key
+              *(f"/static/{name}" for name in PAGE_FILES))
+# The page's own files are the only code it runs (no inline script, nothing from elsewhere): a second
+# wall behind the rule that model text is never parsed as HTML.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' "
+                                           "data:; connect-src 'self'; base-uri 'none'; form-action 'none'; "
+                                           "frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
+
+
+def page() -> FileResponse:
+    """GET /: the web page."""
+    return FileResponse(STATIC / "index.html", media_type="text/html", headers=PAGE_HEADERS)
+
+
+def page_file(name: str) -> FileResponse:
+    """GET /static/{name}: the page's own scripts and styles, and nothing else."""
+    if name not in PAGE_FILES:
+        raise APIError(404, f"no static file {name!r}", None, "not_found")
+    return FileResponse(STATIC / name, media_type=PAGE_FILES[name], headers=PAGE_HEADERS)
+
+
+# -- server-sent events --
+
+def sse(events, abort) -> "EventStream":
+    """Server-sent events as OpenAI streams them: `data: {json}` per chunk, then `data: [DONE]`;
+    an error after the stream began is one data event with an "error" object, then [DONE]."""
+    async def lines():
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        except EngineStopped as e:
+            yield f"data: {json.dumps(APIError(e.status, str(e), type='server_error').body())}\n\n"
+        yield "data: [DONE]\n\n"
+    return EventStream(lines(), abort)
+
+
+class EventStream(StreamingResponse):
+    """A streamed response that aborts its requests when it ends, however it ends: a client gone
+    before the first byte never starts the generator, so its own cleanup would never run."""
+
+    def __init__(self, lines, abort):
+        super().__init__(lines, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.abort = abort
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.abort()   # requests that finished are already gone: nothing happens to them
+
+
+# -- the schema: /openapi.json (and /docs) --
+
+STREAMED = ("/v1/chat/completions", "/v1/completions", "/v1/responses")   # 200: JSON, or text/event-stream
+ENGINE_PATHS = (*STREAMED, "/v1/npqwen/attention")                      # 429 when the queue is full, 503 stopping
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a chunk as JSON, or [DONE] at the end of a chat or completion"},
+    "event": {"type": "string", "description": "a Responses event's type; otherwise 'message'"}}}
+ERRORS = {400: "a request the server cannot serve, in OpenAI's error shape; param names the field",
+          401: "a missing or wrong API key", 404: "another model's name", 413: "a body over the size limit",
+          429: "the queue is full: retry after Retry-After seconds", 503: "the server is shutting down",
+          500: "this request's constraint failed while it ran (llguidance); the other requests go on"}
+
+
+def openapi_schema(app: FastAPI, with_key: bool, model_name: str) -> dict:
+    """FastAPI's schema of the API, made to say what the server really answers: every error is a
+    400 (never FastAPI's 422) or another status of ERRORS, in OpenAI's error shape; the streamed
+    endpoints answer text/event-stream too; /metrics is Prometheus text; `model` is the one served."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    from .. import __version__
+    schema = get_openapi(title="npqwen", version=__version__, routes=app.routes,
+                         description="OpenAI's API (and vLLM's extras) over a Qwen3 in plain NumPy")
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    components["Error"] = ERROR
+    for component in components.values():
+        if "model" in component.get("properties", {}):
+            model = component["properties"]["model"]
+            if model.get("type") == "string":
+                model["enum"] = [model_name]
+            else:   # optional: a string or null
+                model["anyOf"] = [{"type": "string", "enum": [model_name]}, {"type": "null"}]
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            for parameter in operation.get("parameters", []):   # GET /v1/models/{name}
+                if parameter["name"] == "name":
+                    parameter["schema"]["examples"] = [model_name]
+            codes = [400, 413] if method == "post" else []
+            codes += [401] if with_key and path not in OPEN_PATHS else []
+            codes += [404] if method == "post" or path.startswith("/v1/models/") else []
+            codes += [429, 503] if path in ENGINE_PATHS else [503] if path == "/health" else []
+            codes += [500] if path in STREAMED else []
+            responses = operation["responses"]
+            responses.pop("422", None)
+            for code in sorted(codes):
+                responses[str(code)] = {"description": ERRORS[code], "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+            if path in STREAMED:   # each server-sent event: its data a JSON chunk (or [DONE]), its event name
+                responses["200"]["content"]["text/event-stream"] = {"schema": SSE_EVENT}
+    schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+    app.openapi_schema = schema
+    return schema
+
+
+# -- errors in OpenAI's shape --
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def add_error_handlers(app: FastAPI):
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, e: RequestValidationError):
+        error = validation_api_error(e.errors())
+        sent_as = request.scope.get("npqwen.content_type")
+        if sent_as is not None and error.message.startswith("the body is not valid JSON"):
+            error.message += f" (it was sent as Content-Type: {sent_as}; the API takes application/json)"
+        return error_response(error)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code)
+        message = str(e.detail)
+        if isinstance(e.__cause__, UnicodeDecodeError):   # FastAPI's "error parsing the body"
+            message = f"the body is not valid JSON: it is not UTF-8 ({e.__cause__.reason} at byte {e.__cause__.start})"
+        if e.status_code == 404 and request.url.path.startswith("/v1/responses/"):
+            message = "npqwen keeps no responses (each is answered and forgotten): there is nothing to fetch here"
+        elif e.status_code == 404:
+            message = f"no endpoint {request.url.path}: see GET /openapi.json for the endpoints this server has"
+        elif e.status_code == 405:
+            message = f"{request.url.path} does not take {request.method}; it takes {e.headers.get('Allow', '?')}"
+        return error_response(APIError(e.status_code, message, None, code, headers=e.headers))
+
+    @app.exception_handler(Exception)
+    async def bug(request, e: Exception):   # not the client's doing; uvicorn logs the traceback
+        return error_response(APIError(500, f"internal error ({type(e).__name__}); see the server log",
+                                       type="server_error"))
+
+    @app.exception_handler(EngineStopped)
+    async def engine_stopped(request, e: EngineStopped):
+        return error_response(APIError(e.status, str(e), type="server_error"))
+
+
+def validation_api_error(errors: list[dict]) -> APIError:
+    """pydantic's first complaint as a 400 whose param names the field ("messages[0].role")."""
+    def param(error):
+        # pydantic puts the union member it tried in the path ("str", "list[int]", "function-after"): drop it
+        loc = [p for p in error.get("loc", ()) if p != "body" and (isinstance(p, int) or p.isidentifier())
+               and p not in ("str", "int", "float", "bool", "dict", "list", "none")]
+        return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(loc)) or None
+
+    e, name = errors[0], param(errors[0])
+    if e["type"] == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}")
+    if e["type"] == "extra_forbidden":
+        return APIError(400, f"unsupported field {name!r}: npqwen does not implement it; remove it", name,
+                        "unsupported")
+    if e["type"] == "missing":
+        return APIError(400, f"{name!r} is required" if name else "the body is empty: send a JSON object", name)
+    if name is None:
+        return APIError(400, "the body must be a JSON object" if e["type"] == "model_attributes_type" else e["msg"])
+    if sum(param(other) == name for other in errors) > 1:     # every member of a union refused it
+        return APIError(400, f"{name}: not a value of an accepted type (as the OpenAI API defines the field)", name)
+    return APIError(400, f"{name}: {e['msg']}", name)
+
+
+class BodyLimit:
+    """ASGI middleware: a body over `limit` bytes is a 413, by its Content-Length or as it arrives."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await JSONResponse(self.too_large().body(), 413)(scope, receive, send)
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise HTTPException(413, self.too_large().message)
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def too_large(self) -> APIError:
+        return APIError(413, f"the request body is over {self.limit} bytes", None, "request_too_large")
+
+
+class JSONBodies:
+    """ASGI middleware: every body the API takes is JSON, so one sent without Content-Type:
+    application/json (none at all, or curl -d's application/x-www-form-urlencoded) is read as JSON
+    anyway, as vLLM reads it; if it is not JSON, the error says what it was sent as."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = dict(scope["headers"])
+            kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+            if kind != b"application/json" and not kind.endswith(b"+json"):
+                scope = {**scope, "npqwen.content_type": kind.decode("latin-1") or "(none)",
+                         "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                         + [(b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
+class APIKey:
+    """ASGI middleware: with --api-key, every path but /health, /metrics and the page's files needs
+    "Authorization: Bearer KEY" (the page asks the user for the key and sends it itself)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, given = header.strip().partition(b" ")
+            # the scheme's name is case-insensitive (RFC 7235): "bearer KEY" is as good as "Bearer KEY"
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(given.strip(), self.expected):
+                said = "the API key was refused" if header else "no API key was sent"
+                e = APIError(401, f"{said}: send the server's --api-key as 'Authorization: Bearer KEY'", None,
+                             "invalid_api_key")
+                return await JSONResponse(e.body(), 401)(scope, receive, send)
+        await self.app(scope, receive, send)

@@ -1,0 +1,87 @@
+"""The web page's probes: POST /v1/npqwen/attention (one position's attention in every head of a
+layer) and /v1/npqwen/experts (the experts one token went to in each layer of a Qwen3-MoE).
+
+A probe is an engine request like the others: it reads tokens[:position + 1] a chunk per step,
+and its last token then runs alone with a recorder that keeps the one array asked for
+(Engine._probe_pass), so a probe never holds up the other clients' streams.
+"""
+from fastapi import Request as HTTPRequest
+from fastapi.responses import Response
+
+from ..backend import to_numpy
+from .protocol import MAX_ATTENTION_TOKENS, APIError, AttentionRequest, ExpertsRequest
+from .serving import Serving
+
+
+class ServingProbes(Serving):
+    """POST /v1/npqwen/attention and /v1/npqwen/experts."""
+
+    async def attention(self, body: AttentionRequest, http: HTTPRequest) -> dict:
+        """The attention row of `position` over positions 0 .. position in every head of `layer`, and
+        their mean: a probe over tokens[:position + 1] (see probe)."""
+        self.check_model(body.model)
+        ids, layers, heads = body.tokens, self.config.num_hidden_layers, self.config.num_attention_heads
+        p = self.position(body)
+        if not 0 <= body.layer < layers:
+            raise APIError(400, f"layer {body.layer} does not exist: the model has layers 0 .. {layers - 1}", "layer")
+        name, kept = f"model.layers.{body.layer}.self_attn.attn_probs", {}
+
+        def keep(step, array):   # the probe's last token: (H, 1, p + 1) -> (H, p + 1)
+            if step == name:
+                kept["rows"] = to_numpy(array)[:, 0]
+
+        if not await self.probe(ids[:p + 1], keep, http):
+            return Response(status_code=499)
+        rows = kept["rows"].astype("float64")                                          # (H, p + 1)
+        decode = self.tokenizer.decode
+        return {"object": "npqwen.attention", "model": self.model_name, "layer": body.layer, "position": p,
+                "num_layers": layers, "num_heads": heads, "tokens": [decode([t]) for t in ids[:p + 1]],
+                "token_bytes": [list(self.tokenizer.token_bytes(t)) for t in ids[:p + 1]],   # as logprobs' "bytes"
+                "heads": rows.tolist(), "mean": rows.mean(axis=0).tolist()}
+
+    async def experts(self, body: ExpertsRequest, http: HTTPRequest) -> dict:
+        """Qwen3-MoE: the experts the router sent token `position` to in each layer, best first, with their
+        weights; a probe over tokens[:position + 1] (see probe). A dense model has none: num_experts 0 and
+        no layers, answered without a pass."""
+        self.check_model(body.model)
+        ids, cfg = body.tokens, self.config
+        p = self.position(body)
+        answer = {"object": "npqwen.experts", "model": self.model_name, "position": p,
+                  "token": self.tokenizer.decode([ids[p]]), "num_experts": cfg.num_experts,
+                  "num_experts_per_tok": cfg.num_experts_per_tok, "layers": []}
+        if not cfg.num_experts:
+            return answer
+        kept = {}
+
+        def keep(step, array):   # position p is the probe's last token: the one row of the router's choices
+            if step.endswith((".mlp.gate.top_k_index", ".mlp.gate.top_k_weights")):
+                kept[step] = to_numpy(array)[0].tolist()
+
+        if not await self.probe(ids[:p + 1], keep, http):
+            return Response(status_code=499)
+        for i in range(cfg.num_hidden_layers):
+            gate = f"model.layers.{i}.mlp.gate"
+            answer["layers"].append({"layer": i, "experts": kept.get(f"{gate}.top_k_index"),    # None: dense
+                                     "weights": kept.get(f"{gate}.top_k_weights")})
+        return answer
+
+    def position(self, body: AttentionRequest | ExpertsRequest) -> int:
+        """The position a probe looks at (default: the last token), after checking the tokens it reruns."""
+        ids = body.tokens
+        limit = min(MAX_ATTENTION_TOKENS, self.config.max_position_embeddings)
+        if not 1 <= len(ids) <= limit:
+            raise APIError(400, f"tokens has {len(ids)} ids; send 1 .. {limit} (a longer conversation is not "
+                                f"probed)", "tokens")
+        self.check_tokens(ids)
+        p = len(ids) - 1 if body.position is None else body.position
+        if not 0 <= p < len(ids):
+            raise APIError(400, f"position {p} is not a position of the {len(ids)} tokens (0 .. {len(ids) - 1})",
+                           "position")
+        return p
+
+    async def probe(self, ids: list[int], recorder, http: HTTPRequest) -> bool:
+        """An engine request that reads `ids` a chunk per step, like any prompt, and whose last token
+        then runs alone with `recorder` (Engine._probe_pass); False if the client went away first."""
+        req = self.engine_request(ids, 1, "tokens", temperature=0)
+        req.probe = recorder
+        return await self.finished([req], http) is not None
