@@ -137,12 +137,21 @@ def tiny_full_vocab(tmp_path_factory):
     return build_hf_checkpoint(tmp_path_factory.mktemp("tiny_full_vocab"), config, std=0.1)
 
 
-def doc_samples(name: str) -> tuple[list[str], list[str]]:
-    """The ```python samples and the ```bash lines of docs/NAME, in order; no other kind of block allowed."""
+def doc_blocks(path: Path) -> list[tuple[str, str]]:
+    """Every fenced block of a Markdown file, in order: (its kind, its text)."""
     import re
 
-    blocks = re.findall(r"```(\w*)\n(.*?)```", (ROOT / "docs" / name).read_text(), re.S)
-    assert {lang for lang, _ in blocks} <= {"python", "bash", ""}
+    return re.findall(r"^```(\w*)\n(.*?)^```", Path(path).read_text(encoding="utf-8"), re.S | re.M)
+
+
+def doc_samples(name: str, shown: tuple = ("",), swap: dict | None = None) -> tuple[list[str], list[str]]:
+    """The ```python samples and the ```bash lines of docs/NAME, in order, each name in `swap` replaced
+    by its value (a model the tests have in place of one they cannot download). The only other kinds of
+    block allowed are `shown` (shown and not run; the page's test says why)."""
+    blocks = doc_blocks(ROOT / "docs" / name)
+    assert {lang for lang, _ in blocks} <= {"python", "bash", *shown}, {lang for lang, _ in blocks}
+    for old, new in (swap or {}).items():
+        blocks = [(lang, code.replace(old, str(new))) for lang, code in blocks]
     python = [code for lang, code in blocks if lang == "python"]
     shell = [line for lang, code in blocks if lang == "bash" for line in code.strip().splitlines()]
     return python, shell
