@@ -445,8 +445,8 @@ def check_fits(shapes: dict, xp, dtype, directory) -> None:
         where = "the host" if xp is np else "the GPU"
         smaller = " or dtype float16 (half the bytes)" if xp is not np and np.dtype(dtype).itemsize > 2 else ""
         raise NpqwenError(f"{directory}: the weights need {size(need)} in {np.dtype(dtype).name} but {where} has "
-                          f"{size(free)} free; use a machine with more memory{smaller} (README: which models fit "
-                          f"which memory)")
+                          f"{size(free)} free; use a machine with more memory{smaller} (docs/moe.md: which sizes "
+                          f"fit which memory)")
 
 
 def size(nbytes: int) -> str:

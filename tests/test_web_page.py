@@ -6,7 +6,7 @@ attention) or a scripted model where the exact text matters; the scripted server
 endpoint still runs the tiny model's real weights over the scripted text. The browser tests skip
 only when no Chromium and chromedriver are installed (CI installs Debian's). The screenshots go
 to each test's temporary folder; `python -m pytest tests/test_web_page.py --screenshots docs/images`
-regenerates the README's.
+regenerates the ones docs/web-page.md and the README show.
 """
 import json
 import math

@@ -22,8 +22,8 @@ The benchmark runs npqwen in float16 beside HF transformers float16 and bfloat16
 the same run, and measures the GPU's own limits: memory bandwidth (a device-to-device copy) for
 decode, the float16 matrix rate (a large product) for prefill.
 
-Into the folder: cuda_check.json (everything), cuda_check.md (the tables for the README's CUDA
-section) and cuda_check.log (every step's output), rewritten after each step; the Markdown is
+Into the folder: cuda_check.json (everything), cuda_check.md (the tables for
+docs/cuda.md) and cuda_check.log (every step's output), rewritten after each step; the Markdown is
 printed at the end. Exit status 0 when every step ran and every check passed.
 """
 import argparse
@@ -341,7 +341,7 @@ def environment(dry_run: bool) -> dict:
 # ---------------------------------------------------------------------------- the summary
 
 def summary(report, sizes) -> dict:
-    """The figures of the README's CUDA table, from the benchmark's reports: each engine's decode and
+    """The figures of docs/cuda.md's table, from the benchmark's reports: each engine's decode and
     prefill rates, the two steps, serving output tokens/s, and the GPU's limits beside them."""
     bench, out = report["bench"], {"rows": [], "gpu": {}}
     for name in ("bench-single", "bench-step", "bench-serving"):

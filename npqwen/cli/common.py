@@ -80,7 +80,7 @@ def one_prompt_options() -> argparse.ArgumentParser:
 def constraint_options() -> argparse.ArgumentParser:
     """--json-schema, --regex, --choice, --grammar (at most one): a parent parser for generate and chat."""
     options = argparse.ArgumentParser(add_help=False)
-    group = options.add_argument_group("structured output (the answer always matches; see README)")
+    group = options.add_argument_group("structured output (the answer always matches; see docs/structured-output.md)")
     one = group.add_mutually_exclusive_group()
     one.add_argument("--json-schema", metavar="FILE|JSON",
                      help="the answer is JSON valid against this schema: a file, or the schema's JSON text "

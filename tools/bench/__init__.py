@@ -2,7 +2,7 @@
 
     python -m tools.bench                       # Qwen3-0.6B shape, random weights (built and cached)
     python -m tools.bench --model DIR --json    # any checkpoint; machine-readable output
-    python -m tools.bench --markdown            # the table for the README
+    python -m tools.bench --markdown            # the table for docs/speed.md
 
 (run from the repository root.) Each engine (npqwen, HF float32, HF bfloat16) runs in its own
 worker process, so load time and peak RSS are its own; the machine's streaming bandwidth

@@ -34,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-device", help="torch device of the HF engines (default: --device); cpu beside a device "
                                        "'cuda' that is the strict CuPy stand-in (tools/cuda_check.sh --dry-run)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--markdown", action="store_true", help="print the README table")
+    p.add_argument("--markdown", action="store_true", help="print the table for docs/speed.md")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     for suite in SUITES.values():
         suite.add_arguments(p.add_argument_group(f"the {suite.NAME} suite"))

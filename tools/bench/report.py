@@ -1,4 +1,4 @@
-"""The report's figures and its two printed forms: a text table for the terminal, Markdown for the README."""
+"""The report's figures and its two printed forms: a text table for the terminal, Markdown for docs/speed.md."""
 from tools.bench import SUITES
 from tools.bench.tables import markdown_table, row, text_table
 
