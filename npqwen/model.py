@@ -39,7 +39,7 @@ from .backend import xp_of
 from .comm import SingleProcess
 from .config import Qwen3Config
 from .errors import NpqwenError
-from .generate import check_token_ids
+from .checks import check_token_ids
 from .parallel import share_batch, split_range
 
 

@@ -20,9 +20,10 @@ import math
 import numpy as np
 
 from ..backend import free_memory_bytes, to_numpy
+from ..checks import check_token_ids, is_integer
 from ..embed import POOLING_MODES, InputTooLong
 from ..errors import NpqwenError
-from ..generate import StopStrings, check_request, check_token_ids, is_integer
+from ..generate import StopStrings, check_request
 from ..model import Batch, KVCache, check_lm_head
 from ..parallel import rank_0_leads
 from ..sampling import candidates, draw, sampling_params, score_rows

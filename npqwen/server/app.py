@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException
 
 from ..errors import NpqwenError
 from ..backend import to_numpy
-from ..generate import check_token_ids
+from ..checks import check_token_ids
 from ..model import check_lm_head
 from ..structured import ConstraintError
 from .constraints import chat_constraint, format_constraint
