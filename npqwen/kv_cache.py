@@ -23,8 +23,9 @@ class KVCache:
     """Keys and values of every layer, in N pages of P positions each: (layers, N, K, P, Dh).
 
     A page is one contiguous (K, P, Dh) block: a new token's key is one contiguous row of Dh
-    values, and attention reads a page with one matrix product per page. Which page holds which positions of which sequence is the
-    page table's business (a `Batch` carries one per sequence); the cache is only storage.
+    values, and attention reads a page with one matrix product per page. Which page holds which
+    positions of which sequence is the page table's business (a `Batch` carries one per sequence);
+    the cache is only storage.
     Zero-filled memory costs nothing until written, so on the CPU a large cache only becomes
     resident as pages are used.
     """
