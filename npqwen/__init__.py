@@ -3,7 +3,8 @@ from .config import Qwen3Config
 from .errors import NpqwenError
 from .llm import LLM, load
 from .engine import Engine
-from .model import KVCache, Qwen3
+from .kv_cache import KVCache
+from .model import Qwen3
 
 __version__ = "0.1.0"
 __all__ = ["load", "LLM", "Qwen3", "Qwen3Config", "KVCache", "Engine", "NpqwenError", "__version__"]

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .checks import check_token_ids, is_integer
 from .errors import NpqwenError
-from .generate import check_token_ids, is_integer
 
 POOLING_MODES = ("lasttoken", "mean", "cls")   # what npqwen pools; sentence-transformers has max, weightedmean too
 # sentence-transformers' older 1_Pooling/config.json: one boolean per mode

@@ -11,11 +11,12 @@ import numpy as np
 
 from .backend import array_module
 from .checkpoint import expected_shapes, load_weights, stored_names
+from .checks import check_token_ids
 from .comm import SingleProcess
 from .config import Qwen3Config
 from .embed import embed, read_sentence_transformers
 from .errors import NpqwenError
-from .generate import ChatResult, GenerationResult, ScoreResult, check_token_ids
+from .generate import ChatResult, GenerationResult, ScoreResult
 from .hub import resolve_model
 from .model import Qwen3
 from .parallel import agreed, check_split, communicator, rank_0_leads, shards

@@ -15,10 +15,11 @@ lets G query heads share one key/value head (GQA). In Qwen3-MoE the MLP of most 
 sparse (`sparse_moe`, npqwen/moe.py): a router picks k experts per token.
 
 The model knows nothing of requests. A `Batch` says which tokens run, at which positions, and
-which pages of the `KVCache` hold each sequence's keys and values; every matrix product runs
-once over all T tokens, and only attention looks at one sequence at a time. `Qwen3.forward`
-(a list of token ids, optionally continuing a `SequenceCache`) is the same pass for a batch of
-one sequence.
+which pages of the `KVCache` hold each sequence's keys and values (both in npqwen/kv_cache.py);
+every matrix product runs once over all T tokens, and only attention looks at one sequence at a
+time. `forward_batch` returns what the batch asked for (`BatchOutput`: logits, hidden states,
+scores) and writes nothing but keys and values. `Qwen3.forward` (a list of token ids, optionally
+continuing a `SequenceCache`) is the same pass for a batch of one sequence.
 
 The ranks meet in five places, each one line that does nothing in one process (`self.comm` is
 then comm.SingleProcess): rank 0 shares the batch; the embedding's and each layer's o_proj and
@@ -27,19 +28,20 @@ down_proj outputs are all-reduced (each rank holds a part of the sum); the logit
 
 `recorder`, when given, is called as recorder(name, array) with every intermediate result
 under its HF module name (see `npqwen trace`); by default it is `no_recorder`, which does nothing.
+A recorder changes what is kept, never which code runs: the same functions compute the same
+values with or without one (with one, attention also keeps a copy of its probabilities).
 """
-import math
-from dataclasses import dataclass, field
-from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
 from . import moe, ops
 from .backend import xp_of
+from .checks import check_token_ids
 from .comm import SingleProcess
 from .config import Qwen3Config
 from .errors import NpqwenError
-from .generate import check_token_ids
+from .kv_cache import Batch, KVCache, SequenceCache
 from .parallel import share_batch, split_range
 
 
@@ -55,121 +57,11 @@ def check_lm_head(model):
                           "or rerank")
 
 
-class KVCache:
-    """Keys and values of every layer, in N pages of P positions each: (layers, N, K, P, Dh).
-
-    A page is one contiguous (K, P, Dh) block: a new token's key is one contiguous row of Dh
-    values, and attention reads a page with one matrix product per page. Which page holds which positions of which sequence is the
-    page table's business (a `Batch` carries one per sequence); the cache is only storage.
-    Zero-filled memory costs nothing until written, so on the CPU a large cache only becomes
-    resident as pages are used.
-    """
-
-    def __init__(self, config: Qwen3Config, num_pages: int, page_size: int, xp, dtype, kv_heads: int | None = None):
-        L, K, Dh = config.num_hidden_layers, kv_heads or config.num_key_value_heads, config.head_dim   # K: this rank's
-        shape = (L, num_pages, K, page_size, Dh)
-        try:
-            self.keys = xp.zeros(shape, dtype=dtype)       # (L, N, K, P, Dh)
-            self.values = xp.zeros(shape, dtype=dtype)     # (L, N, K, P, Dh)
-        except MemoryError as e:   # NumPy's _ArrayMemoryError and CuPy's OutOfMemoryError are both MemoryErrors
-            need = 2 * math.prod(shape) * np.dtype(dtype).itemsize
-            raise NpqwenError(f"a KV cache of {num_pages} pages x {page_size} positions needs "
-                              f"{need / 2**30:.2f} GiB, which cannot be allocated; use fewer pages") from e
-        self.num_pages, self.page_size = num_pages, page_size
-
-    def slots(self, pages, offsets):
-        """Where token t's key of kv head h goes, as a row of a layer seen as (N*K*P, Dh) rows:
-        (T*K,) row numbers for tokens at page pages[t], position offsets[t] within the page."""
-        K, P = self.keys.shape[2], self.page_size
-        return ((pages[:, None] * K + np.arange(K)) * P + offsets[:, None]).reshape(-1)   # (T*K,), h fastest
-
-    def write(self, layer: int, slots, k, v):
-        """Store k, v (T, K, Dh) at their slots: one row copy of Dh values per token and kv head."""
-        Dh = k.shape[-1]
-        self.keys[layer].reshape(-1, Dh)[slots] = k.reshape(-1, Dh)          # (N*K*P, Dh)[(T*K,)] = (T*K, Dh)
-        self.values[layer].reshape(-1, Dh)[slots] = v.reshape(-1, Dh)
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
-
-    @staticmethod
-    def bytes_per_token(config: Qwen3Config, dtype) -> int:
-        """Keys + values of one position in every layer."""
-        return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * np.dtype(dtype).itemsize
-
-
-@dataclass
-class Batch:
-    """One packed forward pass: the new tokens of several sequences, back to back.
-
-    Sequence i contributes lengths[i] tokens at positions starts[i] .. starts[i] + lengths[i] - 1;
-    its keys and values live in the pages page_tables[i] (page j holds positions j*P .. j*P + P - 1).
-    Logits are computed only for the rows in sample_rows. Requests that only read their prompt
-    (embeddings, rerank) want other outputs, which forward_batch puts into `hidden` and `scores`:
-    the final-norm hidden state of each of hidden_rows, and for each of score_rows the logits of
-    just the tokens score_ids names (two rows of lm_head, not the vocabulary).
-    """
-    token_ids: np.ndarray                 # (T,) int64
-    starts: list[int]                     # per sequence: positions already in the cache
-    lengths: list[int]                    # per sequence: its new tokens in this batch
-    page_tables: list[np.ndarray]         # per sequence: page ids covering positions 0 .. start + length - 1
-    page_size: int
-    sample_rows: np.ndarray               # rows of token_ids whose logits are wanted
-    hidden_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # (R,) rows whose state is wanted
-    score_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))    # (Q,) rows scored on a few tokens
-    score_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))  # (Q, k) the tokens of each
-    hidden: object = field(init=False, default=None)   # (R, D) set by forward_batch: final-norm states of hidden_rows
-    scores: object = field(init=False, default=None)   # (Q, k) set by forward_batch: logits of score_ids
-    positions: np.ndarray = field(init=False)      # (T,) each token's position in its own sequence
-    write_pages: np.ndarray = field(init=False)    # (T,) the page each token's keys/values go to
-    write_offsets: np.ndarray = field(init=False)  # (T,) ... and the position within that page
-
-    def __post_init__(self):
-        self.positions = np.concatenate([np.arange(s, s + n) for s, n in zip(self.starts, self.lengths)])
-        self.write_pages = np.concatenate([np.asarray(table)[np.arange(s, s + n) // self.page_size]
-                                           for table, s, n in zip(self.page_tables, self.starts, self.lengths)])
-        self.write_offsets = self.positions % self.page_size
-
-    @cached_property
-    def rows(self):
-        """(first row, number of rows) of each sequence."""
-        first = np.cumsum([0] + list(self.lengths[:-1]))
-        return list(zip(first.tolist(), self.lengths))
-
-    @cached_property
-    def output_rows(self) -> np.ndarray:
-        """Rows that go through the final norm: sampled, then hidden, then scored ones."""
-        return np.concatenate([self.sample_rows, self.hidden_rows, self.score_rows]).astype(np.int64)
-
-    @cached_property
-    def decode_rows(self) -> np.ndarray:
-        """Rows of the sequences with a single new token (decoding), and below their pages and lengths."""
-        return np.array([row for row, n in self.rows if n == 1], dtype=np.int64)
-
-    @cached_property
-    def decode_tables(self) -> list:
-        return [t for t, n in zip(self.page_tables, self.lengths) if n == 1]
-
-    @cached_property
-    def decode_lengths(self) -> list[int]:
-        return [s + 1 for s, n in zip(self.starts, self.lengths) if n == 1]
-
-
-class SequenceCache:
-    """One sequence's KV cache for the single-sequence API (`new_cache`, `prefill`, `decode_one_token`):
-    a KVCache whose pages hold positions 0 .. capacity - 1 in order."""
-
-    def __init__(self, config: Qwen3Config, capacity: int, xp, dtype, page_size: int = 256,
-                 kv_heads: int | None = None):
-        if capacity > config.max_position_embeddings:
-            raise NpqwenError(f"a KV cache of {capacity} positions exceeds the model's context of "
-                              f"{config.max_position_embeddings} (max_position_embeddings)")
-        page_size = max(1, min(page_size, capacity))
-        self.kv = KVCache(config, -(-capacity // page_size), page_size, xp, dtype, kv_heads)
-        self.page_table = np.arange(self.kv.num_pages)
-        self.capacity = capacity
-        self.length = 0                                # positions filled so far
+class BatchOutput(NamedTuple):
+    """What forward_batch returns for a Batch: the rows each kind of request asked for."""
+    logits: object         # (len(sample_rows), V) for the rows that sample
+    hidden: object         # (R, D) final-norm hidden states of hidden_rows (embeddings)
+    scores: object = None  # (Q, k) the logits of score_ids at score_rows (rerank); None when no row scores
 
 
 class Qwen3:
@@ -208,13 +100,13 @@ class Qwen3:
         start = cache.length
         batch = Batch(ids, [start], [T], [cache.page_table], cache.kv.page_size,
                       sample_rows=np.array([T - 1]) if last_only else np.arange(T))
-        logits = self.forward_batch(batch, cache.kv, recorder)
+        out = self.forward_batch(batch, cache.kv, recorder)
         cache.length = start + T
-        return logits
+        return out.logits
 
-    def forward_batch(self, batch: Batch, kv: KVCache, recorder=no_recorder):
-        """Logits (len(batch.sample_rows), V) of a packed batch; each sequence's new keys/values go to its pages.
-        Rows a prefill-only request wants come back in batch.hidden and batch.scores (see Batch)."""
+    def forward_batch(self, batch: Batch, kv: KVCache, recorder=no_recorder) -> BatchOutput:
+        """One packed forward pass: each sequence's new keys/values go to its pages; the logits of the
+        rows that sample, and the hidden states and scores prefill-only requests asked for, come back."""
         cfg, W, xp = self.config, self.weights, self.xp
         recorder = no_recorder if recorder is None else recorder
         # 0. tensor parallel: every rank runs rank 0's batch (rank 0 sends it to the others)
@@ -246,12 +138,12 @@ class Qwen3:
         recorder("lm_head", logits)
         # 6. prefill-only outputs: hidden states as they are (embeddings), and a few tokens' logits (rerank):
         # k rows of lm_head, looked up as the embedding is (under tensor parallelism the rank holding a row adds it)
-        batch.hidden = x[S:S + R]                                                  # (R, D)
+        hidden, scores = x[S:S + R], None                                          # (R, D)
         if len(batch.score_rows):
             ids = xp.asarray(batch.score_ids)                                      # (Q, k)
             heads = ops.embed(self.lm_head_weight(), ids.reshape(-1), self.vocab_start).reshape(*ids.shape, -1)
-            batch.scores = self.comm.all_reduce(xp.einsum("qd,qkd->qk", x[S + R:], heads))   # (Q, k)
-        return logits
+            scores = self.comm.all_reduce(xp.einsum("qd,qkd->qk", x[S + R:], heads))   # (Q, k)
+        return BatchOutput(logits, hidden, scores)
 
     @property
     def has_lm_head(self) -> bool:
@@ -292,24 +184,32 @@ class Qwen3:
         recorder(f"{p}.q_rope", q); recorder(f"{p}.k_rope", k)
         # every token's key and value go to its page first, so a sequence's attention reads them from there
         kv.write(i, slots, k, v.reshape(T, K, Dh))
-        out = self.xp.empty((T, H * Dh), dtype=q.dtype)                            # (T, H*Dh)
-        keys, values = kv.keys[i], kv.values[i]                                     # (N, K, P, Dh) each
-        probs = None
-        decoding = batch.decode_rows if recorder is no_recorder else []   # a recorder sees each sequence's probs
-        if len(decoding):   # sequences with one new token: one batched softmax for all of them
-            rows = self.xp.asarray(decoding)
-            out[rows] = ops.paged_decode_attention(q[rows], keys, values, batch.decode_tables, batch.decode_lengths)
-        for (row, n), start, table in zip(batch.rows, batch.starts, batch.page_tables):
-            if n > 1 or not len(decoding):   # the others, one sequence at a time
-                out[row:row + n], probs = ops.paged_attention(q[row:row + n], keys, values, table, start,
-                                                              want_probs=recorder is not no_recorder)
-        if probs is not None:   # asked for by a recorder: every rank's heads
+        out, probs = self.attention(q, kv.keys[i], kv.values[i], batch, want_probs=recorder is not no_recorder)
+        if probs is not None:   # kept for a recorder: every rank's heads
             probs = self.comm.all_gather(probs, axis=0)                                   # (H, n, S)
         recorder(f"{p}.attn_probs", probs); recorder(f"{p}.attn_output", out)  # probs: the last sequence's (H, n, S)
         out = ops.linear(out, W[f"{p}.o_proj.weight"])                          # (T, H*Dh) -> (T, D)
         out = self.comm.all_reduce(out)                                         # the sum of every rank's heads
         recorder(f"{p}.o_proj", out)
         return out
+
+    def attention(self, q, keys, values, batch: Batch, want_probs: bool = False):
+        """Causal attention of each sequence over its own pages: (T, H*Dh), and with want_probs the
+        probabilities of the batch's last sequence (H, n, S). The same calls run either way: want_probs
+        only keeps a copy of the probabilities the softmax computes anyway."""
+        out = self.xp.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=q.dtype)   # (T, H*Dh)
+        probs = None
+        for (row, n), start, table in zip(batch.rows, batch.starts, batch.page_tables):
+            if n > 1:   # sequences with several new tokens (a prompt's chunk): one at a time
+                out[row:row + n], probs = ops.paged_attention(q[row:row + n], keys, values, table, start,
+                                                              want_probs=want_probs)
+        if len(batch.decode_rows):   # sequences with one new token (decoding): one batched softmax for all of them
+            rows = self.xp.asarray(batch.decode_rows)
+            out[rows], decode_probs = ops.paged_decode_attention(q[rows], keys, values, batch.decode_tables,
+                                                                 batch.decode_lengths, want_probs)   # (B, H, S)
+            if want_probs and batch.lengths[-1] == 1:   # the batch's last sequence decodes: its row of them
+                probs = decode_probs[-1, :, None, :batch.decode_lengths[-1]]       # (H, 1, S)
+        return out, probs
 
     def mlp(self, i: int, x, recorder=no_recorder):
         """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""

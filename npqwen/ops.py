@@ -181,12 +181,12 @@ def paged_attention(q, keys, values, page_table, start: int, block: int = 256, w
             o = part if o is None else xp.add(o, part, out=o)                          # (K, G*Tb, Dh)
         o /= total.astype(q.dtype, copy=False)
         out[b:end] = o.reshape(K, G, n, Dh).transpose(2, 0, 1, 3).reshape(n, H * Dh)
-        if want_probs:
+        if want_probs:   # a copy, normalised; the output above does not read it
             probs[:, b:end, :S] = (e / total).reshape(H, n, S)
     return out, probs
 
 
-def paged_decode_attention(q, keys, values, page_tables, lengths):
+def paged_decode_attention(q, keys, values, page_tables, lengths, want_probs: bool = False):
     """paged_attention for B sequences with one new token each (a decode step), all at once.
 
     q: (B, H, Dh), sequence b's token at position lengths[b] - 1, which sees positions
@@ -194,7 +194,8 @@ def paged_decode_attention(q, keys, values, page_tables, lengths):
     tail of each last page). The products go one page at a time, keys as the left operand
     ((K, P, Dh) @ (K, Dh, G)), which OpenBLAS streams ~1.5x faster than the other way round
     for so few query rows; the scores of all B sequences sit in one (B, pages, K, P, G) array,
-    so the softmax runs once per layer instead of once per sequence. Returns (B, H*Dh).
+    so the softmax runs once per layer instead of once per sequence. Returns the output (B, H*Dh),
+    and with want_probs the probabilities (B, H, S) too, S = max(lengths) (zero past a sequence's length).
     """
     xp = xp_of(q)
     B, H, Dh = q.shape
@@ -225,4 +226,7 @@ def paged_decode_attention(q, keys, values, page_tables, lengths):
             else:
                 o[b] += part
     o = o / total[..., None].astype(q.dtype, copy=False)                            # (B, K, G, Dh)
-    return o.reshape(B, H * Dh)                                                     # heads in order j*G + g
+    probs = None
+    if want_probs:   # a copy, normalised; the output above does not read it
+        probs = (e / total[..., None]).astype(q.dtype).reshape(B, H, M * P)[:, :, :max(lengths)]
+    return o.reshape(B, H * Dh), probs                                              # heads in order j*G + g

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .checks import is_integer
 from .errors import NpqwenError
-from .generate import is_integer
 
 # Penalised logits are clipped to float32's range: a huge penalty pushes a token as far down (or up)
 # as a logit can go, but never to -inf/inf, which would read as "filtered out" (or give nan).

@@ -59,7 +59,7 @@ class ScriptedModel:
             self.store = np.zeros((kv.num_pages, kv.page_size), np.int64)
         self.store[batch.write_pages, batch.write_offsets] = batch.token_ids
         ends = np.cumsum(batch.lengths)
-        logits = np.array(real, np.float32)   # a row inside a sequence (a prompt being scored) stays the real one
+        logits = np.array(real.logits, np.float32)   # a row inside a sequence (a prompt being scored) stays real
         for row, r in enumerate(batch.sample_rows):
             seq = int(np.searchsorted(ends - 1, r))
             if r != ends[seq] - 1:
@@ -69,7 +69,7 @@ class ScriptedModel:
             tokens = self.store[pages[np.arange(n) // kv.page_size], np.arange(n) % kv.page_size].tolist()
             logits[row] = -10.0
             logits[row, self.next_token(tokens)] = 10.0
-        return logits
+        return real._replace(logits=logits)
 
     def next_token(self, tokens: list[int]) -> int:
         a = len(self.assistant)

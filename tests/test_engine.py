@@ -47,8 +47,9 @@ class LogitSpy:
         return getattr(self.model, name)
 
     def forward_batch(self, batch, kv, recorder=None):
-        self.last = to_numpy(self.model.forward_batch(batch, kv, recorder))
-        return self.last
+        out = self.model.forward_batch(batch, kv, recorder)
+        self.last = to_numpy(out.logits)
+        return out
 
 
 def run(engine, requests, spy=False, on_step=None):
@@ -337,7 +338,7 @@ def test_decode_attention_for_many_sequences_equals_one_at_a_time():
     tables = [np.array([3, 7, 1]), np.array([0]), np.array([11, 5])]
     lengths = [19, 8, 9]                                  # the last page full, one position in it, partial
     q = rng.standard_normal((3, H, Dh))
-    together = ops.paged_decode_attention(q, keys, values, tables, lengths)
+    together, _ = ops.paged_decode_attention(q, keys, values, tables, lengths)
     for b, (table, S) in enumerate(zip(tables, lengths)):
         alone, _ = ops.paged_attention(q[b:b + 1], keys, values, table, start=S - 1)
         err = np.abs(together[b] - alone[0]).max()

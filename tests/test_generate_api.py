@@ -7,6 +7,7 @@ import pytest
 import npqwen
 from npqwen import NpqwenError
 from npqwen.llm import LLM, split_reasoning
+from npqwen.model import BatchOutput
 from npqwen.tiny import IM_END, TINY_GENERATION, tiny_model, tiny_tokenizer
 
 
@@ -33,7 +34,7 @@ class Scripted:
                 generated = start + n - self.prompt_lengths[int(table[0])]
                 logits[sampled, self.script[min(generated, len(self.script) - 1)]] = 10.0
                 sampled += 1
-        return logits
+        return BatchOutput(logits, hidden=None)
 
 
 def scripted_llm(text, eos=True):

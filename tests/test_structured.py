@@ -121,9 +121,10 @@ class Boosted:
         return getattr(self.model, name)
 
     def forward_batch(self, batch, kv, recorder=None):
-        logits = to_numpy(self.model.forward_batch(batch, kv, recorder)).copy()
+        out = self.model.forward_batch(batch, kv, recorder)
+        logits = to_numpy(out.logits).copy()
         logits[:, self.token] += self.boost
-        return logits
+        return out._replace(logits=logits)
 
 
 # -- JSON schemas, regex, choice, grammar on random weights --

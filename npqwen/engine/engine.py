@@ -20,10 +20,12 @@ import math
 import numpy as np
 
 from ..backend import free_memory_bytes, to_numpy
+from ..checks import check_token_ids, is_integer
 from ..embed import POOLING_MODES, InputTooLong
 from ..errors import NpqwenError
-from ..generate import StopStrings, check_request, check_token_ids, is_integer
-from ..model import Batch, KVCache, check_lm_head
+from ..generate import StopStrings, check_request
+from ..kv_cache import Batch, KVCache
+from ..model import check_lm_head
 from ..parallel import rank_0_leads
 from ..sampling import candidates, draw, sampling_params, score_rows
 from ..sampling import logprobs as sampling_logprobs
@@ -174,7 +176,8 @@ class Engine:
         # A constrained row's mask depends only on tokens drawn in earlier steps, so a worker thread fills
         # this step's masks while the forward pass runs (structured.Masks); sampling below waits for them.
         self.masks.start([req.constraint for (req, _), s in zip(plan, samples) if s and req.constraint])
-        logits = to_numpy(self.model.forward_batch(batch, self.kv))                   # (sampling requests, V)
+        computed = self.model.forward_batch(batch, self.kv)                           # model.BatchOutput
+        logits = to_numpy(computed.logits)                                            # (sampling requests, V)
         logits, prompt_scores = self._score_prompts(plan, scoring, rows, logits, (ends - 1)[samples])
         # 3. each request takes its tokens' keys/values as computed and, if its turn, samples
         outputs, row = [], 0
@@ -182,7 +185,7 @@ class Engine:
             req.cached_len += n
             self._remember_full_pages(req)
             if req.task is not None:   # prefill-only: its rows folded in; finished once the prompt is read
-                outputs.append(self._finish_if(prefill_only.output(req, batch)))
+                outputs.append(self._finish_if(prefill_only.output(req, computed)))
                 continue
             if not sample:
                 outputs.append(StepOutput(req.request_id, [], ""))

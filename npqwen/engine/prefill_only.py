@@ -20,7 +20,7 @@ class PrefillRows:
 
     def __init__(self, plan: list[tuple[Request, int]], ends: np.ndarray):
         hidden, score, ids = [], [], []
-        self.where: dict[str, tuple] = {}    # request id -> (its slice of batch.hidden, or its row of batch.scores)
+        self.where: dict[str, tuple] = {}    # request id -> its slice of the step's hidden states, or its row of scores
         for (req, n), end in zip(plan, ends):
             first = int(end) - n             # the batch row of its first token in this step
             if req.task == "embed":
@@ -36,11 +36,12 @@ class PrefillRows:
                                  score_ids=np.array(ids, dtype=np.int64).reshape(len(score), -1 if ids else 0))
         self._host = None
 
-    def output(self, req: Request, batch) -> StepOutput:
-        """After the step: fold this request's rows in; once its prompt is read, its final output."""
+    def output(self, req: Request, computed) -> StepOutput:
+        """After the step (`computed`: what forward_batch returned, model.BatchOutput): fold this request's
+        rows in; once its prompt is read, its final output."""
         if self._host is None:   # one copy to the host per step, of the rows asked for only
-            self._host = (None if batch.hidden is None else to_numpy(batch.hidden).astype(np.float32),
-                          None if batch.scores is None else to_numpy(batch.scores).astype(np.float32))
+            self._host = (None if computed.hidden is None else to_numpy(computed.hidden).astype(np.float32),
+                          None if computed.scores is None else to_numpy(computed.scores).astype(np.float32))
         hidden, scores = self._host
         at = self.where.get(req.request_id)
         if req.task == "embed" and at is not None:

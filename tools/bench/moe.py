@@ -46,7 +46,7 @@ def run(engine, args, rng) -> dict:
 def npqwen_steps(engine, args) -> dict:
     import numpy as np
 
-    from npqwen.model import Batch, KVCache
+    from npqwen.kv_cache import Batch, KVCache
 
     model, cfg = engine.model, engine.llm.config
     rng, xp = np.random.default_rng(1), model.xp
@@ -61,7 +61,7 @@ def npqwen_steps(engine, args) -> dict:
                    [np.arange(b * per_seq, (b + 1) * per_seq) for b in range(B)], P, sample_rows=np.arange(B))
     out = {"moe_sizes": [T, B, S]}
     for name, batch in (("prefill", prefill), ("batch", decode)):
-        step = lambda: xp.asarray(model.forward_batch(batch, kv))[0, 0].item()    # noqa: E731
+        step = lambda: xp.asarray(model.forward_batch(batch, kv).logits)[0, 0].item()    # noqa: E731
         products = Products(engine, expert_rows(model, batch, kv), len(batch.token_ids), len(batch.sample_rows))
         out[f"moe_{name}_s"] = best_time(step, args.repeats)
         out[f"moe_{name}_experts_s"] = best_time(lambda: products(experts_only=True), args.repeats)

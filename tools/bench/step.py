@@ -43,7 +43,7 @@ def npqwen_steps(engine, args) -> dict:
     import numpy as np
 
     from npqwen.generate import PREFILL_CHUNK
-    from npqwen.model import Batch, KVCache
+    from npqwen.kv_cache import Batch, KVCache
 
     model = engine.model
     rng, cfg, xp = np.random.default_rng(1), engine.llm.config, model.xp
@@ -60,7 +60,7 @@ def npqwen_steps(engine, args) -> dict:
     batch = Batch(rng.integers(0, engine.vocab_size, B), [S] * B, [1] * B,
                   [np.arange(b * per_seq, (b + 1) * per_seq) for b in range(B)], P, sample_rows=np.arange(B))
     prefill = lambda: engine.prefill(ids, T)                                      # noqa: E731
-    step = lambda: xp.asarray(model.forward_batch(batch, kv))[0, 0].item()        # noqa: E731
+    step = lambda: xp.asarray(model.forward_batch(batch, kv).logits)[0, 0].item()        # noqa: E731
     layers = LinearLayers(engine)
     out = {"step_prefill_s": best_time(prefill, args.repeats),
            "step_prefill_matmul_s": best_time(lambda: [layers(n, 1) for n in chunks], args.repeats),

@@ -1,0 +1,135 @@
+"""Where keys and values live, and how one forward pass addresses them.
+
+`KVCache` is the storage: every layer's keys and values in pages of P positions. A `Batch` is one
+packed forward pass: which tokens run, at which positions, and which pages hold each sequence's
+keys and values (its page table). `SequenceCache` is one sequence's pages in order, for the
+single-sequence API (`Qwen3.forward`, `prefill`, `decode_one_token`). The engine (npqwen/engine/)
+decides what goes into a Batch; the model (npqwen/model.py) only reads and writes what it says.
+
+Shapes: L layers, N pages, P positions per page, K key/value heads (this rank's), Dh head dim,
+T tokens in a batch.
+"""
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from .config import Qwen3Config
+from .errors import NpqwenError
+
+
+class KVCache:
+    """Keys and values of every layer, in N pages of P positions each: (layers, N, K, P, Dh).
+
+    A page is one contiguous (K, P, Dh) block: a new token's key is one contiguous row of Dh
+    values, and attention reads a page with one matrix product per page. Which page holds which
+    positions of which sequence is the page table's business (a `Batch` carries one per sequence);
+    the cache is only storage.
+    Zero-filled memory costs nothing until written, so on the CPU a large cache only becomes
+    resident as pages are used.
+    """
+
+    def __init__(self, config: Qwen3Config, num_pages: int, page_size: int, xp, dtype, kv_heads: int | None = None):
+        L, K, Dh = config.num_hidden_layers, kv_heads or config.num_key_value_heads, config.head_dim   # K: this rank's
+        shape = (L, num_pages, K, page_size, Dh)
+        try:
+            self.keys = xp.zeros(shape, dtype=dtype)       # (L, N, K, P, Dh)
+            self.values = xp.zeros(shape, dtype=dtype)     # (L, N, K, P, Dh)
+        except MemoryError as e:   # NumPy's _ArrayMemoryError and CuPy's OutOfMemoryError are both MemoryErrors
+            need = 2 * math.prod(shape) * np.dtype(dtype).itemsize
+            raise NpqwenError(f"a KV cache of {num_pages} pages x {page_size} positions needs "
+                              f"{need / 2**30:.2f} GiB, which cannot be allocated; use fewer pages") from e
+        self.num_pages, self.page_size = num_pages, page_size
+
+    def slots(self, pages, offsets):
+        """Where token t's key of kv head h goes, as a row of a layer seen as (N*K*P, Dh) rows:
+        (T*K,) row numbers for tokens at page pages[t], position offsets[t] within the page."""
+        K, P = self.keys.shape[2], self.page_size
+        return ((pages[:, None] * K + np.arange(K)) * P + offsets[:, None]).reshape(-1)   # (T*K,), h fastest
+
+    def write(self, layer: int, slots, k, v):
+        """Store k, v (T, K, Dh) at their slots: one row copy of Dh values per token and kv head."""
+        Dh = k.shape[-1]
+        self.keys[layer].reshape(-1, Dh)[slots] = k.reshape(-1, Dh)          # (N*K*P, Dh)[(T*K,)] = (T*K, Dh)
+        self.values[layer].reshape(-1, Dh)[slots] = v.reshape(-1, Dh)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    @staticmethod
+    def bytes_per_token(config: Qwen3Config, dtype) -> int:
+        """Keys + values of one position in every layer."""
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * np.dtype(dtype).itemsize
+
+
+class SequenceCache:
+    """One sequence's KV cache for the single-sequence API (`new_cache`, `prefill`, `decode_one_token`):
+    a KVCache whose pages hold positions 0 .. capacity - 1 in order."""
+
+    def __init__(self, config: Qwen3Config, capacity: int, xp, dtype, page_size: int = 256,
+                 kv_heads: int | None = None):
+        if capacity > config.max_position_embeddings:
+            raise NpqwenError(f"a KV cache of {capacity} positions exceeds the model's context of "
+                              f"{config.max_position_embeddings} (max_position_embeddings)")
+        page_size = max(1, min(page_size, capacity))
+        self.kv = KVCache(config, -(-capacity // page_size), page_size, xp, dtype, kv_heads)
+        self.page_table = np.arange(self.kv.num_pages)
+        self.capacity = capacity
+        self.length = 0                                # positions filled so far
+
+
+@dataclass
+class Batch:
+    """One packed forward pass: the new tokens of several sequences, back to back.
+
+    Sequence i contributes lengths[i] tokens at positions starts[i] .. starts[i] + lengths[i] - 1;
+    its keys and values live in the pages page_tables[i] (page j holds positions j*P .. j*P + P - 1).
+    Logits are computed only for the rows in sample_rows. Requests that only read their prompt
+    (embeddings, rerank) want other outputs, which forward_batch returns beside the logits
+    (model.BatchOutput): the final-norm hidden state of each of hidden_rows, and for each of
+    score_rows the logits of just the tokens score_ids names (two rows of lm_head, not the vocabulary).
+    """
+    token_ids: np.ndarray                 # (T,) int64
+    starts: list[int]                     # per sequence: positions already in the cache
+    lengths: list[int]                    # per sequence: its new tokens in this batch
+    page_tables: list[np.ndarray]         # per sequence: page ids covering positions 0 .. start + length - 1
+    page_size: int
+    sample_rows: np.ndarray               # rows of token_ids whose logits are wanted
+    hidden_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # (R,) rows whose state is wanted
+    score_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))    # (Q,) rows scored on a few tokens
+    score_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))  # (Q, k) the tokens of each
+    positions: np.ndarray = field(init=False)      # (T,) each token's position in its own sequence
+    write_pages: np.ndarray = field(init=False)    # (T,) the page each token's keys/values go to
+    write_offsets: np.ndarray = field(init=False)  # (T,) ... and the position within that page
+
+    def __post_init__(self):
+        self.positions = np.concatenate([np.arange(s, s + n) for s, n in zip(self.starts, self.lengths)])
+        self.write_pages = np.concatenate([np.asarray(table)[np.arange(s, s + n) // self.page_size]
+                                           for table, s, n in zip(self.page_tables, self.starts, self.lengths)])
+        self.write_offsets = self.positions % self.page_size
+
+    @cached_property
+    def rows(self):
+        """(first row, number of rows) of each sequence."""
+        first = np.cumsum([0] + list(self.lengths[:-1]))
+        return list(zip(first.tolist(), self.lengths))
+
+    @cached_property
+    def output_rows(self) -> np.ndarray:
+        """Rows that go through the final norm: sampled, then hidden, then scored ones."""
+        return np.concatenate([self.sample_rows, self.hidden_rows, self.score_rows]).astype(np.int64)
+
+    @cached_property
+    def decode_rows(self) -> np.ndarray:
+        """Rows of the sequences with a single new token (decoding), and below their pages and lengths."""
+        return np.array([row for row, n in self.rows if n == 1], dtype=np.int64)
+
+    @cached_property
+    def decode_tables(self) -> list:
+        return [t for t, n in zip(self.page_tables, self.lengths) if n == 1]
+
+    @cached_property
+    def decode_lengths(self) -> list[int]:
+        return [s + 1 for s, n in zip(self.starts, self.lengths) if n == 1]
