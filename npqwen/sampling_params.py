@@ -136,11 +136,12 @@ def params_of(params, keywords: dict) -> SamplingParams:
                               f"and {', '.join(keywords)}")
         return params
     if params is not None:
-        if not is_number(params) and not isinstance(params, (bool, np.bool_)):
+        if not isinstance(params, (numbers.Real, np.bool_)):   # a number that is no count says so below
             raise NpqwenError(f"params must be an npqwen.SamplingParams (or max_new_tokens, an integer), got "
                               f"{type(params).__name__} {str(params)[:40]!r}")
         if "max_new_tokens" in keywords:
-            raise NpqwenError(f"max_new_tokens is given twice: {params!r} and max_new_tokens={keywords['max_new_tokens']!r}")
+            raise NpqwenError(f"max_new_tokens is given twice: {params!r} and "
+                              f"max_new_tokens={keywords['max_new_tokens']!r}")
         keywords = {"max_new_tokens": params, **keywords}
     return SamplingParams(**keywords)
 
