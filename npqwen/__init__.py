@@ -5,6 +5,7 @@ from .llm import LLM, load
 from .engine import Engine
 from .kv_cache import KVCache
 from .model import Qwen3
+from .sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["load", "LLM", "Qwen3", "Qwen3Config", "KVCache", "Engine", "NpqwenError", "__version__"]
+__all__ = ["load", "LLM", "Qwen3", "Qwen3Config", "KVCache", "Engine", "SamplingParams", "NpqwenError", "__version__"]

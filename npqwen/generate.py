@@ -11,8 +11,6 @@ and max_new_tokens (finish_reason "length").
 import math
 from dataclasses import dataclass, field
 
-from .checks import is_integer
-from .errors import NpqwenError
 
 PREFILL_CHUNK = 512   # prompt tokens per forward call: bounds the activations of a long prompt
 
@@ -100,20 +98,3 @@ class StopStrings:
         return out
 
 
-def check_request(config, prompt_ids: list[int], max_new_tokens, stop) -> tuple[list[str], int]:
-    """The checks every generation gets before anything runs: (stop strings as a list, max_new_tokens
-    capped to the room left in the context)."""
-    if not is_integer(max_new_tokens) or max_new_tokens < 1:
-        raise NpqwenError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop)):
-        raise NpqwenError(f"stop must be a string or a list of strings, got {stop!r}")
-    if len(prompt_ids) == 0:
-        raise NpqwenError("the prompt is empty")
-    room = config.max_position_embeddings - len(prompt_ids)
-    if room < 1:
-        raise NpqwenError(f"the prompt has {len(prompt_ids)} tokens but the context holds "
-                          f"{config.max_position_embeddings} (max_position_embeddings): no room to generate; "
-                          f"shorten the prompt")
-    return list(stop or []), min(int(max_new_tokens), room)

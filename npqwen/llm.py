@@ -5,27 +5,31 @@
     for piece in llm.stream("Tell me a story"): print(piece, end="")
     llm.chat([{"role": "user", "content": "Why is the sky blue?"}]).content
 """
+from contextlib import closing
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from .backend import array_module
+from .chat_format import opens_reasoning, split_reasoning
 from .checkpoint import expected_shapes, load_weights, stored_names
 from .checks import check_token_ids
 from .comm import SingleProcess
 from .config import Qwen3Config
 from .embed import embed, read_sentence_transformers
+from .engine import Engine
+from .engine.run import run
 from .errors import NpqwenError
 from .generate import ChatResult, GenerationResult, ScoreResult
 from .hub import resolve_model
 from .model import Qwen3
 from .parallel import agreed, check_split, communicator, rank_0_leads, shards
 from .rerank import rerank
-from .sampling import read_generation_config
+from .sampling_params import SamplingParams, params_of, read_generation_config
 from .tokenizer import Tokenizer
 
 DTYPES = {"cpu": ("float32", "float64"), "cuda": ("float32", "float16", "float64")}
-DEFAULT_MAX_NEW_TOKENS = 512
 SINGLE = SingleProcess()   # one process: the model's communicator, unless it has one (a stand-in model)
 
 
@@ -54,7 +58,6 @@ class LLM:
     def engine(self):
         """The engine behind generate / stream / chat (default sizes; see npqwen.Engine to choose them)."""
         if self._engine is None:
-            from .engine import Engine
             self._engine = Engine(self)
         return self._engine
 
@@ -70,12 +73,12 @@ class LLM:
         return self.generation_defaults.get("eos_token_id") or list(self.config.eos_token_ids)
 
     @rank_0_leads
-    def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None, top_k=None,
-                 top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, seed=None,
-                 stop=None, frequency_penalty=None, *, json_schema=None, regex=None, choice=None,
-                 grammar=None) -> GenerationResult | list[GenerationResult]:
-        """Complete `prompt` (text, used as is, or token ids). Sampling defaults come from
-        generation_config.json; arguments given here override them; temperature=0 is greedy.
+    def generate(self, prompt, params: SamplingParams | int | None = None,
+                 **sampling) -> GenerationResult | list[GenerationResult]:
+        """Complete `prompt` (text, used as is, or token ids) as `params` (an npqwen.SamplingParams) say,
+        or its fields given as keyword arguments (max_new_tokens=20, temperature=0, stop=..., seed=...);
+        a number in params' place is max_new_tokens. Sampling values not given are the checkpoint's
+        (generation_config.json); temperature=0 is greedy.
 
         A list of prompts (strings, or token-id lists) runs them all at once through the engine
         and returns their results in the same order.
@@ -84,31 +87,22 @@ class LLM:
         answer matches it), `choice` (a list of strings: the answer is one of them) or `grammar`
         (llguidance's Lark, or GBNF) makes every answer match it (npqwen/structured.py).
         """
-        constraint = dict(json_schema=json_schema, regex=regex, choice=choice, grammar=grammar)
+        params = params_of(params, sampling)   # checked now, before anything runs
         if is_prompt_list(prompt):
-            return self._generate_many(prompt, dict(
-                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty, seed=seed, stop=stop,
-                frequency_penalty=frequency_penalty, **constraint))
+            return self._generate_many(prompt, params)
         result = GenerationResult("", [], "length")
-        for _ in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
-                             presence_penalty, seed, stop, result=result, frequency_penalty=frequency_penalty,
-                             **constraint):
+        for _ in self.stream(prompt, params, result=result):
             pass
         return result
 
     @rank_0_leads
-    def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature=None, top_k=None,
-               top_p=None, min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None,
-               result: GenerationResult | None = None, frequency_penalty=None, *, json_schema=None, regex=None,
-               choice=None, grammar=None, thinking: bool = False):
-        """Like generate, but yields text pieces as they come; `result`, if given, is filled in.
-        `thinking`: the answer opens with Qwen3's <think> reasoning, which a constraint leaves free."""
-        result = result if result is not None else GenerationResult("", [], "length")
-        return self._run(prompt, result, max_new_tokens, stop, temperature=temperature, top_k=top_k,
-                         top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                         presence_penalty=presence_penalty, seed=seed, frequency_penalty=frequency_penalty,
-                         json_schema=json_schema, regex=regex, choice=choice, grammar=grammar, thinking=thinking)
+    def stream(self, prompt, params: SamplingParams | int | None = None, *, result: GenerationResult | None = None,
+               **sampling):
+        """Like generate (one prompt), but yields text pieces as they come; `result`, if given, is filled
+        in. SamplingParams' `thinking`: the answer opens with Qwen3's <think> reasoning, which a
+        constraint leaves free."""
+        request = self.engine.new_request(prompt, params_of(params, sampling))   # checked now
+        return self._pieces(request, result if result is not None else GenerationResult("", [], "length"))
 
     def score(self, text) -> ScoreResult | list[ScoreResult]:
         """How likely the model finds `text` (a string, used as is, or token ids): each token's log
@@ -117,24 +111,12 @@ class LLM:
         A list of texts runs them all at once through the engine and returns their results in order.
         The prompt's positions are scored chunk by chunk as the engine reads it (StepOutput.prompt_logprobs)."""
         many = is_prompt_list(text)
-        engine = self.engine
-        requests = [engine.new_request(t, 1, temperature=0, prompt_logprobs=0) for t in (text if many else [text])]
+        params = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=0)
+        requests = [self.engine.new_request(t, params) for t in (text if many else [text])]
         scores = {r.request_id: [] for r in requests}
-        for r in requests:
-            engine.add(r)
-        left = set(scores)
-        try:
-            while left:
-                for out in engine.step():
-                    if out.request_id not in scores:
-                        self._inbox.setdefault(out.request_id, []).append(out)   # another stream's
-                        continue
-                    scores[out.request_id] += [lp for lp, _, _ in out.prompt_logprobs or []]
-                    if out.finished:
-                        left.discard(out.request_id)
-        finally:
-            for request_id in left & set(engine.requests):   # interrupted: free their pages
-                engine.abort(request_id)
+        with closing(run(self.engine, requests, self._inbox)) as outputs:
+            for out in outputs:
+                scores[out.request_id] += [lp for lp, _, _ in out.prompt_logprobs or []]
         results = [ScoreResult(list(r.prompt_ids), scores[r.request_id]) for r in requests]
         return results if many else results[0]
 
@@ -146,21 +128,26 @@ class LLM:
                                                      enable_thinking=enable_thinking, tools=tools)
 
     @rank_0_leads
-    def chat(self, messages, enable_thinking: bool = True, tools=None, stream_to=None, **kwargs) -> ChatResult:
+    def chat(self, messages, enable_thinking: bool = True, tools=None, stream_to=None,
+             params: SamplingParams | None = None, **sampling) -> ChatResult:
         """Answer the conversation; the <think> reasoning comes back apart from the final content.
 
+        `params` (an npqwen.SamplingParams) or its fields as keyword arguments, as for generate.
         `stream_to`, if given, is called with each text piece as it is generated. A constraint
         (json_schema=, regex=, choice=, grammar=) applies to the content: with thinking on, from the
         first token after "</think>" (the reasoning stays free); with it off, from the first token.
         """
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
+        params = params_of(params, sampling)
+        if params.thinking != enable_thinking:
+            params = replace(params, thinking=enable_thinking)
         prompt = self.chat_prompt(messages, enable_thinking, tools)
         result = ChatResult("", [], "length")
-        for piece in self.stream(prompt, result=result, thinking=enable_thinking, **kwargs):
+        for piece in self.stream(prompt, params, result=result):
             if stream_to is not None:
                 stream_to(piece)
-        result.reasoning, result.content = split_reasoning(result.text)
+        result.reasoning, result.content = split_reasoning(result.text, enable_thinking, opens_reasoning(prompt))
         result.messages = list(messages) + [{"role": "assistant", "content": result.content}]
         return result
 
@@ -197,21 +184,8 @@ class LLM:
         `engine` (default: llm.engine): their final outputs, in order. Outputs of other requests of
         llm.engine wait in the inbox for their own streams."""
         engine = self.engine if engine is None else engine
-        done, ours = {}, {r.request_id for r in requests}
-        for req in requests:
-            engine.add(req)
-        try:
-            while len(done) < len(requests):
-                for out in engine.step():
-                    if out.request_id in ours:
-                        if out.finished:
-                            done[out.request_id] = out
-                    elif engine is self._engine:   # another stream's: it picks it up from the inbox
-                        self._inbox.setdefault(out.request_id, []).append(out)
-        finally:
-            for req in requests:
-                if req.request_id in engine.requests:   # stopped early (Ctrl-C, an error): free their pages
-                    engine.abort(req.request_id)
+        with closing(run(engine, requests, self._inbox if engine is self._engine else None)) as outputs:
+            done = {out.request_id: out for out in outputs if out.finished}
         return [done[r.request_id] for r in requests]
 
     def save(self, directory, dtype: str = "F32"):
@@ -256,77 +230,42 @@ class LLM:
                               f"prompts; got {type(prompt).__name__} {str(prompt)[:40]!r}{hint}")
         return check_token_ids(prompt, self.config.vocab_size).tolist()
 
-    def _run(self, prompt, result, max_new_tokens, stop, **sampling):
-        request = self.engine.new_request(prompt, max_new_tokens, stop=stop, **sampling)   # checked now
-        return self._follow(request, result)
+    def _pieces(self, request, result: GenerationResult):
+        """The text pieces of one request as the engine makes them; `result` filled in at the end. A
+        failed request (its constraint) raises its error."""
+        with closing(run(self.engine, [request], self._inbox)) as outputs:
+            for out in outputs:
+                if out.text:
+                    yield out.text
+                if out.finished:
+                    vars(result).update(vars(out.result))
+                    if out.result.error is not None:
+                        raise NpqwenError(out.result.error)
 
-    def _follow(self, request, result):
-        """Queue the request when iteration starts (a stream never iterated costs nothing), then step
-        the engine until it finishes, yielding its text pieces; other requests' outputs wait in the
-        inbox for their own streams."""
-        engine, finished = self.engine, False
-        request_id = engine.add(request)
-        try:
-            while not finished:
-                if not self._inbox.get(request_id):
-                    for out in engine.step():
-                        self._inbox.setdefault(out.request_id, []).append(out)
-                for out in self._inbox.pop(request_id, []):
-                    if out.text:
-                        yield out.text
-                    if out.finished:
-                        finished = True
-                        vars(result).update(vars(out.result))
-                        if out.result.error is not None:
-                            raise NpqwenError(out.result.error)
-        finally:
-            if not finished and request_id in engine.requests:   # the caller stopped early: free its pages
-                engine.abort(request_id)
-
-    def _generate_many(self, prompts, kwargs) -> list[GenerationResult]:
-        engine = self.engine
-        ids = []
-        try:
-            for prompt in prompts:
-                ids.append(engine.add_request(prompt, **kwargs))
-        except NpqwenError as e:
-            for request_id in ids:
-                engine.abort(request_id)
-            raise NpqwenError(f"prompt {len(ids)}: {e}") from e
+    def _generate_many(self, prompts, params: SamplingParams) -> list[GenerationResult]:
+        """Every prompt through the engine at once; their results in order. A prompt that cannot run,
+        or fails, is named by its index; the others are then stopped."""
+        requests = []
+        for prompt in prompts:
+            try:
+                requests.append(self.engine.new_request(prompt, params))
+            except NpqwenError as e:
+                raise NpqwenError(f"prompt {len(requests)}: {e}") from e
+        index = {r.request_id: i for i, r in enumerate(requests)}
         results = {}
-        try:
-            while len(results) < len(ids):
-                for out in engine.step():
-                    if out.finished and out.request_id in ids:
-                        if out.result.error is not None:
-                            raise NpqwenError(f"prompt {ids.index(out.request_id)}: {out.result.error}")
-                        results[out.request_id] = out.result
-                    elif out.request_id not in ids:
-                        self._inbox.setdefault(out.request_id, []).append(out)
-        finally:
-            for request_id in set(ids) & set(engine.requests):   # interrupted, or one failed: free the others' pages
-                engine.abort(request_id)
-        return [results[i] for i in ids]
+        with closing(run(self.engine, requests, self._inbox)) as outputs:
+            for out in outputs:
+                if out.finished:
+                    if out.result.error is not None:
+                        raise NpqwenError(f"prompt {index[out.request_id]}: {out.result.error}")
+                    results[out.request_id] = out.result
+        return [results[r.request_id] for r in requests]
 
 
 def is_prompt_list(prompt) -> bool:
     """A list of prompts (strings or token-id sequences), as opposed to one prompt of token ids."""
     return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
             and all(isinstance(p, (str, list, tuple, range, np.ndarray)) for p in prompt))
-
-
-def split_reasoning(text: str) -> tuple[str, str]:
-    """(reasoning, content) of a Qwen3 answer "<think>\\n...\\n</think>\\n\\ncontent".
-
-    An answer cut off inside <think> (no </think> yet) is all reasoning and no content, as vLLM's
-    Qwen3 reasoning parser returns it.
-    """
-    if "</think>" not in text:
-        if text.lstrip().startswith("<think>"):
-            return text.split("<think>", 1)[1].lstrip("\n"), ""
-        return "", text
-    reasoning, content = text.split("</think>", 1)   # split as Qwen3's chat template does
-    return reasoning.rstrip("\n").split("<think>")[-1].lstrip("\n"), content.lstrip("\n")
 
 
 def check_device_dtype(device: str, dtype: str):

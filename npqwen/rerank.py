@@ -20,12 +20,13 @@ pages from the prefix cache instead of computing them again.
 """
 import numpy as np
 
+from .chat_format import THINK_CLOSE, THINK_OPEN
 from .errors import NpqwenError
 
 SYSTEM = ('Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
           'Note that the answer can only be "yes" or "no".')
 PREFIX = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n"
-SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"   # thinking off: the answer comes next
+SUFFIX = f"<|im_end|>\n<|im_start|>assistant\n{THINK_OPEN}\n\n{THINK_CLOSE}\n\n"   # thinking off: the answer comes next
 DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 
 

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .chat_format import THINK_CLOSE, THINK_OPEN
 from .errors import NpqwenError
 
 EXTRA = "pip install 'npqwen[structured]'"
 KINDS = ("json_schema", "regex", "choice", "grammar")
-THINK_OPEN, THINK_END = "<think>", "</think>"
 AFTER_NEWLINES = r"start: /\n*/ @answer"       # thinking: the constrained answer may follow newlines
 JSON_WHITESPACE = r"( |\n[ \t]{0,20})?"         # between two JSON tokens (see with_json_whitespace)
 
@@ -175,17 +175,24 @@ class Constraint:
 
 def new_constraint(tokenizer, vocab_size: int, eos_ids, json_schema=None, regex=None, choice=None, grammar=None,
                    thinking: bool = False, prompt_ids=()) -> Constraint | None:
-    """The request's Constraint (None without one), its matcher made and checked now: a bad schema,
-    regex or grammar is a ConstraintError naming the problem. `prompt_ids` tell whether the prompt
-    itself opened the reasoning (ends with "<think>") or closed it ("</think>")."""
-    given = grammar_entry(json_schema, regex, choice, grammar)
+    """The Constraint of these arguments (None without one), its matcher made and checked now; see
+    build_constraint. The engine's requests take theirs from SamplingParams, which checks the values."""
+    return build_constraint(tokenizer, vocab_size, eos_ids, grammar_entry(json_schema, regex, choice, grammar),
+                            thinking, prompt_ids)
+
+
+def build_constraint(tokenizer, vocab_size: int, eos_ids, given: tuple[str, dict] | None, thinking: bool = False,
+                     prompt_ids=()) -> Constraint | None:
+    """A request's Constraint from grammar_entry's (kind, entry) (None without one), its matcher made and
+    checked now: a bad schema, regex or grammar is a ConstraintError naming the problem. `prompt_ids`
+    tell whether the prompt itself opened the reasoning (ends with "<think>") or closed it ("</think>")."""
     if given is None:
         return None
     kind, entry = given
     if tokenizer is None:
         raise ConstraintError(f"a {kind} constraint needs the checkpoint's tokenizer (tokenizer.json)")
     llg = llguidance()
-    think_end = tokenizer.token_to_id(THINK_END) if thinking else None
+    think_end = tokenizer.token_to_id(THINK_CLOSE) if thinking else None
     grammars = [entry] if think_end is None else [{"lark_grammar": AFTER_NEWLINES}, {**entry, "name": "answer"}]
     matcher = llg.LLMatcher(ll_tokenizer(tokenizer, vocab_size, eos_ids), json.dumps({"grammars": grammars}),
                             log_level=0)
@@ -195,7 +202,7 @@ def new_constraint(tokenizer, vocab_size: int, eos_ids, json_schema=None, regex=
     # the prompt may have opened the reasoning already (then the answer need not), or even closed it
     opened = think_end is None or tail.endswith(THINK_OPEN)
     think_open = None if opened else tokenizer.token_to_id(THINK_OPEN)
-    start = 0 if think_end is None or tail.endswith(THINK_END) else None
+    start = 0 if think_end is None or tail.endswith(THINK_CLOSE) else None
     return Constraint(matcher, kind, vocab_size, tuple(eos_ids), think_end, think_open, start)
 
 

@@ -12,6 +12,7 @@ from importlib import resources
 import numpy as np
 
 from .backend import array_module
+from .chat_format import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN
 from .checkpoint import allocate_weights, expected_shapes, tie_lm_head
 from .config import Qwen3Config
 from .model import Qwen3
@@ -20,8 +21,8 @@ from .tokenizer import Tokenizer, bytes_to_unicode
 
 # Qwen3's special tokens, in Qwen3's order; (text, special) as in its tokenizer_config.json.
 SPECIAL_TOKENS = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
-                  ("<tool_call>", False), ("</tool_call>", False), ("<tool_response>", False),
-                  ("</tool_response>", False), ("<think>", False), ("</think>", False)]
+                  (TOOL_OPEN, False), (TOOL_CLOSE, False), ("<tool_response>", False),
+                  ("</tool_response>", False), (THINK_OPEN, False), (THINK_CLOSE, False)]
 IM_END, ENDOFTEXT = 256 + 2, 256 + 0
 
 TINY_CONFIG = dict(model_type="qwen3", hidden_size=16, intermediate_size=48, num_hidden_layers=2,

@@ -329,6 +329,27 @@ def test_a_stream_closed_early_frees_its_request():
     assert llm.engine.stats["kv_pages_free"] + llm.engine.stats["kv_pages_cached"] == llm.engine.stats["kv_pages_total"]
 
 
+def test_the_one_loop_yields_its_requests_keeps_the_others_and_aborts_when_left():
+    from npqwen.engine.run import run as run_requests
+
+    llm = npqwen.load("tiny")
+    engine = Engine(llm, kv_cache_tokens=1024, page_size=16)
+    ours = [engine.new_request(p, max_new_tokens=n, temperature=0) for p, n in (("Hi", 3), ("Hello", 5))]
+    loop = run_requests(engine, ours, inbox := {})
+    assert not engine.has_unfinished()                    # nothing joins until the loop is iterated
+    other = engine.add_request("Hey", max_new_tokens=40, temperature=0)
+    outputs = list(loop)
+    assert {o.request_id for o in outputs} == {r.request_id for r in ours}
+    assert [len(o.result.token_ids) for o in outputs if o.finished] == [3, 5]
+    assert inbox and set(inbox) == {other}                # another caller's outputs wait for it
+    loop = run_requests(engine, [engine.new_request("Hi", max_new_tokens=50, temperature=0)], inbox)
+    next(loop)
+    loop.close()                                          # left early: the request is aborted
+    assert set(engine.requests) == {other}
+    engine.abort(other)
+    assert engine.stats["kv_pages_free"] + engine.stats["kv_pages_cached"] == engine.stats["kv_pages_total"]
+
+
 def test_decode_attention_for_many_sequences_equals_one_at_a_time():
     from npqwen import ops
 

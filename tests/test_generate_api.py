@@ -216,6 +216,16 @@ def test_truncated_thinking_is_reasoning():
     assert r.finish_reason == "length" and r.content == "" and r.reasoning == "Still "   # <think> is one token
 
 
+def test_chat_reads_reasoning_that_the_template_opened():
+    """A template that ends its prompt with "<think>" (later Qwen3 thinking models): the answer starts
+    inside the reasoning, so what comes before "</think>" is reasoning (chat_format.split_reasoning)."""
+    llm = scripted_llm("I should greet back.\n</think>\n\nHello!")
+    llm.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}<think>\n"
+    r = llm.chat("hi")
+    assert (r.reasoning, r.content) == ("I should greet back.", "Hello!")
+    assert llm.chat("hi", enable_thinking=False).content == "I should greet back.\n</think>\n\nHello!"
+
+
 MEMORY_PROBE = """
 import json, resource, sys, time
 import npqwen

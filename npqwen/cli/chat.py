@@ -3,11 +3,11 @@ import contextlib
 import signal
 import sys
 
+from ..chat_format import opens_reasoning, split_reasoning
 from ..comm import GroupFailed
 from ..errors import NpqwenError
-from .common import (OutputError, check_sampling_args, checked_text, constraint_kwargs, constraint_options,
-                     load_model, model_options, print_stats, sampling_kwargs, sampling_options, stream_to_stdout,
-                     system_messages)
+from .common import (OutputError, checked_text, command_line_params, constraint_options, load_model, model_options,
+                     print_stats, sampling_options, stream_to_stdout, system_messages)
 from .parallel import add_option
 
 
@@ -22,13 +22,9 @@ def add_parser(commands):
 
 
 def cmd_chat(args) -> int:
-    from ..llm import split_reasoning
-
-    check_sampling_args(args)   # a bad value shows before the (slow) load
-    constraint = constraint_kwargs(args)
+    params = command_line_params(args, thinking=not args.no_think)   # checked before the (slow) load
     system = system_messages(args)
     llm, _ = load_model(args, chat_template=True)
-    kwargs = {**sampling_kwargs(args), **constraint, "thinking": not args.no_think}   # every answer constrained
     history = list(system)
     line_editing()
     print(f"npqwen chat with {args.model}. /reset clears the history; /exit, Ctrl-D or Ctrl-C quits; "
@@ -57,8 +53,8 @@ def cmd_chat(args) -> int:
             checked_text(line, "message")
             messages = history + [{"role": "user", "content": line}]
             with ctrl_c_sets_a_flag() as pressed:   # from Enter to the answer's end: Ctrl-C stops the answer
-                ids = chat_ids(llm, messages, args, earlier_turns=len(history) > len(system))
-                result = stream_to_stdout(llm, ids, kwargs, stop_requested=pressed)
+                prompt, ids = chat_ids(llm, messages, args, earlier_turns=len(history) > len(system))
+                result = stream_to_stdout(llm, ids, params, stop_requested=pressed)
         except (OutputError, GroupFailed):   # stdout is gone, or a rank of the model: nothing more can be done
             raise
         except NpqwenError as e:   # e.g. the conversation outgrew the context: say so and keep going
@@ -70,17 +66,19 @@ def cmd_chat(args) -> int:
             print("(answer stopped; it is not kept in the history; Ctrl-C again or /exit quits)", file=sys.stderr)
             continue
         # Qwen3 keeps only the final answer of earlier turns, not their reasoning.
-        history = messages + [{"role": "assistant", "content": split_reasoning(result.text)[1]}]
+        content = split_reasoning(result.text, not args.no_think, opens_reasoning(prompt))[1]
+        history = messages + [{"role": "assistant", "content": content}]
         print_stats(result)
         if len(ids) + len(result.token_ids) >= llm.config.max_position_embeddings:
             print(f"(the conversation fills the context of {llm.config.max_position_embeddings} tokens, so the "
                   f"answer was cut; /reset clears the history)", file=sys.stderr)
 
 
-def chat_ids(llm, messages, args, earlier_turns: bool) -> list[int]:
-    """The conversation under the chat template, as token ids; one that leaves no room to answer is refused
-    with a message that names the history, which is what grew."""
-    ids = llm.tokenizer.encode(llm.chat_prompt(messages, enable_thinking=not args.no_think))
+def chat_ids(llm, messages, args, earlier_turns: bool) -> tuple[str, list[int]]:
+    """The conversation under the chat template, as text and token ids; one that leaves no room to answer
+    is refused with a message that names the history, which is what grew."""
+    prompt = llm.chat_prompt(messages, enable_thinking=not args.no_think)
+    ids = llm.tokenizer.encode(prompt)
     context = llm.config.max_position_embeddings
     if len(ids) >= context and earlier_turns:
         raise NpqwenError(f"the conversation has outgrown the context: the history and this message are {len(ids)} "
@@ -88,7 +86,7 @@ def chat_ids(llm, messages, args, earlier_turns: bool) -> list[int]:
     if len(ids) >= context:
         raise NpqwenError(f"this message is {len(ids)} tokens under the chat template, the model holds {context}; "
                           f"send a shorter one")
-    return ids
+    return prompt, ids
 
 
 def line_editing():

@@ -8,7 +8,6 @@ import resource
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 from ..errors import NpqwenError
 from ..hub import DEFAULT_MODEL, missing_files
@@ -97,21 +96,14 @@ CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar")   # also JSONL
 
 
 def constraint_kwargs(args) -> dict:
-    """The command line's constraint as Engine.add_request's keyword arguments, its files read and its
-    values checked now (the schema, regex or grammar itself is checked when the request is made)."""
-    from ..structured import grammar_entry
-
+    """The command line's constraint as SamplingParams' keyword arguments, its files read (the values
+    are checked by SamplingParams, the schema, regex or grammar itself when the request is made)."""
     schema, grammar = args.json_schema, args.grammar
     if schema is not None and not schema.lstrip().startswith(("{", "true", "false")):
         schema = read_text_file(schema, "--json-schema", "the schema's JSON text")
     if grammar is not None:
         grammar = read_text_file(grammar, "--grammar", None)
-    kwargs = {k: v for k, v in zip(CONSTRAINT_FIELDS, (schema, args.regex, args.choice, grammar)) if v is not None}
-    try:
-        grammar_entry(**kwargs)
-    except NpqwenError as e:
-        raise NpqwenError(f"--{next(iter(kwargs)).replace('_', '-')}: {e}") from None
-    return kwargs
+    return {k: v for k, v in zip(CONSTRAINT_FIELDS, (schema, args.regex, args.choice, grammar)) if v is not None}
 
 
 def input_name(path: str) -> str:
@@ -184,20 +176,22 @@ def check_writable(path: str, option: str):
         raise NpqwenError(f"{path}: cannot write it ({option}): permission denied")
 
 
-# check_request's stand-in for a model not loaded yet: the context length is checked later, with the prompt.
-ANY_CONTEXT = SimpleNamespace(max_position_embeddings=sys.maxsize)
+def command_line_params(args, thinking: bool):
+    """The command line's SamplingParams (the sampling values, the constraint, and whether the answer
+    opens with thinking), checked now, before the (slow) load. Values not given are None: the
+    checkpoint's, when the engine makes the request."""
+    from dataclasses import replace
 
+    from ..sampling_params import SamplingParams
 
-def check_sampling_args(args):
-    """The command line's sampling values, with the checks every request gets, before the (slow) load.
-
-    The checkpoint's own defaults (generation_config.json) are checked when the request is made."""
-    from ..generate import check_request
-    from ..sampling import sampling_params
-
-    kwargs = sampling_kwargs(args)
-    check_request(ANY_CONTEXT, [0], kwargs.pop("max_new_tokens"), kwargs.pop("stop"))
-    sampling_params({}, **kwargs)
+    params = SamplingParams(**sampling_kwargs(args), thinking=thinking)
+    constraint = constraint_kwargs(args)
+    if not constraint:
+        return params
+    try:
+        return replace(params, **constraint)
+    except NpqwenError as e:   # the values are fine but the constraint is not: name its option
+        raise NpqwenError(f"--{next(iter(constraint)).replace('_', '-')}: {e}") from None
 
 
 def sampling_kwargs(args) -> dict:
@@ -277,7 +271,7 @@ def prompt_ids(llm, args, prompt: str) -> list[int]:
     return ids
 
 
-def stream_to_stdout(llm, prompt, kwargs, stop_requested=None):
+def stream_to_stdout(llm, prompt, params, stop_requested=None):
     """Generate, writing each text piece as it comes; the GenerationResult at the end.
 
     `stop_requested` (chat: Ctrl-C was pressed) is asked after every piece; when it says yes the
@@ -285,7 +279,7 @@ def stream_to_stdout(llm, prompt, kwargs, stop_requested=None):
     from ..generate import GenerationResult
 
     result = GenerationResult("", [], "length")
-    pieces = llm.stream(prompt, result=result, **kwargs)   # nothing runs until the first piece is asked for
+    pieces = llm.stream(prompt, params, result=result)   # nothing runs until the first piece is asked for
     stopped = stop_requested is not None and stop_requested()
     if not stopped:
         for piece in pieces:

@@ -3,13 +3,14 @@ engine, its results as JSONL in input order."""
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from contextlib import closing
+from dataclasses import dataclass, field, replace
 
 from ..errors import NpqwenError
-from .common import (CONSTRAINT_FIELDS, ENGINE_SIZES, SAMPLING_FIELDS, add_engine_sizes, check_sampling_args,
-                     check_writable, checked_text, constraint_kwargs, constraint_options, engine_sizes, input_name,
-                     json_object, load_model, model_options, peak_rss_bytes, print_stats, read_input_file,
-                     sampling_kwargs, sampling_options, stream_to_stdout, system_messages, write_out)
+from .common import (CONSTRAINT_FIELDS, ENGINE_SIZES, SAMPLING_FIELDS, add_engine_sizes, check_writable,
+                     checked_text, command_line_params, constraint_options, engine_sizes, input_name, json_object,
+                     load_model, model_options, peak_rss_bytes, print_stats, read_input_file, sampling_options,
+                     stream_to_stdout, system_messages, write_out)
 from .parallel import add_option
 from .progress import Progress
 
@@ -47,14 +48,12 @@ def cmd_generate(args) -> int:
             raise NpqwenError(f"the prompt on stdin is not valid UTF-8 ({e})") from None
     prompt = checked_text(args.prompt, "prompt")
     system = system_messages(args)
-    check_sampling_args(args)   # a bad value shows before the (slow) load
-    constraint = constraint_kwargs(args)
+    # a bad value shows before the (slow) load; with thinking, a constraint applies after the free reasoning
+    params = command_line_params(args, thinking=not args.raw and not args.no_think)
     llm, load_seconds = load_model(args, chat_template=not args.raw)
-    # with thinking, a constraint applies after the free reasoning
-    kwargs = {**sampling_kwargs(args), **constraint, "thinking": not args.raw and not args.no_think}
     if not args.raw:
         prompt = llm.chat_prompt(system + [{"role": "user", "content": prompt}], enable_thinking=not args.no_think)
-    print_stats(stream_to_stdout(llm, prompt, kwargs), load_seconds)
+    print_stats(stream_to_stdout(llm, prompt, params), load_seconds)
     return 0
 
 
@@ -114,45 +113,39 @@ def file_prompt(where: str, n: int, obj: dict) -> FilePrompt:
 def generate_file(args) -> int:
     """--prompts-file: every prompt through one engine; the results as JSONL, in input order."""
     from ..engine import Engine
+    from ..engine.run import run
 
     name = input_name(args.prompts_file)
     # The command line's values alone first, so a bad one is not blamed on line 1; then the file's own
     # mistakes; all before the (slow) load.
-    check_sampling_args(args)
-    constraint = constraint_kwargs(args)
+    params = command_line_params(args, thinking=False)
     system_messages(args)
     if args.output:
         check_writable(args.output, "--output")
     prompts = read_prompts_file(args.prompts_file)
     llm, load_seconds = load_model(args, chat_template=not args.raw or any(p.messages for p in prompts))
     engine = Engine(llm, **engine_sizes(args))
-    defaults = sampling_kwargs(args)
-    # Every request is added (and so checked) before the first step; one bad line cancels them all.
-    request_ids = []
+    # Every request is made (and so checked) before the first step; one bad line stops them all.
+    requests = []
     for p in prompts:
         try:
-            thinking = not args.no_think and (p.messages is not None or not args.raw)   # templated with thinking
-            request_ids.append(engine.add_request(file_prompt_text(llm, args, p), **{**defaults, **p.sampling},
-                                                  **(p.constraint or constraint), thinking=thinking))
+            requests.append(engine.new_request(file_prompt_text(llm, args, p), line_params(params, args, p)))
         except NpqwenError as e:
-            for request_id in request_ids:
-                engine.abort(request_id)
             raise NpqwenError(f"{name} line {p.line}: {e}") from None
     try:
         out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     except OSError as e:
         raise NpqwenError(f"{args.output}: cannot write it ({e.strerror or e})") from None
-    index = {request_id: i for i, request_id in enumerate(request_ids)}
-    budget = {request_id: engine.requests[request_id].max_new_tokens for request_id in request_ids}
+    index = {r.request_id: i for i, r in enumerate(requests)}
+    budget = {r.request_id: r.max_new_tokens for r in requests}
     results, written, started = {}, 0, time.perf_counter()
     try:
-        with Progress(len(prompts), work=sum(budget.values())) as progress:
-            while engine.has_unfinished():
-                for o in engine.step():
-                    progress.advance(len(o.token_ids))
-                    if o.finished:
-                        results[index[o.request_id]] = o.result
-                        progress.finish_one(budget[o.request_id] - len(o.result.token_ids))
+        with Progress(len(prompts), work=sum(budget.values())) as progress, closing(run(engine, requests)) as outputs:
+            for o in outputs:
+                progress.advance(len(o.token_ids))
+                if o.finished:
+                    results[index[o.request_id]] = o.result
+                    progress.finish_one(budget[o.request_id] - len(o.result.token_ids))
                 if written in results and out is sys.stdout:
                     progress.clear()        # a result on the terminal must not land inside the progress line
                 while written in results:   # in input order: write each result once those before it are written
@@ -167,6 +160,14 @@ def generate_file(args) -> int:
     if args.output:
         print(f"wrote {written} results to {args.output}", file=sys.stderr)
     return 0
+
+
+def line_params(params, args, p: FilePrompt):
+    """A line's SamplingParams: the command line's, with the line's own sampling values, its constraint
+    in place of the command line's, and thinking when it is templated with thinking on."""
+    constraint = {**dict.fromkeys(CONSTRAINT_FIELDS), **p.constraint} if p.constraint else {}
+    thinking = not args.no_think and (p.messages is not None or not args.raw)
+    return replace(params, **p.sampling, **constraint, thinking=thinking)
 
 
 def write_record(out, line: str, output: str | None):

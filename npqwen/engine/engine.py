@@ -1,7 +1,7 @@
 """The engine: many requests at once over one model, one packed forward pass per step.
 
     engine = Engine(llm)
-    rid = engine.add_request("The capital of France is", max_new_tokens=20, temperature=0)
+    rid = engine.add_request("The capital of France is", npqwen.SamplingParams(max_new_tokens=20, temperature=0))
     while engine.has_unfinished():
         for out in engine.step():
             print(out.request_id, repr(out.text), out.finish_reason)
@@ -20,16 +20,17 @@ import math
 import numpy as np
 
 from ..backend import free_memory_bytes, to_numpy
-from ..checks import check_token_ids, is_integer
+from ..checks import check_token_ids
 from ..embed import POOLING_MODES, InputTooLong
 from ..errors import NpqwenError
-from ..generate import StopStrings, check_request
+from ..generate import StopStrings
 from ..kv_cache import Batch, KVCache
 from ..model import check_lm_head
 from ..parallel import rank_0_leads
-from ..sampling import candidates, draw, sampling_params, score_rows
+from ..sampling import candidates, draw, score_rows
 from ..sampling import logprobs as sampling_logprobs
-from ..structured import ConstraintFailed, Masks, new_constraint
+from ..sampling_params import SamplingParams, params_of
+from ..structured import ConstraintFailed, Masks, build_constraint
 from .pages import PagePool
 from .prefill_only import PrefillRows
 from .prefix_cache import PrefixCache
@@ -69,47 +70,47 @@ class Engine:
         self._ids = itertools.count()
 
     @rank_0_leads
-    def add_request(self, prompt, max_new_tokens: int = 512, temperature=None, top_k=None, top_p=None,
-                    min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None,
-                    frequency_penalty=None, logprobs=None, prompt_logprobs=None, json_schema=None, regex=None,
-                    choice=None, grammar=None, thinking: bool = False) -> str:
-        """Queue a prompt (text, used as is, or token ids); its request id. Everything is checked now."""
-        return self.add(self.new_request(prompt, max_new_tokens, temperature, top_k, top_p, min_p,
-                                         repetition_penalty, presence_penalty, seed, stop, frequency_penalty,
-                                         logprobs, prompt_logprobs, json_schema, regex, choice, grammar, thinking))
+    def add_request(self, prompt, params: SamplingParams | int | None = None, **sampling) -> str:
+        """Queue a prompt (text, used as is, or token ids) to generate from as `params` (an
+        npqwen.SamplingParams) say, or its fields given as keyword arguments (max_new_tokens=20,
+        temperature=0, ...); its request id. Everything is checked now."""
+        return self.add(self.new_request(prompt, params, **sampling))
 
-    def new_request(self, prompt, max_new_tokens: int = 512, temperature=None, top_k=None, top_p=None,
-                    min_p=None, repetition_penalty=None, presence_penalty=None, seed=None, stop=None,
-                    frequency_penalty=None, logprobs=None, prompt_logprobs=None, json_schema=None, regex=None,
-                    choice=None, grammar=None, thinking: bool = False) -> Request:
-        """A checked Request, not queued yet (see add). `logprobs` (an int k >= 0) makes each output
-        carry the sampled token's log probability and the k most likely alternatives;
-        `prompt_logprobs` (an int k >= 0) the same for every prompt token after the first, under the
-        model's own distribution, as the prompt is read (StepOutput.prompt_logprobs). At most one of
-        json_schema, regex, choice, grammar constrains the answer (structured.py); `thinking`: it opens
-        with Qwen3's free <think> reasoning and the constraint applies after "</think>"."""
+    def new_request(self, prompt, params: SamplingParams | int | None = None, **sampling) -> Request:
+        """A checked Request, not queued yet (see add); `params` or `sampling` as for add_request (an int
+        in params' place is max_new_tokens). The values were checked when the SamplingParams was made;
+        here its unset sampling values take the checkpoint's (generation_config.json), and what needs
+        this model is checked: the prompt's ids, room in the context and the pool (fit), the constraint
+        against the tokenizer."""
+        params = params_of(params, sampling).with_defaults(self.llm.generation_defaults)
         ids = self.llm.prompt_ids(prompt)
+        max_new_tokens = self.fit(ids, params.max_new_tokens)
+        tokenizer = self.llm.tokenizer
+        constraint = build_constraint(tokenizer, self.config.vocab_size, self.llm.eos_token_ids, params.constraint,
+                                      params.thinking, ids)
+        return Request(f"req-{next(self._ids)}", ids, max_new_tokens, params, frozenset(self.llm.eos_token_ids),
+                       StopStrings(params.stop), tokenizer.stream_decoder() if tokenizer is not None else None,
+                       params.logprobs, prompt_logprobs=params.prompt_logprobs, constraint=constraint)
+
+    def fit(self, ids: list[int], max_new_tokens: int) -> int:
+        """The checks a generation needs of this model and pool: an lm_head, a prompt that is not empty
+        and leaves room in the context, KV pages enough for it and its answer; max_new_tokens capped to
+        the room left in the context."""
         check_lm_head(self.model)   # a checkpoint saved without lm_head (Qwen3Model) cannot generate: say so now
-        stop, max_new_tokens = check_request(self.config, ids, max_new_tokens, stop)
-        params = sampling_params(self.llm.generation_defaults, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 min_p=min_p, repetition_penalty=repetition_penalty,
-                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
-        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-            if value is not None and (not is_integer(value) or value < 0):
-                raise NpqwenError(f"{name} must be None or an integer >= 0 (alternatives per token), got {value!r}")
+        if not ids:
+            raise NpqwenError("the prompt is empty")
+        context = self.config.max_position_embeddings
+        if len(ids) >= context:
+            raise NpqwenError(f"the prompt has {len(ids)} tokens but the context holds {context} "
+                              f"(max_position_embeddings): no room to generate; shorten the prompt")
+        max_new_tokens = min(max_new_tokens, context - len(ids))
         need = math.ceil((len(ids) + max_new_tokens) / self.page_size)
         if need > self.pool.num_pages:
             raise NpqwenError(f"a prompt of {len(ids)} tokens plus max_new_tokens {max_new_tokens} needs {need} KV "
                               f"pages of {self.page_size} positions, but the pool has {self.pool.num_pages} "
                               f"({self.pool.num_pages * self.page_size} positions); lower max_new_tokens or give "
                               f"the engine a larger kv_cache_tokens")
-        tokenizer = self.llm.tokenizer
-        constraint = new_constraint(tokenizer, self.config.vocab_size, self.llm.eos_token_ids, json_schema, regex,
-                                    choice, grammar, thinking, ids)
-        return Request(f"req-{next(self._ids)}", ids, max_new_tokens, params, frozenset(self.llm.eos_token_ids),
-                       StopStrings(stop), tokenizer.stream_decoder() if tokenizer is not None else None,
-                       None if logprobs is None else int(logprobs),
-                       prompt_logprobs=None if prompt_logprobs is None else int(prompt_logprobs), constraint=constraint)
+        return max_new_tokens
 
     @rank_0_leads
     def new_embedding_request(self, prompt, pooling: str = "lasttoken") -> Request:
@@ -141,8 +142,7 @@ class Engine:
         if need > self.pool.num_pages:
             raise InputTooLong(f"a prompt of {len(ids)} tokens needs {need} KV pages of {self.page_size} positions, "
                               f"but the pool has {self.pool.num_pages}; give the engine a larger kv_cache_tokens")
-        return Request(f"req-{next(self._ids)}", ids, 0, sampling_params({}), frozenset(), StopStrings(None),
-                       **fields)
+        return Request(f"req-{next(self._ids)}", ids, 0, SamplingParams(), frozenset(), StopStrings(None), **fields)
 
     def add(self, req: Request) -> str:
         """Queue a request made by new_request; its id."""

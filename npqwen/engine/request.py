@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..generate import GenerationResult, StopStrings
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from ..structured import Constraint
 
 
@@ -36,8 +36,8 @@ class StepOutput:
 class Request:
     request_id: str
     prompt_ids: list[int]
-    max_new_tokens: int
-    params: SamplingParams
+    max_new_tokens: int                  # params.max_new_tokens, capped to the room left in the context
+    params: SamplingParams               # with the checkpoint's defaults applied (SamplingParams.with_defaults)
     eos_ids: frozenset
     stops: StopStrings
     decoder: object = None               # the tokenizer's StreamDecoder, or None without a tokenizer

@@ -19,8 +19,8 @@ import json
 import uuid
 from typing import Callable, NamedTuple
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+from ..chat_format import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN, split_reasoning
+
 TAGS = (THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE)
 
 
@@ -33,19 +33,6 @@ class Parsed(NamedTuple):
 def random_call_id(index: int) -> str:
     """An OpenAI-style tool-call id, "call_" and 24 hex digits; the index is not used."""
     return "call_" + uuid.uuid4().hex[:24]
-
-
-def split_reasoning(text: str, thinking: bool, opened: bool = False) -> tuple[str, str]:
-    """(reasoning, content), with the newlines around the tags stripped as Qwen3's chat template does;
-    `opened`: the prompt already ended with "<think>"."""
-    if not thinking:
-        return "", text
-    if text.lstrip("\n").startswith(THINK_OPEN):          # "<think>" only opens at the start
-        text = text.lstrip("\n")[len(THINK_OPEN):]
-    elif not opened:
-        return "", text                                     # the model did not think
-    reasoning, _, content = text.partition(THINK_CLOSE)    # no "</think>": cut off while thinking
-    return reasoning.strip("\n"), content.lstrip("\n")
 
 
 def parse_call(block: str) -> tuple[str, str] | None:

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import Request as HTTPRequest
 
 from ..errors import NpqwenError
-from ..generate import check_token_ids
+from ..checks import check_token_ids
 from ..model import check_lm_head
 from ..structured import ConstraintError
 from .engine_loop import EngineLoop, EngineStopped
