@@ -10,7 +10,7 @@
     tool_choice "auto" with a "strict": true function         free text, but once the model opens
                                                               <tool_call> the call must be valid
 
-Each is one of Engine.new_request's constraint arguments (json_schema=, regex=, choice=, grammar=);
+Each is one of SamplingParams' constraint fields (json_schema=, regex=, choice=, grammar=);
 a tool call is a grammar in llguidance's Lark, written here. The body field a bad constraint is
 charged to (`param` of the 400) comes with it.
 """

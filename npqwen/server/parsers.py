@@ -1,15 +1,6 @@
 """Qwen3 output -> OpenAI message fields: reasoning, content and tool calls, whole or streamed.
 
-Qwen3 writes its answer as
-
-    <think>\\n reasoning \\n</think>\\n\\n content
-    <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>
-
-With thinking on, an answer that starts with "<think>" (Qwen3-0.6B's chat template leaves it to
-the model) is reasoning up to "</think>" and content after it; so is every answer when the prompt
-itself ended with "<think>" (`opened`, as later Qwen3 thinking templates do). An answer cut off
-before "</think>" is all reasoning, no content (our choice: it was never an answer). An answer that
-does not start with "<think>", and any answer with thinking off, is all content. Tool calls are
+The reasoning is split off by npqwen/chat_format.py's one rule (shared with llm.chat). Tool calls are
 parsed as vLLM's and SGLang's Qwen3 (hermes) tool parsers do.
 
 The streaming parser re-parses the whole text seen so far with the same functions and sends only what

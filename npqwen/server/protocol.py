@@ -165,7 +165,7 @@ class Sampling(Strict):
     structured_outputs: StructuredOutputs | None = None   # vLLM's: json, regex, choice or grammar
 
     def sampling(self) -> dict:
-        """Keyword arguments for Engine.new_request (None: the checkpoint's default)."""
+        """The body's sampling values as SamplingParams fields (None: the checkpoint's default)."""
         return dict(temperature=self.temperature, top_p=self.top_p, min_p=self.min_p,
                     top_k=None if self.top_k is None else max(self.top_k, 0),
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,

@@ -2,8 +2,8 @@
 
 Serving owns what the APIs have in common: the model (its name, GET /v1/models, /health) and the
 checks every body gets (its model, its size before tokenizing, its token ids, the room it leaves
-to generate); building engine requests (requests, and engine_request, the one call of
-Engine.new_request); the one way to the engine thread (submit, with its one 429 and Retry-After);
+to generate); building engine requests (requests: one SamplingParams of the body, then
+engine_request, the one call of Engine.new_request); the one way to the engine thread (submit, with its one 429 and Retry-After);
 and reading what comes back (outputs, collect, finished; Choice, usage). The chat template and
 each API's JSON shapes stay in its subclass.
 """
@@ -14,12 +14,14 @@ import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from fastapi import Request as HTTPRequest
 
 from ..errors import NpqwenError
 from ..checks import check_token_ids
 from ..model import check_lm_head
+from ..sampling_params import SamplingParams
 from ..structured import ConstraintError
 from .engine_loop import EngineLoop, EngineStopped
 from .parsers import StreamParser
@@ -148,8 +150,8 @@ class Serving:
                  prompt_logprobs: int | None = None, constraint: tuple[dict, str] | None = None,
                  thinking: bool = False) -> list:
         """The n engine requests of one prompt (choices after the first follow it, sharing its pages;
-        the first scores the prompt when `prompt_logprobs` is set); `constraint`: (Engine.new_request's
-        constraint arguments, the body field they came from)."""
+        the first scores the prompt when `prompt_logprobs` is set); `constraint`: (SamplingParams'
+        constraint fields, the body field they came from)."""
         self.check_size(prompt, max_tokens, param)
         try:
             check_lm_head(self.llm.model)   # a Qwen3Model checkpoint (embeddings only) cannot generate
@@ -162,25 +164,32 @@ class Serving:
         if not ids:
             raise APIError(400, f"{param} is empty", param)
         max_tokens = self.check_room(len(ids), max_tokens, param)
-        made = []
         constrain, constraint_param = constraint or ({}, None)
+        params = self.refusing(body, "max_tokens", constraint_param, lambda: SamplingParams(
+            max_new_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, thinking=thinking,
+            **body.sampling(), **constrain))
+        made = []
         for i in range(body.n):
             seed = None if body.seed is None else (body.seed + i) % 2 ** 64   # each choice its own draw
-            req = self.engine_request(ids, max_tokens, "max_tokens", body, constraint_param, seed=seed,
-                                      logprobs=logprobs, **body.sampling(), thinking=thinking, **constrain,
-                                      prompt_logprobs=None if made else prompt_logprobs)
+            choice = replace(params, seed=seed, prompt_logprobs=None if made else prompt_logprobs)
+            req = self.engine_request(ids, choice, "max_tokens", body, constraint_param)
             self.vllm_options(req, body, max_tokens)
             if made:
                 req.leader = made[0]
             made.append(req)
         return made
 
-    def engine_request(self, ids: list[int], max_tokens: int, param: str, body=None, constraint_param=None,
-                       **options):
-        """The one call of Engine.new_request (its keyword arguments: sampling, logprobs, constraint); what
-        the engine refuses is a 400 naming the body's field it came from (its first word), else `param`."""
+    def engine_request(self, ids: list[int], params: SamplingParams, param: str, body=None, constraint_param=None):
+        """The one call of Engine.new_request; what the engine refuses is a 400 (see refusing)."""
+        return self.refusing(body, param, constraint_param, lambda: self.engine.new_request(ids, params))
+
+    @staticmethod
+    def refusing(body, param: str, constraint_param: str | None, make):
+        """make(), with what it refuses as a 400 naming the body's field the value came from (the first
+        word of the message, when the body has such a field), else `param`; a constraint's fault names
+        `constraint_param`."""
         try:
-            return self.engine.new_request(ids, max_tokens, **options)
+            return make()
         except ConstraintError as e:
             raise APIError(400, str(e), constraint_param) from None
         except NpqwenError as e:

@@ -6,10 +6,11 @@ import uuid
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
+from ..chat_format import opens_reasoning
 from ..errors import NpqwenError
 from .constraints import chat_constraint
 from .http import sse
-from .parsers import THINK_OPEN, StreamParser, finish_reason, parse_output
+from .parsers import StreamParser, finish_reason, parse_output
 from .protocol import APIError, ChatCompletionRequest, template_messages
 from .serving import Choice, Serving, token_logprobs, usage
 from .tokenizer_process import LONG_TEXT_CHARS
@@ -74,7 +75,7 @@ class ServingChat(Serving):
             prompt = self.chat_text(body, template_messages(body.messages), thinking, tools)
         except NpqwenError as e:
             raise APIError(400, str(e), "messages") from None
-        opened = thinking and prompt.rstrip("\n").endswith(THINK_OPEN)   # a template that opens the reasoning
+        opened = thinking and opens_reasoning(prompt)   # a template that opens the reasoning
         return opened, self.requests(prompt, body, body.max_new_tokens, top, "messages", body.prompt_logprobs,
                                      constraint, thinking)
 

@@ -9,6 +9,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
 from ..backend import to_numpy
+from ..sampling_params import SamplingParams
 from .protocol import MAX_ATTENTION_TOKENS, APIError, AttentionRequest, ExpertsRequest
 from .serving import Serving
 
@@ -82,6 +83,6 @@ class ServingProbes(Serving):
     async def probe(self, ids: list[int], recorder, http: HTTPRequest) -> bool:
         """An engine request that reads `ids` a chunk per step, like any prompt, and whose last token
         then runs alone with `recorder` (Engine._probe_pass); False if the client went away first."""
-        req = self.engine_request(ids, 1, "tokens", temperature=0)
+        req = self.engine_request(ids, SamplingParams(max_new_tokens=1, temperature=0), "tokens")
         req.probe = recorder
         return await self.finished([req], http) is not None

@@ -19,9 +19,10 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 from pydantic import ValidationError
 
+from ..chat_format import THINK_CLOSE
 from .engine_loop import EngineStopped
 from .http import EventStream
-from .parsers import THINK_CLOSE, StreamParser, finish_reason, parse_output
+from .parsers import StreamParser, finish_reason, parse_output
 from .protocol import (RESPONSE_FIELDS_IGNORED, APIError, ChatCompletionRequest, FunctionToolChoice,
                        ResponsesRequest)
 from .serving import Choice, usage
