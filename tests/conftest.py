@@ -4,8 +4,15 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
-import pytest
+# Under pytest-xdist (the README's test command runs two workers on two cores) each worker, and every
+# process its tests start, keeps to one BLAS thread: two workers of two threads each on two cores spend
+# their time waiting on each other. Set before NumPy loads; threadpoolctl below covers a NumPy loaded earlier.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_name, "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 from npqwen.backend import cuda_available
 from npqwen.checkpoint import save_safetensors
@@ -180,6 +187,13 @@ def run_doc_line(line: str, check: bool = True, timeout: float = 300):
         assert result.returncode == 0, (line, result.stdout[-2000:], result.stderr[-2000:])
         assert "Traceback" not in result.stderr, (line, result.stderr[-2000:])
     return result
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(1)   # NumPy (and torch's own BLAS) in this worker: one thread, as set above
 
 
 def pytest_addoption(parser):
