@@ -22,7 +22,9 @@ from .engine import Engine
 from .engine.run import run
 from .errors import NpqwenError
 from .generate import ChatResult, GenerationResult, ScoreResult
+from .hooks import Cache, Hooks, both, check_names
 from .hub import resolve_model
+from .lens import logit_attribution, logit_lens
 from .model import Qwen3
 from .parallel import agreed, check_split, communicator, rank_0_leads, shards
 from .rerank import rerank
@@ -64,6 +66,31 @@ class LLM:
     def forward(self, token_ids, cache=None, last_only=False, recorder=None):
         """Logits (T, V) in the compute dtype; see Qwen3.forward."""
         return self.model.forward(token_ids, cache=cache, last_only=last_only, recorder=recorder)
+
+    def run_with_cache(self, prompt, names=None, hooks=None):
+        """(logits (T, V), cache): one forward pass over `prompt` (text or token ids) that keeps a host copy
+        of each step's array under its name (cache[name]; cache.keys() lists them). `names`, a list or a
+        function of the name, keeps only those; `hooks` as for run_with_hooks (the cache keeps their
+        result). See npqwen/hooks.py."""
+        if names is not None and not callable(names):
+            names = [names] if isinstance(names, str) else list(names)
+            check_names(names, self.config, "cache")
+        cache, hooked = Cache(names), None if hooks is None else Hooks(hooks, self.config)
+        return self.forward(self.prompt_ids(prompt), recorder=both(cache, hooked)), cache
+
+    def run_with_hooks(self, prompt, hooks):
+        """Logits (T, V) of `prompt` with `hooks` ({name: fn} or [(name, fn)]) called as fn(array, name): an
+        array of the same shape and dtype it returns replaces that value from then on; None leaves it."""
+        return self.forward(self.prompt_ids(prompt), recorder=Hooks(hooks, self.config))
+
+    def logit_lens(self, prompt, top_k: int = 5):
+        """Every layer's block output through the final norm and lm_head, at every position (npqwen/lens.py)."""
+        return logit_lens(self, prompt, top_k)
+
+    def logit_attribution(self, prompt, target, contrast=None, position: int = -1):
+        """How much of `target`'s logit (minus `contrast`'s) each part writes: embedding, attention and MLP of
+        each layer, each head (npqwen/lens.py)."""
+        return logit_attribution(self, prompt, target, contrast, position)
 
     def new_cache(self, capacity: int):
         return self.model.new_cache(capacity)
