@@ -100,7 +100,7 @@ class LLM:
         return self.generation_defaults.get("eos_token_id") or list(self.config.eos_token_ids)
 
     @rank_0_leads
-    def generate(self, prompt, params: SamplingParams | int | None = None,
+    def generate(self, prompt, params: SamplingParams | int | None = None, steering=None,
                  **sampling) -> GenerationResult | list[GenerationResult]:
         """Complete `prompt` (text, used as is, or token ids) as `params` (an npqwen.SamplingParams) say,
         or its fields given as keyword arguments (max_new_tokens=20, temperature=0, stop=..., seed=...);
@@ -113,22 +113,25 @@ class LLM:
         Structured output: at most one of `json_schema` (a dict or its JSON text), `regex` (the whole
         answer matches it), `choice` (a list of strings: the answer is one of them) or `grammar`
         (llguidance's Lark, or GBNF) makes every answer match it (npqwen/structured.py).
+
+        Steering: `steering=[{"layer": L, "vector": v, "scale": s}]` adds s*v to the residual stream after
+        block L, at every position and step, for this request only (npqwen/steering.py).
         """
         params = params_of(params, sampling)   # checked now, before anything runs
         if is_prompt_list(prompt):
-            return self._generate_many(prompt, params)
+            return self._generate_many(prompt, params, steering)
         result = GenerationResult("", [], "length")
-        for _ in self.stream(prompt, params, result=result):
+        for _ in self.stream(prompt, params, result=result, steering=steering):
             pass
         return result
 
     @rank_0_leads
     def stream(self, prompt, params: SamplingParams | int | None = None, *, result: GenerationResult | None = None,
-               **sampling):
+               steering=None, **sampling):
         """Like generate (one prompt), but yields text pieces as they come; `result`, if given, is filled
         in. SamplingParams' `thinking`: the answer opens with Qwen3's <think> reasoning, which a
         constraint leaves free."""
-        request = self.engine.new_request(prompt, params_of(params, sampling))   # checked now
+        request = self.engine.new_request(prompt, params_of(params, sampling), steering=steering)   # checked now
         return self._pieces(request, result if result is not None else GenerationResult("", [], "length"))
 
     def score(self, text) -> ScoreResult | list[ScoreResult]:
@@ -156,7 +159,7 @@ class LLM:
 
     @rank_0_leads
     def chat(self, messages, enable_thinking: bool = True, tools=None, stream_to=None,
-             params: SamplingParams | None = None, **sampling) -> ChatResult:
+             params: SamplingParams | None = None, steering=None, **sampling) -> ChatResult:
         """Answer the conversation; the <think> reasoning comes back apart from the final content.
 
         `params` (an npqwen.SamplingParams) or its fields as keyword arguments, as for generate.
@@ -171,7 +174,7 @@ class LLM:
             params = replace(params, thinking=enable_thinking)
         prompt = self.chat_prompt(messages, enable_thinking, tools)
         result = ChatResult("", [], "length")
-        for piece in self.stream(prompt, params, result=result):
+        for piece in self.stream(prompt, params, result=result, steering=steering):
             if stream_to is not None:
                 stream_to(piece)
         result.reasoning, result.content = split_reasoning(result.text, enable_thinking, opens_reasoning(prompt))
@@ -269,13 +272,13 @@ class LLM:
                     if out.result.error is not None:
                         raise NpqwenError(out.result.error)
 
-    def _generate_many(self, prompts, params: SamplingParams) -> list[GenerationResult]:
+    def _generate_many(self, prompts, params: SamplingParams, steering=None) -> list[GenerationResult]:
         """Every prompt through the engine at once; their results in order. A prompt that cannot run,
         or fails, is named by its index; the others are then stopped."""
         requests = []
         for prompt in prompts:
             try:
-                requests.append(self.engine.new_request(prompt, params))
+                requests.append(self.engine.new_request(prompt, params, steering=steering))
             except NpqwenError as e:
                 raise NpqwenError(f"prompt {len(requests)}: {e}") from e
         index = {r.request_id: i for i, r in enumerate(requests)}

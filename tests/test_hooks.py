@@ -186,3 +186,30 @@ def compare_edits_sparse(llm, model):
     rel = float(np.abs(got - want).max() / np.abs(want).max())
     print(f"Qwen3-MoE sparse layer 0: adding to mlp.experts, max |npqwen - HF| / max |HF| = {rel:.2e}")
     assert rel < 1e-4
+
+
+def test_the_logit_lens_equals_hf_block_outputs_through_norm_and_lm_head(shape_0_6b):
+    import torch
+
+    llm, model = shape_0_6b
+    ids = [9, 791, 6722, 315, 9625, 374, 12366, 13]
+    lens = llm.logit_lens(ids, top_k=5)
+    outputs = []
+    handles = [layer.register_forward_hook(lambda m, a, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+               for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            final = model(torch.tensor([ids])).logits[0].double().softmax(-1).numpy()
+            want = torch.stack([model.lm_head(model.model.norm(h))[0] for h in outputs]).double().softmax(-1).numpy()
+    finally:
+        for h in handles:
+            h.remove()
+    L, T = len(outputs), len(ids)
+    got_top = np.take_along_axis(want, lens.top_ids, -1)                        # HF's probabilities of npqwen's top-k
+    worst = float(np.abs(lens.top_probs - got_top).max())
+    nxt = float(np.abs(lens.next_probs - want[:, np.arange(T - 1), ids[1:]]).max())
+    print(f"logit lens, {L} layers x {T} positions: max |npqwen - HF| of the top-5 probabilities {worst:.2e}, "
+          f"of the next token's {nxt:.2e}; the last layer against HF's own output {np.abs(want[-1] - final).max():.2e}")
+    assert lens.top_ids.shape == (L, T, 5) and lens.next_ranks.shape == (L, T - 1)
+    assert worst < 1e-4 and nxt < 1e-4
+    assert np.array_equal(lens.top_ids[-1, :, 0], final.argmax(-1))
