@@ -35,6 +35,9 @@ def check_steering(steering, config, field: str = "steering") -> tuple[Steer, ..
     L, D, steers = config.num_hidden_layers, config.hidden_size, []
     for j, item in enumerate(steering):
         at = f"{field}[{j}]"
+        if isinstance(item, Steer):   # checked already (the server checks a body's, then makes the request)
+            steers.append(item)
+            continue
         if not isinstance(item, dict):
             raise NpqwenError(f"{at} must be an object with layer, vector and scale, got {type(item).__name__}")
         unknown = set(item) - {"layer", "vector", "scale"}
