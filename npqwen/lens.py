@@ -64,6 +64,16 @@ def logit_lens(llm, prompt, top_k: int = 5) -> LogitLens:
     return LogitLens(ids, np.stack(top_ids), np.stack(top_probs), np.stack(next_probs), np.stack(next_ranks))
 
 
+def token_lens(llm, block_outputs, token: int) -> tuple[np.ndarray, np.ndarray]:
+    """(probability (L,), rank (L,)) that each layer's lens gives `token`, from the L block outputs (L, D)
+    at the position that predicts it (the web page's layers view)."""
+    logits = lens_logits(llm, block_outputs).astype(np.float64)                            # (L, V)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    p = probs[:, token]
+    return p, (probs > p[:, None]).sum(-1)
+
+
 @dataclass
 class Attribution:
     """The shares of one logit (target minus contrast) at one position; embed + attn.sum() + mlp.sum() = logit."""
