@@ -83,7 +83,7 @@ def steering_options() -> argparse.ArgumentParser:
     group.add_argument("--steer", metavar="FILE.npy", help="add this vector (D values, np.save'd) to the residual "
                                                            "stream after block --steer-layer (default: none)")
     group.add_argument("--steer-layer", type=int, metavar="L", help="the block the vector is added after "
-                                                                    "(required with --steer)")
+                                                                    "(required with --steer; no default)")
     group.add_argument("--steer-scale", type=float, default=1.0, metavar="S", help="the vector's scale (default: 1)")
     return options
 
