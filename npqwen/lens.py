@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import ops
-from .backend import to_numpy
+from .backend import to_numpy, xp_of
 from .errors import NpqwenError
+from .model import check_lm_head
 
 
 @dataclass
@@ -37,9 +38,11 @@ class LogitLens:
 
 def lens_logits(llm, block_output):
     """lm_head(norm(x)) (T, V) for one block's output x (T, D), as the model computes its last one."""
-    W, cfg = llm.model.weights, llm.config
-    x = ops.rms_norm(llm.model.xp.asarray(block_output), W["model.norm.weight"], cfg.rms_norm_eps)
-    return to_numpy(ops.linear(x, llm.model.lm_head_weight()))
+    check_lm_head(llm.model)
+    W, cfg = llm.weights, llm.config
+    head = W["lm_head.weight"]                                                              # (V, D)
+    x = ops.rms_norm(xp_of(head).asarray(block_output), W["model.norm.weight"], cfg.rms_norm_eps)
+    return to_numpy(ops.linear(x, head))
 
 
 def logit_lens(llm, prompt, top_k: int = 5) -> LogitLens:
