@@ -22,7 +22,9 @@ from .engine import Engine
 from .engine.run import run
 from .errors import NpqwenError
 from .generate import ChatResult, GenerationResult, ScoreResult
+from .hooks import Cache, Hooks, both, check_names
 from .hub import resolve_model
+from .lens import logit_attribution, logit_lens
 from .model import Qwen3
 from .parallel import agreed, check_split, communicator, rank_0_leads, shards
 from .rerank import rerank
@@ -65,6 +67,31 @@ class LLM:
         """Logits (T, V) in the compute dtype; see Qwen3.forward."""
         return self.model.forward(token_ids, cache=cache, last_only=last_only, recorder=recorder)
 
+    def run_with_cache(self, prompt, names=None, hooks=None):
+        """(logits (T, V), cache): one forward pass over `prompt` (text or token ids) that keeps a host copy
+        of each step's array under its name (cache[name]; cache.keys() lists them). `names`, a list or a
+        function of the name, keeps only those; `hooks` as for run_with_hooks (the cache keeps their
+        result). See npqwen/hooks.py."""
+        if names is not None and not callable(names):
+            names = [names] if isinstance(names, str) else list(names)
+            check_names(names, self.config, "cache")
+        cache, hooked = Cache(names), None if hooks is None else Hooks(hooks, self.config)
+        return self.forward(self.prompt_ids(prompt), recorder=both(cache, hooked)), cache
+
+    def run_with_hooks(self, prompt, hooks):
+        """Logits (T, V) of `prompt` with `hooks` ({name: fn} or [(name, fn)]) called as fn(array, name): an
+        array of the same shape and dtype it returns replaces that value from then on; None leaves it."""
+        return self.forward(self.prompt_ids(prompt), recorder=Hooks(hooks, self.config))
+
+    def logit_lens(self, prompt, top_k: int = 5):
+        """Every layer's block output through the final norm and lm_head, at every position (npqwen/lens.py)."""
+        return logit_lens(self, prompt, top_k)
+
+    def logit_attribution(self, prompt, target, contrast=None, position: int = -1):
+        """How much of `target`'s logit (minus `contrast`'s) each part writes: embedding, attention and MLP of
+        each layer, each head (npqwen/lens.py)."""
+        return logit_attribution(self, prompt, target, contrast, position)
+
     def new_cache(self, capacity: int):
         return self.model.new_cache(capacity)
 
@@ -73,7 +100,7 @@ class LLM:
         return self.generation_defaults.get("eos_token_id") or list(self.config.eos_token_ids)
 
     @rank_0_leads
-    def generate(self, prompt, params: SamplingParams | int | None = None,
+    def generate(self, prompt, params: SamplingParams | int | None = None, steering=None,
                  **sampling) -> GenerationResult | list[GenerationResult]:
         """Complete `prompt` (text, used as is, or token ids) as `params` (an npqwen.SamplingParams) say,
         or its fields given as keyword arguments (max_new_tokens=20, temperature=0, stop=..., seed=...);
@@ -86,22 +113,25 @@ class LLM:
         Structured output: at most one of `json_schema` (a dict or its JSON text), `regex` (the whole
         answer matches it), `choice` (a list of strings: the answer is one of them) or `grammar`
         (llguidance's Lark, or GBNF) makes every answer match it (npqwen/structured.py).
+
+        Steering: `steering=[{"layer": L, "vector": v, "scale": s}]` adds s*v to the residual stream after
+        block L, at every position and step, for this request only (npqwen/steering.py).
         """
         params = params_of(params, sampling)   # checked now, before anything runs
         if is_prompt_list(prompt):
-            return self._generate_many(prompt, params)
+            return self._generate_many(prompt, params, steering)
         result = GenerationResult("", [], "length")
-        for _ in self.stream(prompt, params, result=result):
+        for _ in self.stream(prompt, params, result=result, steering=steering):
             pass
         return result
 
     @rank_0_leads
     def stream(self, prompt, params: SamplingParams | int | None = None, *, result: GenerationResult | None = None,
-               **sampling):
+               steering=None, **sampling):
         """Like generate (one prompt), but yields text pieces as they come; `result`, if given, is filled
         in. SamplingParams' `thinking`: the answer opens with Qwen3's <think> reasoning, which a
         constraint leaves free."""
-        request = self.engine.new_request(prompt, params_of(params, sampling))   # checked now
+        request = self.engine.new_request(prompt, params_of(params, sampling), steering=steering)   # checked now
         return self._pieces(request, result if result is not None else GenerationResult("", [], "length"))
 
     def score(self, text) -> ScoreResult | list[ScoreResult]:
@@ -129,7 +159,7 @@ class LLM:
 
     @rank_0_leads
     def chat(self, messages, enable_thinking: bool = True, tools=None, stream_to=None,
-             params: SamplingParams | None = None, **sampling) -> ChatResult:
+             params: SamplingParams | None = None, steering=None, **sampling) -> ChatResult:
         """Answer the conversation; the <think> reasoning comes back apart from the final content.
 
         `params` (an npqwen.SamplingParams) or its fields as keyword arguments, as for generate.
@@ -144,7 +174,7 @@ class LLM:
             params = replace(params, thinking=enable_thinking)
         prompt = self.chat_prompt(messages, enable_thinking, tools)
         result = ChatResult("", [], "length")
-        for piece in self.stream(prompt, params, result=result):
+        for piece in self.stream(prompt, params, result=result, steering=steering):
             if stream_to is not None:
                 stream_to(piece)
         result.reasoning, result.content = split_reasoning(result.text, enable_thinking, opens_reasoning(prompt))
@@ -242,13 +272,13 @@ class LLM:
                     if out.result.error is not None:
                         raise NpqwenError(out.result.error)
 
-    def _generate_many(self, prompts, params: SamplingParams) -> list[GenerationResult]:
+    def _generate_many(self, prompts, params: SamplingParams, steering=None) -> list[GenerationResult]:
         """Every prompt through the engine at once; their results in order. A prompt that cannot run,
         or fails, is named by its index; the others are then stopped."""
         requests = []
         for prompt in prompts:
             try:
-                requests.append(self.engine.new_request(prompt, params))
+                requests.append(self.engine.new_request(prompt, params, steering=steering))
             except NpqwenError as e:
                 raise NpqwenError(f"prompt {len(requests)}: {e}") from e
         index = {r.request_id: i for i, r in enumerate(requests)}

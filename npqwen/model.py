@@ -27,9 +27,12 @@ down_proj outputs are all-reduced (each rank holds a part of the sum); the logit
 (A recorder that asks for attention probabilities gets every rank's heads, gathered: a sixth.)
 
 `recorder`, when given, is called as recorder(name, array) with every intermediate result
-under its HF module name (see `npqwen trace`); by default it is `no_recorder`, which does nothing.
-A recorder changes what is kept, never which code runs: the same functions compute the same
-values with or without one (with one, attention also keeps a copy of its probabilities).
+under its HF module name (see `npqwen trace`); by default it is `no_recorder`, which returns the
+array unchanged. A recorder that returns an array (a hook, npqwen/hooks.py) replaces the value
+from then on: each step reads `x = recorder(name, x)`. A recorder changes values, never which
+code runs: the same functions run with or without one (with one, attention also keeps a copy of
+its probabilities, which a hook can read but not replace: they were used already).
+`batch.steering` adds a request's steering vectors to its rows after a block (npqwen/steering.py).
 """
 from typing import NamedTuple
 
@@ -46,7 +49,20 @@ from .parallel import share_batch, split_range
 
 
 def no_recorder(name, array):
-    """The default recorder: keeps nothing."""
+    """The default recorder: keeps nothing, changes nothing (the value goes on as it is)."""
+    return array
+
+
+def as_hook(recorder):
+    """A recorder as the forward pass calls it: what it returns replaces the value from then on
+    (npqwen/hooks.py checks it), None leaves the value as it is (a recorder that only keeps)."""
+    if recorder is None or recorder is no_recorder:
+        return no_recorder
+
+    def hook(name, array):
+        new = recorder(name, array)
+        return array if new is None else new
+    return hook
 
 
 def check_lm_head(model):
@@ -108,26 +124,28 @@ class Qwen3:
         """One packed forward pass: each sequence's new keys/values go to its pages; the logits of the
         rows that sample, and the hidden states and scores prefill-only requests asked for, come back."""
         cfg, W, xp = self.config, self.weights, self.xp
-        recorder = no_recorder if recorder is None else recorder
+        recorder = as_hook(recorder)   # returns the value, or a hook's replacement of it
         # 0. tensor parallel: every rank runs rank 0's batch (rank 0 sends it to the others)
         batch = share_batch(self, batch, kv, recorder is not no_recorder)
         # 1. embedding lookup: a token's row is on one rank, the others add zeros
         x = ops.embed(W["model.embed_tokens.weight"], xp.asarray(batch.token_ids), self.vocab_start)   # (T, D)
         x = self.comm.all_reduce(x)
-        recorder("model.embed_tokens", x)
+        x = recorder("model.embed_tokens", x)
         # 2. RoPE tables for each token's own position, shared by every layer
         cos, sin = ops.rope_cos_sin(self.inv_freq, xp.asarray(batch.positions), self.rope_scale, self.dtype)  # (T, Dh)
-        recorder("model.rotary_emb.cos", cos); recorder("model.rotary_emb.sin", sin)
+        cos, sin = recorder("model.rotary_emb.cos", cos), recorder("model.rotary_emb.sin", sin)
         slots = xp.asarray(kv.slots(batch.write_pages, batch.write_offsets))          # where new keys/values go
         # 3. the decoder layers, each two residual updates
         for i in range(cfg.num_hidden_layers):
             x = self.decoder_layer(i, x, cos, sin, batch, kv, slots, recorder)
+            if i in batch.steering:   # steering: s*v added to the steered requests' rows, zeros elsewhere (T, D)
+                x = x + batch.steering[i]
         # 4. final norm, only for the rows that have an output (usually: the rows that sample)
         rows = batch.output_rows
         if len(rows) < x.shape[0] or (rows != np.arange(len(rows))).any():
             x = x[xp.asarray(rows)]                                                  # (B, D)
         x = ops.rms_norm(x, W["model.norm.weight"], cfg.rms_norm_eps)
-        recorder("model.norm", x)
+        x = recorder("model.norm", x)
         # 5. lm_head (tied to the embedding in small Qwen3s), for the rows that sample; under tensor
         # parallelism every rank's V/N logits side by side
         S, R = len(batch.sample_rows), len(batch.hidden_rows)
@@ -135,7 +153,7 @@ class Qwen3:
             logits = self.comm.all_gather(ops.linear(x[:S], self.lm_head_weight()))   # (S, D) @ (D, V) -> (S, V)
         else:
             logits = xp.zeros((0, cfg.vocab_size), x.dtype)
-        recorder("lm_head", logits)
+        logits = recorder("lm_head", logits)
         # 6. prefill-only outputs: hidden states as they are (embeddings), and a few tokens' logits (rerank):
         # k rows of lm_head, looked up as the embedding is (under tensor parallelism the rank holding a row adds it)
         hidden, scores = x[S:S + R], None                                          # (R, D)
@@ -158,15 +176,14 @@ class Qwen3:
         """Pre-norm residual block: x + attention(norm(x)), then h + mlp(norm(h))."""
         p, W, eps = f"model.layers.{i}", self.weights, self.config.rms_norm_eps
         a = ops.rms_norm(x, W[f"{p}.input_layernorm.weight"], eps)
-        recorder(f"{p}.input_layernorm", a)
+        a = recorder(f"{p}.input_layernorm", a)
         h = x + self.self_attn(i, a, cos, sin, batch, kv, slots, recorder)           # (T, D)
-        recorder(f"{p}.attn_residual", h)
+        h = recorder(f"{p}.attn_residual", h)
         m = ops.rms_norm(h, W[f"{p}.post_attention_layernorm.weight"], eps)
-        recorder(f"{p}.post_attention_layernorm", m)
+        m = recorder(f"{p}.post_attention_layernorm", m)
         mlp = self.sparse_moe if self.config.is_moe_layer(i) else self.mlp        # Qwen3-MoE: routed to experts
         out = h + mlp(i, m, recorder)                                                # (T, D)
-        recorder(p, out)
-        return out
+        return recorder(p, out)
 
     def self_attn(self, i: int, x, cos, sin, batch, kv, slots, recorder=no_recorder):
         """QK-normed, rotary, grouped-query causal attention of layer i, each sequence over its own pages."""
@@ -175,23 +192,23 @@ class Qwen3:
         # q_proj, k_proj, v_proj in one matmul: qkv_proj stacks their rows
         qkv = ops.linear(x, self.fused[f"{p}.qkv_proj.weight"])                # (T, (H + 2K) * Dh)
         q, k, v = qkv[:, :H * Dh], qkv[:, H * Dh:(H + K) * Dh], qkv[:, (H + K) * Dh:]
-        recorder(f"{p}.q_proj", q); recorder(f"{p}.k_proj", k); recorder(f"{p}.v_proj", v)
+        q, k, v = recorder(f"{p}.q_proj", q), recorder(f"{p}.k_proj", k), recorder(f"{p}.v_proj", v)
         # QK-norm: RMSNorm over each head's Dh values, before RoPE
         q = ops.rms_norm(q.reshape(T, H, Dh), W[f"{p}.q_norm.weight"], cfg.rms_norm_eps)   # (T, H, Dh)
         k = ops.rms_norm(k.reshape(T, K, Dh), W[f"{p}.k_norm.weight"], cfg.rms_norm_eps)   # (T, K, Dh)
-        recorder(f"{p}.q_norm", q); recorder(f"{p}.k_norm", k)
+        q, k = recorder(f"{p}.q_norm", q), recorder(f"{p}.k_norm", k)
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
-        recorder(f"{p}.q_rope", q); recorder(f"{p}.k_rope", k)
+        q, k = recorder(f"{p}.q_rope", q), recorder(f"{p}.k_rope", k)
         # every token's key and value go to its page first, so a sequence's attention reads them from there
         kv.write(i, slots, k, v.reshape(T, K, Dh))
         out, probs = self.attention(q, kv.keys[i], kv.values[i], batch, want_probs=recorder is not no_recorder)
         if probs is not None:   # kept for a recorder: every rank's heads
             probs = self.comm.all_gather(probs, axis=0)                                   # (H, n, S)
-        recorder(f"{p}.attn_probs", probs); recorder(f"{p}.attn_output", out)  # probs: the last sequence's (H, n, S)
+        recorder(f"{p}.attn_probs", probs)   # the last sequence's (H, n, S): seen, not replaced (used already)
+        out = recorder(f"{p}.attn_output", out)                                 # (T, H*Dh): the heads side by side
         out = ops.linear(out, W[f"{p}.o_proj.weight"])                          # (T, H*Dh) -> (T, D)
         out = self.comm.all_reduce(out)                                         # the sum of every rank's heads
-        recorder(f"{p}.o_proj", out)
-        return out
+        return recorder(f"{p}.o_proj", out)
 
     def attention(self, q, keys, values, batch: Batch, want_probs: bool = False):
         """Causal attention of each sequence over its own pages: (T, H*Dh), and with want_probs the
@@ -217,25 +234,23 @@ class Qwen3:
         gate_up = ops.linear(x, self.fused[f"{p}.gate_up_proj.weight"])         # (T, 2F): gate_proj | up_proj
         F = gate_up.shape[1] // 2
         gate, up = gate_up[:, :F], gate_up[:, F:]                               # (T, F) each
-        recorder(f"{p}.gate_proj", gate); recorder(f"{p}.up_proj", up)
+        gate, up = recorder(f"{p}.gate_proj", gate), recorder(f"{p}.up_proj", up)
         act = ops.silu(gate)                                                    # (T, F)
-        recorder(f"{p}.act_fn", act)
+        act = recorder(f"{p}.act_fn", act)
         out = ops.linear(act * up, self.weights[f"{p}.down_proj.weight"])       # (T, F) -> (T, D)
         out = self.comm.all_reduce(out)                                         # the sum of every rank's width
-        recorder(f"{p}.down_proj", out)
-        return out
+        return recorder(f"{p}.down_proj", out)
 
     def sparse_moe(self, i: int, x, recorder=no_recorder):
         """Qwen3-MoE's MLP: the router sends each token to k experts; their SwiGLUs, weighted, are summed."""
         cfg, p = self.config, f"model.layers.{i}.mlp"
         logits, chosen, weights = moe.route(x, self.weights[f"{p}.gate.weight"], cfg.num_experts_per_tok,
                                             cfg.norm_topk_prob)                 # (T, E), (T, k), (T, k)
-        recorder(f"{p}.gate", logits)
-        recorder(f"{p}.gate.top_k_index", chosen); recorder(f"{p}.gate.top_k_weights", weights)
+        recorder(f"{p}.gate", logits)   # seen, not replaced: the experts were chosen from them already
+        chosen, weights = recorder(f"{p}.gate.top_k_index", chosen), recorder(f"{p}.gate.top_k_weights", weights)
         out = moe.experts(x, chosen, weights, self.fused[f"{p}.experts.gate_up_proj"],
                           self.fused[f"{p}.experts.down_proj"])                  # (T, D)
-        recorder(f"{p}.experts", out)
-        return out
+        return recorder(f"{p}.experts", out)
 
     def _check_ids(self, token_ids, cache) -> np.ndarray:
         """Token ids as a 1-D int64 host array, checked against the vocabulary and the context."""

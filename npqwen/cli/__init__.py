@@ -26,6 +26,7 @@ COMMANDS = [   # npqwen/cli/<name>.py, in the order `npqwen --help` lists them
     "chat",
     "inspect",
     "trace",
+    "lens",
     "compare",
     "perplexity",
 ]

@@ -76,6 +76,36 @@ def one_prompt_options() -> argparse.ArgumentParser:
     return one_pass
 
 
+def steering_options() -> argparse.ArgumentParser:
+    """--steer FILE.npy, --steer-layer, --steer-scale: a parent parser for generate and chat (npqwen/steering.py)."""
+    options = argparse.ArgumentParser(add_help=False)
+    group = options.add_argument_group("steering (see docs/interpretability.md)")
+    group.add_argument("--steer", metavar="FILE.npy", help="add this vector (D values, np.save'd) to the residual "
+                                                           "stream after block --steer-layer (default: none)")
+    group.add_argument("--steer-layer", type=int, metavar="L", help="the block the vector is added after "
+                                                                    "(required with --steer; no default)")
+    group.add_argument("--steer-scale", type=float, default=1.0, metavar="S", help="the vector's scale (default: 1)")
+    return options
+
+
+def command_line_steering(args):
+    """The command line's steering list, or None; the file read now, before the (slow) load (its length and
+    layer are checked against the model when the request is made)."""
+    if args.steer is None:
+        if args.steer_layer is not None:
+            raise NpqwenError("--steer-layer goes with --steer FILE.npy")
+        return None
+    if args.steer_layer is None:
+        raise NpqwenError("--steer needs --steer-layer L (the block the vector is added after)")
+    import numpy as np
+
+    try:
+        vector = np.load(args.steer, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise NpqwenError(f"--steer {args.steer}: cannot read it as a .npy array ({e})") from None
+    return [{"layer": args.steer_layer, "vector": vector, "scale": args.steer_scale}]
+
+
 def constraint_options() -> argparse.ArgumentParser:
     """--json-schema, --regex, --choice, --grammar (at most one): a parent parser for generate and chat."""
     options = argparse.ArgumentParser(add_help=False)
@@ -271,7 +301,7 @@ def prompt_ids(llm, args, prompt: str) -> list[int]:
     return ids
 
 
-def stream_to_stdout(llm, prompt, params, stop_requested=None):
+def stream_to_stdout(llm, prompt, params, stop_requested=None, steering=None):
     """Generate, writing each text piece as it comes; the GenerationResult at the end.
 
     `stop_requested` (chat: Ctrl-C was pressed) is asked after every piece; when it says yes the
@@ -279,7 +309,7 @@ def stream_to_stdout(llm, prompt, params, stop_requested=None):
     from ..generate import GenerationResult
 
     result = GenerationResult("", [], "length")
-    pieces = llm.stream(prompt, params, result=result)   # nothing runs until the first piece is asked for
+    pieces = llm.stream(prompt, params, result=result, steering=steering)   # nothing runs until the first piece is asked for
     stopped = stop_requested is not None and stop_requested()
     if not stopped:
         for piece in pieces:

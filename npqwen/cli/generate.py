@@ -11,12 +11,14 @@ from .common import (CONSTRAINT_FIELDS, ENGINE_SIZES, SAMPLING_FIELDS, add_engin
                      checked_text, command_line_params, constraint_options, engine_sizes, input_name, json_object,
                      load_model, model_options, peak_rss_bytes, print_stats, read_input_file, sampling_options,
                      stream_to_stdout, system_messages, write_out)
+from .common import command_line_steering, steering_options
 from .parallel import add_option
 from .progress import Progress
 
 
 def add_parser(commands):
-    p = commands.add_parser("generate", parents=[model_options(), sampling_options(), constraint_options()],
+    p = commands.add_parser("generate", parents=[model_options(), sampling_options(), constraint_options(),
+                                                        steering_options()],
                             help="complete one prompt, streaming; or a file of prompts, batched")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", "-p", help="the prompt ('-' reads it from stdin)")
@@ -50,10 +52,11 @@ def cmd_generate(args) -> int:
     system = system_messages(args)
     # a bad value shows before the (slow) load; with thinking, a constraint applies after the free reasoning
     params = command_line_params(args, thinking=not args.raw and not args.no_think)
+    steering = command_line_steering(args)
     llm, load_seconds = load_model(args, chat_template=not args.raw)
     if not args.raw:
         prompt = llm.chat_prompt(system + [{"role": "user", "content": prompt}], enable_thinking=not args.no_think)
-    print_stats(stream_to_stdout(llm, prompt, params), load_seconds)
+    print_stats(stream_to_stdout(llm, prompt, params, steering=steering), load_seconds)
     return 0
 
 
@@ -119,6 +122,7 @@ def generate_file(args) -> int:
     # The command line's values alone first, so a bad one is not blamed on line 1; then the file's own
     # mistakes; all before the (slow) load.
     params = command_line_params(args, thinking=False)
+    steering = command_line_steering(args)
     system_messages(args)
     if args.output:
         check_writable(args.output, "--output")
@@ -129,7 +133,8 @@ def generate_file(args) -> int:
     requests = []
     for p in prompts:
         try:
-            requests.append(engine.new_request(file_prompt_text(llm, args, p), line_params(params, args, p)))
+            requests.append(engine.new_request(file_prompt_text(llm, args, p), line_params(params, args, p),
+                                                steering=steering))
         except NpqwenError as e:
             raise NpqwenError(f"{name} line {p.line}: {e}") from None
     try:

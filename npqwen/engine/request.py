@@ -55,6 +55,8 @@ class Request:
     pooling: str = "lasttoken"           # embed: which positions' final-norm states make the embedding (embed.py)
     score_ids: tuple = ()                # score: the tokens whose logits at the last position are the output
     prefix_reuse: bool = True            # False: every position is computed, none taken from the prefix cache
+    steering: tuple = ()                 # steering.Steer items: s*v added to its rows after block L (steering.py)
+    prefix_key: int | None = None        # the prefix cache's root for its pages: None, or its steering's
     pooled: np.ndarray | None = None     # embed: the pooling so far (mean: the running sum), float32
     pooled_upto: int = 0                 # embed: positions already folded into `pooled` (kept over a preemption)
     tokens: list[int] = field(init=False)       # prompt + generated

@@ -9,6 +9,7 @@
     POST /v1/rerank                 a relevance score per document, best first (npqwen/rerank.py)
     POST /v1/npqwen/attention       one position's attention in every head of a layer (serving_probes.py)
     POST /v1/npqwen/experts         the experts one token went to in each layer (Qwen3-MoE; for the page)
+    POST /v1/npqwen/layers          one token's probability and rank under each layer's logit lens (the page)
     POST /tokenize, /detokenize     the model's tokenizer (vLLM's shapes); GET /tokenizer_info
     GET  /health                    200 while the engine thread is alive
     GET  /metrics                   Prometheus text format (metrics.py)
@@ -136,6 +137,10 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     @app.post("/v1/npqwen/experts")
     async def experts(body: ExpertsRequest, http: HTTPRequest):
         return await probes.experts(body, http)
+
+    @app.post("/v1/npqwen/layers")
+    async def layers(body: ExpertsRequest, http: HTTPRequest):   # the same fields: tokens, position
+        return await probes.layers(body, http)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

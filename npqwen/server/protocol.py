@@ -132,6 +132,13 @@ class StructuredOutputs(Strict):
     json_object: bool | None = None
 
 
+class Steer(Strict):
+    """One steering item: scale * vector added to the residual stream after block `layer` (npqwen/steering.py)."""
+    layer: int
+    vector: list[float]
+    scale: float = 1.0
+
+
 class Sampling(Strict):
     """Fields shared by chat and completions."""
     model: str
@@ -163,6 +170,7 @@ class Sampling(Strict):
     skip_special_tokens: bool = False                     # leave special tokens (<|im_end|>) out of the text
     include_stop_str_in_output: bool = False              # the stop string that ended the text stays in it
     structured_outputs: StructuredOutputs | None = None   # vLLM's: json, regex, choice or grammar
+    steering: list[Steer] | None = None                   # npqwen's: vectors added after blocks, this request only
 
     def sampling(self) -> dict:
         """The body's sampling values as SamplingParams fields (None: the checkpoint's default)."""
@@ -423,6 +431,7 @@ class ResponsesRequest(Strict):
     truncation: Literal["auto", "disabled"] | None = None   # "auto" is not done: too long is a 400
     stream_options: dict | None = None
     max_tool_calls: Whole | None = Field(None, ge=1)
+    steering: list[Steer] | None = None   # npqwen's, as in chat and completions
 
     def check_supported(self):
         if self.previous_response_id is not None:

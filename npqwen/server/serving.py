@@ -22,6 +22,7 @@ from ..errors import NpqwenError
 from ..checks import check_token_ids
 from ..model import check_lm_head
 from ..sampling_params import SamplingParams
+from ..steering import check_steering
 from ..structured import ConstraintError
 from .engine_loop import EngineLoop, EngineStopped
 from .parsers import StreamParser
@@ -164,6 +165,7 @@ class Serving:
         if not ids:
             raise APIError(400, f"{param} is empty", param)
         max_tokens = self.check_room(len(ids), max_tokens, param)
+        steering = self.steering(body)
         constrain, constraint_param = constraint or ({}, None)
         params = self.refusing(body, "max_tokens", constraint_param, lambda: SamplingParams(
             max_new_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, thinking=thinking,
@@ -172,16 +174,25 @@ class Serving:
         for i in range(body.n):
             seed = None if body.seed is None else (body.seed + i) % 2 ** 64   # each choice its own draw
             choice = replace(params, seed=seed, prompt_logprobs=None if made else prompt_logprobs)
-            req = self.engine_request(ids, choice, "max_tokens", body, constraint_param)
+            req = self.engine_request(ids, choice, "max_tokens", body, constraint_param, steering)
             self.vllm_options(req, body, max_tokens)
             if made:
                 req.leader = made[0]
             made.append(req)
         return made
 
-    def engine_request(self, ids: list[int], params: SamplingParams, param: str, body=None, constraint_param=None):
+    def engine_request(self, ids: list[int], params: SamplingParams, param: str, body=None, constraint_param=None,
+                       steering=()):
         """The one call of Engine.new_request; what the engine refuses is a 400 (see refusing)."""
-        return self.refusing(body, param, constraint_param, lambda: self.engine.new_request(ids, params))
+        return self.refusing(body, param, constraint_param,
+                             lambda: self.engine.new_request(ids, params, steering=steering))
+
+    def steering(self, body) -> tuple:
+        """The body's steering, checked against the model (a 400 naming `steering`)."""
+        try:
+            return check_steering([s.model_dump() for s in body.steering or []], self.llm.config)
+        except NpqwenError as e:
+            raise APIError(400, str(e), "steering") from None
 
     @staticmethod
     def refusing(body, param: str, constraint_param: str | None, make):

@@ -1,5 +1,6 @@
 """The web page's probes: POST /v1/npqwen/attention (one position's attention in every head of a
-layer) and /v1/npqwen/experts (the experts one token went to in each layer of a Qwen3-MoE).
+layer), /v1/npqwen/experts (the experts one token went to in each layer of a Qwen3-MoE) and
+/v1/npqwen/layers (the probability and rank each layer's logit lens gives one token).
 
 A probe is an engine request like the others: it reads tokens[:position + 1] a chunk per step,
 and its last token then runs alone with a recorder that keeps the one array asked for
@@ -8,14 +9,17 @@ and its last token then runs alone with a recorder that keeps the one array aske
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
+import numpy as np
+
 from ..backend import to_numpy
+from ..lens import token_lens
 from ..sampling_params import SamplingParams
 from .protocol import MAX_ATTENTION_TOKENS, APIError, AttentionRequest, ExpertsRequest
 from .serving import Serving
 
 
 class ServingProbes(Serving):
-    """POST /v1/npqwen/attention and /v1/npqwen/experts."""
+    """POST /v1/npqwen/attention, /v1/npqwen/experts and /v1/npqwen/layers."""
 
     async def attention(self, body: AttentionRequest, http: HTTPRequest) -> dict:
         """The attention row of `position` over positions 0 .. position in every head of `layer`, and
@@ -65,6 +69,30 @@ class ServingProbes(Serving):
             answer["layers"].append({"layer": i, "experts": kept.get(f"{gate}.top_k_index"),    # None: dense
                                      "weights": kept.get(f"{gate}.top_k_weights")})
         return answer
+
+    async def layers(self, body: ExpertsRequest, http: HTTPRequest) -> dict:
+        """The token at `position` under each layer's logit lens, read where it was predicted (position - 1):
+        its probability and rank per layer; a probe over tokens[:position] (see probe). The lens itself, L
+        rows of lm_head's product, runs in a worker thread, not on the engine's."""
+        self.check_model(body.model)
+        ids, L = body.tokens, self.config.num_hidden_layers
+        p = self.position(body)
+        if p == 0:
+            raise APIError(400, "position 0 is not predicted by any position before it; choose 1 .. "
+                                f"{len(ids) - 1}", "position")
+        blocks = {f"model.layers.{i}": i for i in range(L)}
+        kept = np.zeros((L, self.config.hidden_size), np.float32)                    # (L, D)
+
+        def keep(step, array):   # position p - 1 is the probe's last token: its row of each block's output
+            if step in blocks:
+                kept[blocks[step]] = to_numpy(array)[-1]
+
+        if not await self.probe(ids[:p], keep, http):
+            return Response(status_code=499)
+        probs, ranks = await self.off_loop(token_lens, self.llm, kept, ids[p])
+        return {"object": "npqwen.layers", "model": self.model_name, "position": p,
+                "token": self.tokenizer.decode([ids[p]]),
+                "layers": [{"layer": i, "probability": float(probs[i]), "rank": int(ranks[i])} for i in range(L)]}
 
     def position(self, body: AttentionRequest | ExpertsRequest) -> int:
         """The position a probe looks at (default: the last token), after checking the tokens it reruns."""

@@ -362,6 +362,7 @@ function inspect(answer, index) {
     token.logprob === null ? "" : ` with probability ${(100 * Math.exp(token.logprob)).toFixed(2)}\u00a0%`);
   drawAlternatives(token);
   loadAttention();
+  loadLayers();
   loadExperts();
 }
 
@@ -514,6 +515,43 @@ async function loadExperts() {
   $("experts-note").textContent = `Where the router sent this token (position ${experts.position}): ` +
     `${experts.num_experts_per_tok} of ${experts.num_experts} experts in each layer, best first, ` +
     `with the weight of each in the layer's output.`;
+}
+
+// The logit lens of the chosen token: the probability (a bar) and rank each layer's lens gives it, read
+// at the position before it, where it was predicted (/v1/npqwen/layers). The last layer is the model's own.
+async function loadLayers() {
+  const { answer, index } = state.inspected;
+  const ids = answer.promptIds.concat(answer.generated.slice(0, index + 1).map((t) => t.id));
+  let lens;
+  try {
+    lens = await api("v1/npqwen/layers", { tokens: ids });
+  } catch (e) {
+    $("layers").replaceChildren();
+    $("layers-note").textContent = "No layers: " + e.message;
+    return;
+  }
+  if (!isInspected(answer, index)) return;   // another token was clicked meanwhile
+  const rows = lens.layers.map((layer) => {
+    const li = document.createElement("li");
+    li.dataset.layer = layer.layer;
+    li.dataset.probability = String(layer.probability);
+    li.dataset.rank = String(layer.rank);
+    const name = document.createElement("span");
+    name.className = "layer";
+    name.textContent = `layer ${layer.layer}`;
+    const track = document.createElement("span");
+    track.className = "track";
+    const bar = document.createElement("span");
+    bar.className = "bar";
+    bar.style.display = "block";
+    bar.style.width = `${(100 * layer.probability).toFixed(1)}%`;
+    track.append(bar);
+    li.append(name, track, `${(100 * layer.probability).toFixed(2)}\u00a0% \u00b7 rank ${layer.rank + 1}`);
+    return li;
+  });
+  $("layers").replaceChildren(...rows);
+  $("layers-note").textContent = "This token under each layer's logit lens (the layer's output through the " +
+    "final norm and lm_head, at the position before it): its probability and rank. The last layer is the model's.";
 }
 
 function closeInspector() {

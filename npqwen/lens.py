@@ -1,0 +1,129 @@
+"""Reading the residual stream: the logit lens and direct logit attribution.
+
+The residual stream is a running sum: x = embed + sum over layers of (attention + MLP), each
+block adding its o_proj and down_proj outputs. The model reads it once, at the end, through the
+final norm and lm_head.
+
+- Logit lens (nostalgebraist): read it after every block as if it were the end,
+  softmax(lm_head(norm(x_i))): what the model "would say" at layer i. The last layer's lens is
+  the model's own distribution.
+- Direct logit attribution (as TransformerLens does it): with the final norm's scale taken from
+  the actual run, norm(x) @ u = sum of (part * g / rms(x)) @ u over the parts of the sum, so each
+  part's share of a token's logit (u = lm_head row of the target, minus the contrast's) is one
+  dot product, and the shares add up to the logit. A layer's attention splits into its heads:
+  o_proj(out) = sum_h out_h @ o_proj[:, h]^T.
+
+Shapes: L layers, T positions, k top tokens, D hidden, H heads, Dh head dim.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import ops
+from .backend import to_numpy, xp_of
+from .errors import NpqwenError
+from .model import check_lm_head
+
+
+@dataclass
+class LogitLens:
+    """Each layer's lens at each position: its top-k tokens and their probabilities, and what it gives the
+    token that actually comes next (position t's lens of token t + 1)."""
+    token_ids: list[int]     # the prompt's T tokens
+    top_ids: np.ndarray      # (L, T, k) most probable first
+    top_probs: np.ndarray    # (L, T, k)
+    next_probs: np.ndarray   # (L, T - 1) the probability of the next token
+    next_ranks: np.ndarray   # (L, T - 1) its rank (0: the lens's top token)
+
+
+def lens_logits(llm, block_output):
+    """lm_head(norm(x)) (T, V) for one block's output x (T, D), as the model computes its last one."""
+    check_lm_head(llm.model)
+    W, cfg = llm.weights, llm.config
+    head = W["lm_head.weight"]                                                              # (V, D)
+    x = ops.rms_norm(xp_of(head).asarray(block_output), W["model.norm.weight"], cfg.rms_norm_eps)
+    return to_numpy(ops.linear(x, head))
+
+
+def logit_lens(llm, prompt, top_k: int = 5) -> LogitLens:
+    """The logit lens of every decoder layer at every position of `prompt` (text or token ids)."""
+    ids = llm.prompt_ids(prompt)
+    L = llm.config.num_hidden_layers
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= llm.config.vocab_size:
+        raise NpqwenError(f"top_k must be an integer from 1 to the vocabulary size, got {top_k!r}")
+    _, cache = llm.run_with_cache(ids, names=[f"model.layers.{i}" for i in range(L)])
+    nxt = np.asarray(ids[1:])
+    top_ids, top_probs, next_probs, next_ranks = [], [], [], []
+    for i in range(L):   # one layer at a time: (T, V) at most
+        logits = lens_logits(llm, cache[f"model.layers.{i}"]).astype(np.float64)          # (T, V)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        top = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]                         # (T, k)
+        top_ids.append(top)
+        top_probs.append(np.take_along_axis(probs, top, -1))
+        p_next = probs[np.arange(len(nxt)), nxt]                                            # (T - 1,)
+        next_probs.append(p_next)
+        next_ranks.append((probs[:len(nxt)] > p_next[:, None]).sum(-1))
+    return LogitLens(ids, np.stack(top_ids), np.stack(top_probs), np.stack(next_probs), np.stack(next_ranks))
+
+
+def token_lens(llm, block_outputs, token: int) -> tuple[np.ndarray, np.ndarray]:
+    """(probability (L,), rank (L,)) that each layer's lens gives `token`, from the L block outputs (L, D)
+    at the position that predicts it (the web page's layers view)."""
+    logits = lens_logits(llm, block_outputs).astype(np.float64)                            # (L, V)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    p = probs[:, token]
+    return p, (probs > p[:, None]).sum(-1)
+
+
+@dataclass
+class Attribution:
+    """The shares of one logit (target minus contrast) at one position; embed + attn.sum() + mlp.sum() = logit."""
+    logit: float             # the run's own logit of target (minus contrast's)
+    embed: float             # the embedding's share
+    attn: np.ndarray         # (L,) each layer's attention
+    mlp: np.ndarray          # (L,) each layer's MLP (Qwen3-MoE: its experts)
+    heads: np.ndarray        # (L, H) each head's share of its layer's attention
+
+
+def token_id(llm, token) -> int:
+    """A token given as an id or as text that is exactly one token."""
+    if isinstance(token, str):
+        ids = llm.prompt_ids(token)
+        if len(ids) != 1:
+            raise NpqwenError(f"{token!r} is {len(ids)} tokens; name one token (its text or its id)")
+        return ids[0]
+    return int(llm.prompt_ids([token])[0])
+
+
+def logit_attribution(llm, prompt, target, contrast=None, position: int = -1) -> Attribution:
+    """Direct logit attribution of `target` (minus `contrast`) at `position` of `prompt`, the final norm's
+    scale taken from the run."""
+    cfg, W, L = llm.config, llm.model.weights, llm.config.num_hidden_layers
+    t = token_id(llm, target)
+    mlp_name = [("experts" if cfg.is_moe_layer(i) else "down_proj") for i in range(L)]
+    names = ["model.embed_tokens", f"model.layers.{L - 1}"] + \
+        [f"model.layers.{i}.{s}" for i in range(L) for s in ("self_attn.attn_output", "self_attn.o_proj")] + \
+        [f"model.layers.{i}.mlp.{mlp_name[i]}" for i in range(L)]
+    logits, cache = llm.run_with_cache(prompt, names=names)
+    f64 = lambda name: cache[name][position].astype(np.float64)   # noqa: E731   (D,) at that position
+    U = to_numpy(llm.model.lm_head_weight())                          # (V, D)
+    u = U[t].astype(np.float64)
+    logit = float(to_numpy(logits)[position, t])
+    if contrast is not None:
+        c = token_id(llm, contrast)
+        u = u - U[c].astype(np.float64)
+        logit -= float(to_numpy(logits)[position, c])
+    x = f64(f"model.layers.{L - 1}")                                  # (D,) the final residual stream
+    scale = 1.0 / np.sqrt(np.mean(x * x) + cfg.rms_norm_eps)          # the final norm's, from this run
+    direction = scale * to_numpy(W["model.norm.weight"]).astype(np.float64) * u   # (D,)
+    H, Dh = llm.model.heads, cfg.head_dim
+    heads = np.zeros((L, H))
+    for i in range(L):
+        out = f64(f"model.layers.{i}.self_attn.attn_output").reshape(H, Dh)             # (H, Dh)
+        wo = to_numpy(W[f"model.layers.{i}.self_attn.o_proj.weight"]).astype(np.float64).reshape(-1, H, Dh)  # (D, H, Dh)
+        heads[i] = np.einsum("hd,ehd,e->h", out, wo, direction)
+    return Attribution(logit, float(f64("model.embed_tokens") @ direction),
+                       np.array([f64(f"model.layers.{i}.self_attn.o_proj") @ direction for i in range(L)]),
+                       np.array([f64(f"model.layers.{i}.mlp.{mlp_name[i]}") @ direction for i in range(L)]), heads)
