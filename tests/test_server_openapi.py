@@ -18,8 +18,7 @@ from npqwen.tiny import IM_END, tiny_tokenizer  # noqa: E402
 from conftest import tiny_config, write_npqwen_checkpoint  # noqa: E402
 from serving import LiveServer, http_json  # noqa: E402
 
-CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance," \
-         "response_schema_conformance"
+CHECKS = "all"   # every check of schemathesis, positive_data_acceptance included
 
 
 @pytest.fixture(scope="module")

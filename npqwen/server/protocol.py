@@ -134,7 +134,7 @@ class StructuredOutputs(Strict):
 
 class Sampling(Strict):
     """Fields shared by chat and completions."""
-    model: str
+    model: str | None = None                              # None: the one model served (as llama.cpp's server)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: Whole | None = Field(None, ge=-1)                 # -1 or 0: off (vLLM's -1 accepted)
@@ -159,6 +159,7 @@ class Sampling(Strict):
     verbosity: Literal["low", "medium", "high"] | None = None
     # vLLM's sampling extras (Request fields, see Serving.vllm_options)
     ignore_eos: bool = False                              # go on after eos (to max_tokens)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOPS)   # end as eos does
     min_tokens: Whole = Field(0, ge=0)                    # no eos and no stop string before this many tokens
     skip_special_tokens: bool = False                     # leave special tokens (<|im_end|>) out of the text
     include_stop_str_in_output: bool = False              # the stop string that ended the text stays in it
@@ -321,7 +322,7 @@ def template_messages(messages: list[Message]) -> list[dict]:
 
 class EmbeddingRequest(Strict):
     """POST /v1/embeddings, OpenAI's shape: `input` a string, a list of strings, token ids or a list of those."""
-    model: str
+    model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"   # the openai client asks for base64 by default
     dimensions: int | None = None                          # keep the first d values (Matryoshka), renormalised
@@ -355,7 +356,7 @@ class RerankRequest(Strict):
 
 # -- OpenAI's Responses API (serving_responses.py) --
 
-RESPONSE_FIELDS_IGNORED = (*IGNORED, "store", "truncation", "stream_options", "max_tool_calls")
+RESPONSE_FIELDS_IGNORED = (*IGNORED, "store", "stream_options", "max_tool_calls")
 INCLUDES_ACCEPTED = ("reasoning.encrypted_content",)   # reasoning comes back in the clear, in the item itself
 
 
@@ -390,7 +391,7 @@ class TextConfig(Strict):
 
 class ResponsesRequest(Strict):
     """POST /v1/responses. Input items are checked one by one (to_messages), with their index in `param`."""
-    model: str
+    model: str | None = None
     input: str | list[dict]
     instructions: str | None = None
     max_output_tokens: Whole | None = Field(None, ge=1)
@@ -413,7 +414,7 @@ class ResponsesRequest(Strict):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     user: str | None = None
-    truncation: Literal["auto", "disabled"] | None = None   # "auto" is not done: too long is a 400
+    truncation: Literal["auto", "disabled"] | None = None   # "auto": the oldest input items dropped until it fits
     stream_options: dict | None = None
     max_tool_calls: Whole | None = Field(None, ge=1)
     thinking_token_budget: Whole | None = Field(None, ge=0)   # vLLM's: reasoning tokens before "</think>" is forced
