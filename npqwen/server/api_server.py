@@ -30,6 +30,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..errors import NpqwenError
+from ..rerank import no_yes_ids
 from .engine_loop import EngineLoop
 from .http import (DEFAULT_MAX_BODY_BYTES, APIKey, BodyLimit, JSONBodies, add_error_handlers, openapi_schema, page,
                    page_file)
@@ -45,6 +47,15 @@ from .serving_responses import ServingResponses
 from .serving_tokenization import ServingTokenization
 
 DEFAULT_MAX_QUEUE = 256                    # waiting requests; one more is a 429
+
+
+def can_rerank(llm) -> bool:
+    """The model has the reranker's "no" and "yes" tokens (rerank.no_yes_ids)."""
+    try:
+        no_yes_ids(llm)
+        return True
+    except NpqwenError:
+        return False
 
 
 def create_app(llm, engine, model_name: str, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
@@ -87,7 +98,8 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"],
                            expose_headers=["Retry-After"])
     empty_input = llm.tokenizer is not None and bool(llm.tokenizer.encode("", add_special_tokens=True))
-    app.openapi = lambda: openapi_schema(app, api_key is not None, model_name, llm.config.vocab_size, empty_input)
+    app.openapi = lambda: openapi_schema(app, api_key is not None, model_name, llm.config, empty_input,
+                                         can_rerank(llm))
     add_error_handlers(app)
 
     @app.get("/", include_in_schema=False)
@@ -98,9 +110,14 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     async def static_file(name: str):
         return page_file(name)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
     async def health():
         return server.health()
+
+    @app.head("/health", include_in_schema=False)
+    async def health_head():
+        server.health()
+        return Response()
 
     @app.get("/version")
     async def version():

@@ -87,8 +87,8 @@ ERRORS = {400: "a request the server cannot serve, in OpenAI's error shape; para
           500: "this request's constraint failed while it ran (llguidance); the other requests go on"}
 
 
-def openapi_schema(app: FastAPI, with_key: bool, model_name: str, vocab_size: int | None = None,
-                   empty_input: bool = False) -> dict:
+def openapi_schema(app: FastAPI, with_key: bool, model_name: str, config=None, empty_input: bool = False,
+                   rerank: bool = True) -> dict:
     """FastAPI's schema of the API, made to say what the server really answers: every error is a
     400 (never FastAPI's 422) or another status of ERRORS, in OpenAI's error shape; the streamed
     endpoints answer text/event-stream too; /metrics is Prometheus text; `model` is the one served;
@@ -104,7 +104,7 @@ def openapi_schema(app: FastAPI, with_key: bool, model_name: str, vocab_size: in
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
     components["Error"] = ERROR
-    tell_the_truth(components, vocab_size, empty_input)   # openapi.py: the limits the handlers check
+    tell_the_truth(schema, config, empty_input, rerank)   # openapi.py: the limits the handlers check
     for component in components.values():
         if "model" in component.get("properties", {}):
             model = component["properties"]["model"]

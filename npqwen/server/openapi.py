@@ -71,9 +71,15 @@ def without_media(node):
             without_media(value)
 
 
-def tell_the_truth(components: dict, vocab_size: int | None, empty_input: bool = False):
-    """The limits the handlers check, written into the components (in place). `empty_input`: the
-    embedding tokenizer adds a token of its own, so an empty input is served."""
+def tell_the_truth(schema: dict, config=None, empty_input: bool = False, rerank: bool = True):
+    """The limits the handlers check, written into the schema (in place). `empty_input`: the embedding
+    tokenizer adds a token of its own, so an empty input is served; `rerank`: the model has the
+    reranker's "yes" and "no" tokens (else the rerank routes are left out: they could answer only 400s)."""
+    components = schema["components"]["schemas"]
+    vocab_size = None if config is None else config.vocab_size
+    if not rerank:
+        for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+            schema["paths"].pop(path, None)
     json_schema_bounds(components)
     components.pop("MediaPart", None)
     without_media(components)
@@ -90,11 +96,22 @@ def tell_the_truth(components: dict, vocab_size: int | None, empty_input: bool =
         for name, field in TOKEN_ID_FIELDS:
             if prop(name, field) is not None:
                 token_ids(prop(name, field), vocab_size)
+    if config is not None:   # the model's sizes: embeddings' dimensions, the probes' layers and positions
+        sizes = (("EmbeddingRequest", "dimensions", 1, config.hidden_size),
+                 ("AttentionRequest", "layer", 0, config.num_hidden_layers - 1),
+                 ("AttentionRequest", "position", 0, None), ("ExpertsRequest", "position", 0, None))
+        for name, field, low, high in sizes:
+            for branch in alternatives(prop(name, field) or {}):
+                if branch.get("type") == "integer":
+                    branch.update(minimum=low, **({} if high is None else {"maximum": high}))
+    outputs = components.get("StructuredOutputs", {}).get("properties", {})
+    if "json" in outputs:   # a schema; its JSON text is taken too, but a string is no schema
+        outputs["json"] = {"anyOf": [{"type": "object"}, {"type": "boolean"}, {"type": "null"}]}
     tokenize = components.get("TokenizeRequest")
     if tokenize is not None:   # a prompt or messages, not both
         tokenize["oneOf"] = [{"required": ["prompt"], "properties": {"prompt": {"type": "string"},
                                                                     "messages": {"type": "null"}}},
-                             {"required": ["messages"], "properties": {"messages": {"type": "array"},
+                             {"required": ["messages"], "properties": {"messages": {"type": "array", "minItems": 1},
                                                                       "prompt": {"type": "null"}}}]
     responses = components.get("ResponsesRequest", {}).get("properties")
     if responses is not None:   # what the Responses API refuses (ResponsesRequest.check_supported)
