@@ -123,3 +123,10 @@ def test_metrics_have_the_dashboards_histograms_and_gauges(server):
         assert after["npqwen:" + name] - before.get("npqwen:" + name, 0) == grew, name
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert after["npqwen:" + gauge] == 0, gauge
+
+
+def test_the_cli_refuses_text_from_an_embedding_model(embedding_small):
+    from test_cli import run
+
+    code, _, err = run("generate", "-m", str(embedding_small), "-p", "hi", "-n", "2")
+    assert code == 1 and "is an embedding model" in err and "npqwen embed" in err   # before: text, exit 0
