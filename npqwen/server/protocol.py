@@ -235,6 +235,14 @@ class ChatCompletionRequest(Sampling):
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def thinking(self) -> bool:
+        """chat_template_kwargs.enable_thinking if given; else off for reasoning_effort "none" or
+        "minimal", on otherwise. (The handlers ask ServingChat.thinking, which adds the server's default.)"""
+        if self.chat_template_kwargs is not None and self.chat_template_kwargs.enable_thinking is not None:
+            return self.chat_template_kwargs.enable_thinking
+        return self.reasoning_effort not in ("none", "minimal")
+
 
 def prompt_kind(value) -> str:
     """Which of completions' prompt types a value is, from its first element: pydantic then checks
