@@ -43,8 +43,7 @@ Whole = Annotated[int, BeforeValidator(whole_number)]   # an int field that take
 
 
 def whole_numbers(value, handler):
-    """A list of token ids: integers, checked in pydantic's own (fast) strict way; failing that, a list
-    of integers and whole-number floats (15.0 is an integer to JSON Schema) is taken as integers."""
+    """Token ids: pydantic's own (fast) strict list of ints; failing that, ints and whole-number floats."""
     try:
         return handler(value)
     except ValidationError:
@@ -234,14 +233,6 @@ class ChatCompletionRequest(Sampling):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    @property
-    def thinking(self) -> bool:
-        """chat_template_kwargs.enable_thinking if given; else off for reasoning_effort "none" or
-        "minimal", on otherwise. (The handlers ask ServingChat.thinking, which adds the server's default.)"""
-        if self.chat_template_kwargs is not None and self.chat_template_kwargs.enable_thinking is not None:
-            return self.chat_template_kwargs.enable_thinking
-        return self.reasoning_effort not in ("none", "minimal")
 
 
 def prompt_kind(value) -> str:
