@@ -38,7 +38,8 @@ from .http import (DEFAULT_MAX_BODY_BYTES, APIKey, BodyLimit, JSONBodies, add_er
                    page_file)
 from .metrics import Metrics
 from .protocol import (AttentionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                       EmbeddingRequest, ExpertsRequest, RerankRequest, ResponsesRequest, TokenizeRequest)
+                       EmbeddingRequest, ExpertsRequest, RerankRequest, TokenizeRequest)
+from .protocol_responses import ResponsesRequest
 from .serving import PromptWorkers, Serving
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion

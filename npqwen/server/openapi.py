@@ -4,7 +4,7 @@ prompt that is not empty, documents to rerank, token ids in the vocabulary, fiel
 another field). A body the schema allows is served; one it refuses is a 400 (schemathesis checks
 both ways: tests/test_server_openapi.py).
 """
-from .protocol import INCLUDES_ACCEPTED
+from .protocol_responses import INCLUDES_ACCEPTED
 
 BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
 TOKEN_ID_FIELDS = (("DetokenizeRequest", "tokens"), ("AttentionRequest", "tokens"), ("ExpertsRequest", "tokens"),

@@ -23,8 +23,8 @@ from ..chat_format import THINK_CLOSE
 from .engine_loop import EngineStopped
 from .http import EventStream
 from .parsers import StreamParser, finish_reason, parse_output
-from .protocol import (RESPONSE_FIELDS_IGNORED, APIError, ChatCompletionRequest, FunctionToolChoice,
-                       ResponsesRequest)
+from .protocol import APIError, ChatCompletionRequest
+from .protocol_responses import RESPONSE_FIELDS_IGNORED, FunctionToolChoice, ResponsesRequest
 from .serving import Choice, usage
 from .serving_chat import ServingChat
 
