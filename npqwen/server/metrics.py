@@ -16,6 +16,8 @@ class Metrics:
                                         registry=registry)
         self.rerank_documents = Counter("npqwen_rerank_documents", "Documents scored by /v1/rerank",
                                         registry=registry)
+        self.api_requests = Counter("npqwen_api_requests", "Calls of the Messages API, by endpoint "
+                                    "(messages, count_tokens)", ["endpoint"], registry=registry)
         self.time_to_first_token = Histogram(
             "npqwen_time_to_first_token_seconds", "From a request's arrival to its first token",
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120), registry=registry)
