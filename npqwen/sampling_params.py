@@ -61,6 +61,9 @@ class SamplingParams:
     choice: tuple[str, ...] | None = None   # the answer is one of these
     grammar: str | None = None        # llguidance's Lark, or GBNF
     thinking: bool = False            # the answer opens with Qwen3's free <think> reasoning; a constraint follows it
+    thinking_budget: int | None = None   # with thinking: the most reasoning tokens, then "\n</think>\n\n" is written
+                                         # for the model (engine/thinking.py); None: unlimited, but a constrained
+                                         # request's reasoning ends at the latest at half its max_new_tokens
     # made here from the four above: (kind, llguidance grammar entry), None without a constraint
     constraint: tuple | None = field(init=False, default=None, repr=False, compare=False)
 
@@ -114,6 +117,11 @@ class SamplingParams:
         if self.choice is not None:
             put("choice", tuple(self.choice))
         put("thinking", bool(self.thinking))
+        if self.thinking_budget is not None:
+            if not is_integer(self.thinking_budget) or self.thinking_budget < 0:
+                raise NpqwenError(f"thinking_budget must be None or an integer >= 0 (reasoning tokens), got "
+                                  f"{self.thinking_budget!r}")
+            put("thinking_budget", int(self.thinking_budget))
 
     @property
     def greedy(self) -> bool:

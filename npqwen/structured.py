@@ -38,7 +38,7 @@ from .errors import NpqwenError
 
 EXTRA = "pip install 'npqwen[structured]'"
 KINDS = ("json_schema", "regex", "choice", "grammar")
-AFTER_NEWLINES = r"start: /\n*/ @answer"       # thinking: the constrained answer may follow newlines
+AFTER_NEWLINES = r"start: /\n{0,2}/ @answer"   # thinking: the constrained answer may follow "\n\n", no more
 JSON_WHITESPACE = r"( |\n[ \t]{0,20})?"         # between two JSON tokens (see with_json_whitespace)
 
 _tokenizers = weakref.WeakKeyDictionary()       # npqwen Tokenizer -> {(V, eos ids): llguidance.LLTokenizer}

@@ -36,6 +36,7 @@ from .prefill_only import PrefillRows
 from .prefix_cache import PrefixCache
 from .request import Request, StepOutput
 from .scheduler import Scheduler
+from .thinking import thinking_budget
 
 DEFAULT_PAGE_SIZE = 256        # positions per page; see ops.paged_attention for why pages are large
 KV_MEMORY_SHARE = 0.5          # default KV pool: this share of the memory free when the engine starts
@@ -90,7 +91,8 @@ class Engine:
                                       params.thinking, ids)
         return Request(f"req-{next(self._ids)}", ids, max_new_tokens, params, frozenset(self.llm.eos_token_ids),
                        StopStrings(params.stop), tokenizer.stream_decoder() if tokenizer is not None else None,
-                       params.logprobs, prompt_logprobs=params.prompt_logprobs, constraint=constraint)
+                       params.logprobs, prompt_logprobs=params.prompt_logprobs, constraint=constraint,
+                       thinking=thinking_budget(params, max_new_tokens, tokenizer, ids))
 
     def fit(self, ids: list[int], max_new_tokens: int) -> int:
         """The checks a generation needs of this model and pool: an lm_head, a prompt that is not empty
@@ -192,10 +194,11 @@ class Engine:
                 continue
             row_logits, row = logits[row], row + 1
             try:
-                allowed = self.masks.allowed(req.constraint)   # None for a free request
+                forced = req.thinking.forced() if req.thinking is not None else None   # its thinking budget is spent
+                allowed = self.masks.allowed(req.constraint) if forced is None else None   # None for a free request
                 ids, candidate_logits = candidates(no_eos_yet(req, row_logits, allowed), req.params, req.prompt_ids,
                                                    req.output_ids, allowed)
-                token = draw(ids, candidate_logits, req.params, req.rng)
+                token = draw(ids, candidate_logits, req.params, req.rng) if forced is None else forced
                 out = req.append(token)
             except ConstraintFailed as e:   # llguidance failed on this request: it ends, the others go on
                 outputs.append(self._fail(req, str(e)))

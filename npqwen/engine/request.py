@@ -13,6 +13,7 @@ import numpy as np
 from ..generate import GenerationResult, StopStrings
 from ..sampling_params import SamplingParams
 from ..structured import Constraint
+from .thinking import ThinkingBudget
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Request:
     min_tokens: int = 0                  # no eos can be drawn, and no stop string ends it, before this many tokens
     include_stop: bool = False           # the stop string that ends the text stays in it
     constraint: Constraint | None = None     # structured output: the answer's mask and matcher (structured.py)
+    thinking: ThinkingBudget | None = None   # its reasoning's budget: the close forced when spent (thinking.py)
     task: str | None = None              # None: generate; "embed" or "score": read the prompt only (prefill_only.py)
     pooling: str = "lasttoken"           # embed: which positions' final-norm states make the embedding (embed.py)
     score_ids: tuple = ()                # score: the tokens whose logits at the last position are the output
@@ -99,6 +101,8 @@ class Request:
         self.tokens.append(token)
         self.output_ids.append(token)
         self.token_times.append(time.perf_counter())
+        if self.thinking is not None:
+            self.thinking.take(token)
         piece = ""
         if token in self.eos_ids:
             self.finish_reason = "stop"
