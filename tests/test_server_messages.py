@@ -262,3 +262,29 @@ def test_prefix_cache_reads_and_streamed_text_equals_created_at_temperature_0(ti
     assert first.usage.input_tokens == count and first.usage.cache_read_input_tokens == 0
     assert final.usage.cache_read_input_tokens > 0
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens == count
+
+
+def test_thinking_budget_tokens_and_effort_cap_the_reasoning(tiny_server):
+    """The real tiny model (it never closes its reasoning alone): with output_config.format it opens it,
+    and the engine ends it at thinking.budget_tokens, at effort's share of max_tokens, or (adaptive,
+    no effort) at half of max_tokens, the constrained answer's own rule; the answer then follows."""
+    c = anthropic.Anthropic(base_url=tiny_server.url, api_key="none", max_retries=0)
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a"], "additionalProperties": False}
+    tokens = tiny_server.llm.tokenizer.encode
+    spent = {}
+    for name, thinking, effort in (("budget 3", {"type": "enabled", "budget_tokens": 3}, None),
+                                   ("effort low", {"type": "adaptive"}, "low"),
+                                   ("adaptive", {"type": "adaptive"}, None)):
+        m = c.messages.create(model=MODEL, max_tokens=64, messages=ask("hi"), thinking=thinking,
+                              output_config={"format": {"type": "json_schema", "schema": schema},
+                                             **({"effort": effort} if effort else {})},
+                              extra_body={"temperature": 0})
+        assert [b.type for b in m.content] == ["thinking", "text"], (name, m.content)
+        if m.stop_reason == "end_turn":   # random weights may spend the rest on the JSON's whitespace
+            jsonschema.validate(json.loads(m.content[1].text), schema)
+        # "<think>" and the reasoning: what is left of output_tokens after the close, the answer and eos
+        closing = len(tokens("\n</think>\n\n")) + len(tokens(m.content[1].text)) + (m.stop_reason == "end_turn")
+        spent[name] = m.usage.output_tokens - closing
+    # (at most: newlines the answer may open with are not in its text)
+    assert spent["budget 3"] <= 3 < spent["effort low"] <= 64 // 8 < spent["adaptive"] <= 64 // 2, spent

@@ -28,7 +28,8 @@ from .engine_loop import EngineStopped
 from .http import EventStream
 from .parsers import StreamParser, parse_output
 from .protocol import APIError, ChatCompletionRequest, template_messages
-from .protocol_messages import CountTokensRequest, CustomTool, MediaBlock, MessagesRequest, anthropic_error
+from .protocol_messages import (EFFORT_SHARE, CountTokensRequest, CustomTool, MediaBlock, MessagesChat, MessagesRequest,
+                                anthropic_error)
 from .serving import Choice
 from .serving_chat import ServingChat
 
@@ -101,7 +102,7 @@ def refused(block, where: str, place: str) -> APIError:
     return APIError(400, f"{where}: a {block.type!r} block has no place in {place}", f"{where}.type")
 
 
-def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
+def to_chat_request(body: CountTokensRequest) -> MessagesChat:
     """The chat completion request a Messages call runs as (so that every check a chat gets applies)."""
     chat = {"model": body.model, "messages": to_messages(body)}
     thinking = body.thinking is not None and body.thinking.type != "disabled"   # off unless asked, as Anthropic's
@@ -132,10 +133,10 @@ def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     fmt = body.output_format or (body.output_config.format if body.output_config else None)
     if fmt is not None:
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
-    if body.thinking is not None and body.thinking.type == "enabled" and body.thinking.budget_tokens is None:
-        raise APIError(400, "thinking of type 'enabled' needs budget_tokens", "thinking.budget_tokens")
+    if thinking and isinstance(body, MessagesRequest):
+        chat["thinking_budget"] = thinking_budget(body)
     try:
-        request = ChatCompletionRequest.model_validate(chat)
+        request = MessagesChat.model_validate(chat)
         request.check_supported()
     except ValidationError as e:   # a message the blocks made: say where in the conversation
         error = e.errors()[0]
@@ -144,6 +145,23 @@ def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     except APIError as e:
         raise in_messages_names(e) from None
     return request
+
+
+def thinking_budget(body: MessagesRequest) -> int | None:
+    """The reasoning's most tokens: thinking.budget_tokens ("enabled"), else output_config.effort's share
+    of max_tokens ("adaptive"; effort "max", or none: no cap). The engine writes the end of the
+    thinking when it is spent (npqwen/engine/thinking.py)."""
+    if body.thinking.type == "enabled":
+        budget = body.thinking.budget_tokens
+        if budget is None:
+            raise APIError(400, "thinking of type 'enabled' needs budget_tokens", "thinking.budget_tokens")
+        if budget >= body.max_tokens:
+            raise APIError(400, f"max_tokens ({body.max_tokens}) must be greater than thinking.budget_tokens "
+                                f"({budget})", "thinking.budget_tokens")
+        return budget
+    effort = body.output_config.effort if body.output_config else None
+    share = EFFORT_SHARE[effort] if effort else None
+    return None if share is None else max(1, int(body.max_tokens * share))
 
 
 def in_messages_names(e: APIError) -> APIError:
