@@ -136,6 +136,8 @@ class LLM:
         `stream_to`, if given, is called with each text piece as it is generated. A constraint
         (json_schema=, regex=, choice=, grammar=) applies to the content: with thinking on, from the
         first token after "</think>" (the reasoning stays free); with it off, from the first token.
+        `thinking_budget=N` ends the reasoning after N tokens ("\\n</think>\\n\\n" is written for the
+        model); a constrained answer's reasoning ends at the latest at half of max_new_tokens.
         """
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]

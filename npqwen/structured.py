@@ -39,7 +39,7 @@ from .errors import NpqwenError
 EXTRA = "pip install 'npqwen[structured]'"
 KINDS = ("json_schema", "regex", "choice", "grammar")
 AFTER_NEWLINES = r"start: /\n{0,2}/ @answer"   # thinking: the constrained answer may follow "\n\n", no more
-JSON_WHITESPACE = r"( |\n[ \t]{0,20})?"         # between two JSON tokens (see with_json_whitespace)
+JSON_WHITESPACE = r"( |\n[ \t]{0,20})?"         # flexible JSON: between two tokens (with_json_whitespace)
 
 _tokenizers = weakref.WeakKeyDictionary()       # npqwen Tokenizer -> {(V, eos ids): llguidance.LLTokenizer}
 _tokenizers_lock = threading.Lock()
@@ -103,13 +103,20 @@ def grammar_entry(json_schema=None, regex=None, choice=None, grammar=None) -> tu
 
 
 def with_json_whitespace(schema):
-    """The schema with npqwen's whitespace rule for llguidance (its "x-guidance" key; the schema's
-    own settings there win): between two JSON tokens nothing, one space, or a newline and up to 20
-    spaces or tabs of indentation, as llama.cpp's JSON grammars allow. Unbounded whitespace, which
-    is valid JSON, lets a weak model (or random weights) write whitespace until max_tokens."""
+    """The schema with npqwen's whitespace rule for llguidance (its "x-guidance" key; the schema's own
+    settings there win). By default compact JSON as json.dumps and Qwen3's chat template write it:
+    ", " between items, ": " after a key, no other whitespace (llguidance's non-flexible form). With
+    "x-guidance": {"whitespace_flexible": true}, between two JSON tokens nothing, one space, or a
+    newline and up to 20 spaces or tabs (JSON_WHITESPACE, llama.cpp's rule). Unbounded whitespace,
+    which is valid JSON, lets a weak model (or random weights) write whitespace until max_tokens."""
     if not isinstance(schema, dict):
         return schema
-    return {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE, **schema.get("x-guidance", {})}}
+    own = schema.get("x-guidance", {})
+    if own.get("whitespace_flexible"):
+        rule = {"whitespace_pattern": JSON_WHITESPACE}
+    else:
+        rule = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return {**schema, "x-guidance": {**rule, **own}}
 
 
 def ll_tokenizer(tokenizer, vocab_size: int, eos_ids):

@@ -143,7 +143,8 @@ def test_every_schema_holds_on_random_weights_at_temperature_1(tiny):
             assert r.finish_reason == "stop" and (r.stop is None or r.token_ids[-1] in tiny.eos_token_ids)
             valid_json(r.text, schema)
             answers.append(r.text)
-        assert len(set(answers)) > 1, (name, answers)     # drawn, not fixed
+        # drawn, not fixed (compact JSON leaves "boolean const" two answers, which three seeds may not both draw)
+        assert len(set(answers)) > 1 or name == "boolean const", (name, answers)
     free = tiny.generate("JSON:", max_new_tokens=40, temperature=1.0, seed=0)
     with pytest.raises(json.JSONDecodeError):   # what the weights say without the mask
         json.loads(free.text)

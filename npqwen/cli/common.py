@@ -63,8 +63,17 @@ def sampling_options() -> argparse.ArgumentParser:
                           help="stop string (repeatable); not included in the output (default: none)")
     sampling.add_argument("--no-think", action="store_true",
                           help="enable_thinking=False in the chat template (default: thinking on)")
+    add_thinking_budget(sampling)
     sampling.add_argument("--system", help="system message (default: none)")
     return sampling
+
+
+def add_thinking_budget(parser):
+    """--thinking-budget N: generate, chat and serve."""
+    parser.add_argument("--thinking-budget", type=int, metavar="N",
+                        help="with thinking on, end the reasoning after N tokens by writing '\\n</think>\\n\\n' "
+                             "for the model (default: none; a constrained answer's reasoning ends at the latest when "
+                             "half of its max tokens are spent)")
 
 
 def one_prompt_options() -> argparse.ArgumentParser:
@@ -198,7 +207,7 @@ def sampling_kwargs(args) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                 presence_penalty=args.presence_penalty, seed=args.seed, stop=args.stop,
-                frequency_penalty=args.frequency_penalty)
+                frequency_penalty=args.frequency_penalty, thinking_budget=args.thinking_budget)
 
 
 def load_model(args, chat_template: bool = False):

@@ -1,8 +1,11 @@
 """`npqwen serve`: an OpenAI-compatible HTTP server (npqwen/server/) on one batched engine."""
+import json
 import signal
 
 from ..errors import NpqwenError
-from .common import add_engine_sizes, engine_sizes, load_model, model_options
+from .common import add_engine_sizes, add_thinking_budget, engine_sizes, load_model, model_options
+
+TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "documents")   # set by the server, not by the option
 from .parallel import add_option, check_group, watch_server
 
 
@@ -26,6 +29,10 @@ def add_parser(commands):
                         "server's own)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; info logs each request (default: info)")
+    p.add_argument("--default-chat-template-kwargs", metavar="JSON",
+                   help="the chat template's variables when a request does not set them, as a JSON object: "
+                        "'{\"enable_thinking\": false}' turns thinking off by default (default: none)")
+    add_thinking_budget(p)
     add_engine_sizes(p.add_argument_group("engine sizes"))
     add_option(p)
     p.set_defaults(run=cmd_serve)
@@ -48,6 +55,9 @@ def cmd_serve(args) -> int:
         raise NpqwenError(f"--port must be in 0 .. 65535, got {args.port}")
     if args.max_queue < 1:
         raise NpqwenError(f"--max-queue must be >= 1, got {args.max_queue}")
+    template_kwargs = template_kwargs_option(args.default_chat_template_kwargs)
+    if args.thinking_budget is not None and args.thinking_budget < 0:
+        raise NpqwenError(f"--thinking-budget must be >= 0 (reasoning tokens), got {args.thinking_budget}")
     try:   # bound before the (slow) load, so that a port in use is said at once
         family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -69,7 +79,8 @@ def cmd_serve(args) -> int:
 
     origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
     app = create_app(llm, engine, name, api_key=args.api_key, max_queue=args.max_queue, on_ready=ready,
-                     allowed_origins=origins or None)
+                     allowed_origins=origins or None, template_kwargs=template_kwargs,
+                     thinking_budget=args.thinking_budget)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=3))
 
     def handle_exit(sig, frame):
@@ -89,3 +100,23 @@ def cmd_serve(args) -> int:
     return 0
 
 
+
+
+def template_kwargs_option(text: str | None) -> dict:
+    """--default-chat-template-kwargs: a JSON object of the template's variables, checked."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise NpqwenError(f"--default-chat-template-kwargs is not valid JSON ({e}); give an object such as "
+                          f"'{{\"enable_thinking\": false}}'") from None
+    if not isinstance(value, dict):
+        raise NpqwenError(f"--default-chat-template-kwargs must be a JSON object, got {text!r}")
+    own = [k for k in value if k in TEMPLATE_OWN]
+    if own:
+        raise NpqwenError(f"--default-chat-template-kwargs cannot set {own[0]!r}: the server sets it per request")
+    if not isinstance(value.get("enable_thinking", True), bool):
+        raise NpqwenError(f"--default-chat-template-kwargs: enable_thinking must be true or false, got "
+                          f"{value['enable_thinking']!r}")
+    return value

@@ -52,14 +52,18 @@ DEFAULT_MAX_QUEUE = 256                    # waiting requests; one more is a 429
 
 def create_app(llm, engine, model_name: str, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready=None,
-               allowed_origins: list[str] | None = None) -> FastAPI:
+               allowed_origins: list[str] | None = None, template_kwargs: dict | None = None,
+               thinking_budget: int | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (over `llm`) as `model_name`; on_ready() runs once it is up.
-    `allowed_origins`: web pages of these origins may call the API (CORS; "*" any); none by default."""
+    `allowed_origins`: web pages of these origins may call the API (CORS; "*" any); none by default.
+    `template_kwargs`: the chat template's variables when a request does not set them (enable_thinking);
+    `thinking_budget`: the reasoning tokens of a request that sets no budget (engine/thinking.py)."""
     metrics = Metrics(engine)
     loop = EngineLoop(engine, metrics)
     workers = PromptWorkers(llm.tokenizer)
     # one object per API, all over the same engine thread and prompt workers
-    shared = dict(llm=llm, loop=loop, model_name=model_name, max_queue=max_queue, workers=workers)
+    shared = dict(llm=llm, loop=loop, model_name=model_name, max_queue=max_queue, workers=workers,
+                  template_kwargs=template_kwargs, thinking_budget=thinking_budget)
     server, chat, completion = Serving(**shared), ServingChat(**shared), ServingCompletion(**shared)
     responder, pooling = ServingResponses(**shared), ServingPooling(**shared)
     probes, tokenization = ServingProbes(**shared), ServingTokenization(**shared)

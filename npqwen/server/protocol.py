@@ -193,6 +193,7 @@ class ChatCompletionRequest(Sampling):
     add_generation_prompt: bool = True                    # vLLM's: end the prompt with "<|im_start|>assistant\n"
     continue_final_message: bool = False                  # vLLM's: go on writing the last (assistant) message
     prompt_logprobs: Whole | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)   # vLLM's: the prompt's tokens scored
+    thinking_token_budget: Whole | None = Field(None, ge=0)   # vLLM's: reasoning tokens before "</think>" is forced
 
     def check_supported(self):
         super().check_supported()
@@ -218,14 +219,6 @@ class ChatCompletionRequest(Sampling):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    @property
-    def thinking(self) -> bool:
-        """chat_template_kwargs.enable_thinking if given; else off for reasoning_effort "none" or
-        "minimal" (Qwen3 thinks or does not: there are no degrees), on otherwise."""
-        if self.chat_template_kwargs is not None and self.chat_template_kwargs.enable_thinking is not None:
-            return self.chat_template_kwargs.enable_thinking
-        return self.reasoning_effort not in ("none", "minimal")
 
 
 def prompt_kind(value) -> str:
@@ -423,6 +416,7 @@ class ResponsesRequest(Strict):
     truncation: Literal["auto", "disabled"] | None = None   # "auto" is not done: too long is a 400
     stream_options: dict | None = None
     max_tool_calls: Whole | None = Field(None, ge=1)
+    thinking_token_budget: Whole | None = Field(None, ge=0)   # vLLM's: reasoning tokens before "</think>" is forced
 
     def check_supported(self):
         if self.previous_response_id is not None:

@@ -66,10 +66,13 @@ class Choice:
 class Serving:
     """What every API's handlers share; GET /v1/models and /health are answered by this base itself."""
 
-    def __init__(self, llm, loop: EngineLoop, model_name: str, max_queue: int, workers: PromptWorkers):
+    def __init__(self, llm, loop: EngineLoop, model_name: str, max_queue: int, workers: PromptWorkers,
+                 template_kwargs: dict | None = None, thinking_budget: int | None = None):
         self.llm, self.engine, self.loop, self.workers = llm, loop.engine, loop, workers
         self.tokenizer, self.config = llm.tokenizer, llm.config
         self.model_name, self.max_queue = model_name, max_queue
+        self.template_kwargs = template_kwargs or {}   # --default-chat-template-kwargs: under each request's
+        self.thinking_budget = thinking_budget         # --thinking-budget: when a request sets none
         self.created = int(time.time())
         self.ignored: set[str] = set()   # OpenAI's service fields seen so far (note_ignored)
 
@@ -148,7 +151,7 @@ class Serving:
 
     def requests(self, prompt, body, max_tokens: int | None, logprobs: int | None, param: str,
                  prompt_logprobs: int | None = None, constraint: tuple[dict, str] | None = None,
-                 thinking: bool = False) -> list:
+                 thinking: bool = False, thinking_budget: int | None = None) -> list:
         """The n engine requests of one prompt (choices after the first follow it, sharing its pages;
         the first scores the prompt when `prompt_logprobs` is set); `constraint`: (SamplingParams'
         constraint fields, the body field they came from)."""
@@ -167,7 +170,7 @@ class Serving:
         constrain, constraint_param = constraint or ({}, None)
         params = self.refusing(body, "max_tokens", constraint_param, lambda: SamplingParams(
             max_new_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, thinking=thinking,
-            **body.sampling(), **constrain))
+            thinking_budget=thinking_budget, **body.sampling(), **constrain))
         made = []
         for i in range(body.n):
             seed = None if body.seed is None else (body.seed + i) % 2 ** 64   # each choice its own draw

@@ -15,6 +15,9 @@ from .protocol import APIError, ChatCompletionRequest, template_messages
 from .serving import Choice, Serving, token_logprobs, usage
 from .tokenizer_process import LONG_TEXT_CHARS
 
+# reasoning_effort as a thinking budget (tokens); "none" and "minimal" turn thinking off, "xhigh": no budget
+EFFORT_BUDGETS = {"low": 1024, "medium": 4096, "high": 16384, "xhigh": None}
+
 
 class ServingChat(Serving):
     """POST /v1/chat/completions; ServingResponses builds on its template and requests."""
@@ -24,7 +27,7 @@ class ServingChat(Serving):
         body.check_supported()
         self.note_ignored(body)
         tools_on, tools = self.chat_tools(body)
-        thinking = body.thinking and not body.continue_final_message   # a continued message: all content
+        thinking = self.thinking(body) and not body.continue_final_message   # a continued message: all content
         top = (body.top_logprobs or 0) if body.logprobs else None
         opened, requests = await self.off_loop(self.chat_requests, body, thinking, tools, top)
         one_call = body.parallel_tool_calls is False
@@ -77,13 +80,32 @@ class ServingChat(Serving):
             raise APIError(400, str(e), "messages") from None
         opened = thinking and opens_reasoning(prompt)   # a template that opens the reasoning
         return opened, self.requests(prompt, body, body.max_new_tokens, top, "messages", body.prompt_logprobs,
-                                     constraint, thinking)
+                                     constraint, thinking, self.budget(body))
+
+    def thinking(self, body: ChatCompletionRequest) -> bool:
+        """chat_template_kwargs.enable_thinking if given; else off for reasoning_effort "none" or "minimal"
+        (Qwen3 thinks or does not), on for the others; else the server's default (on)."""
+        if body.chat_template_kwargs is not None and body.chat_template_kwargs.enable_thinking is not None:
+            return body.chat_template_kwargs.enable_thinking
+        if body.reasoning_effort is not None:
+            return body.reasoning_effort not in ("none", "minimal")
+        return bool(self.template_kwargs.get("enable_thinking", True))
+
+    def budget(self, body: ChatCompletionRequest) -> int | None:
+        """The request's thinking budget: thinking_token_budget, else its reasoning_effort's
+        (EFFORT_BUDGETS), else the server's --thinking-budget; None: the engine's rule (engine/thinking.py)."""
+        if body.thinking_token_budget is not None:
+            return body.thinking_token_budget
+        if body.reasoning_effort is not None:
+            return EFFORT_BUDGETS.get(body.reasoning_effort)
+        return self.thinking_budget
 
     def chat_text(self, body: ChatCompletionRequest, messages: list[dict], thinking: bool, tools) -> str:
         """The chat template's text; vLLM's add_generation_prompt false leaves out the assistant's
         opening, and continue_final_message cuts the text after the last message's words, as
         transformers does, so that the model goes on writing it."""
-        text = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt, thinking, tools)
+        extra = {k: v for k, v in self.template_kwargs.items() if k != "enable_thinking"}   # the server's defaults
+        text = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt, thinking, tools, **extra)
         if not body.continue_final_message:
             return text
         final = messages[-1]["content"]

@@ -134,6 +134,8 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         chat["tool_choice"] = body.tool_choice
     if body.reasoning is not None and body.reasoning.effort is not None:
         chat["reasoning_effort"] = body.reasoning.effort
+    if body.thinking_token_budget is not None:
+        chat["thinking_token_budget"] = body.thinking_token_budget
     if body.text is not None and body.text.format is not None:   # json_object, json_schema: constrained
         fmt = body.text.format.model_dump()
         chat["response_format"] = {"type": fmt["type"], **({"json_schema": {
@@ -193,7 +195,7 @@ class ServingResponses(ServingChat):
         self.note_ignored(body, RESPONSE_FIELDS_IGNORED)
         chat = to_chat_request(body)
         tools_on, tools = self.chat_tools(chat)
-        thinking = chat.thinking
+        thinking = self.thinking(chat)
         try:   # text.format and tool_choice constrain the answer (constraints.py)
             opened, requests = await self.off_loop(self.chat_requests, chat, thinking, tools, None)
         except APIError as e:
