@@ -13,7 +13,8 @@ anthropic = pytest.importorskip("anthropic")
 import jsonschema  # noqa: E402
 
 from npqwen.server.protocol import APIError  # noqa: E402
-from npqwen.server.protocol_messages import anthropic_error  # noqa: E402
+from npqwen.server.protocol_messages import MessagesRequest, anthropic_error  # noqa: E402
+from npqwen.server.serving_messages import to_chat_request  # noqa: E402
 
 from serving import LiveServer, ScriptedModel, http_json, tiny_server  # noqa: E402,F401
 
@@ -126,8 +127,6 @@ def test_forced_tool_call_then_tool_result(server):
     assert r.content[0].text == "It is 17 degrees in Paris." and r.stop_reason == "end_turn"
     # what the model read: the call and its result through the chat template
     prompt = server.app.state.messages.prompt_ids
-    from npqwen.server.serving_messages import to_chat_request
-    from npqwen.server.protocol_messages import MessagesRequest
     chat = to_chat_request(MessagesRequest.model_validate(
         {"model": MODEL, "max_tokens": 64, "messages": conversation, "tools": [WEATHER]}))
     text = server.llm.tokenizer.decode(prompt(chat, server.app.state.messages.chat_tools(chat)[1]))
@@ -266,25 +265,31 @@ def test_prefix_cache_reads_and_streamed_text_equals_created_at_temperature_0(ti
 
 def test_thinking_budget_tokens_and_effort_cap_the_reasoning(tiny_server):
     """The real tiny model (it never closes its reasoning alone): with output_config.format it opens it,
-    and the engine ends it at thinking.budget_tokens, at effort's share of max_tokens, or (adaptive,
-    no effort) at half of max_tokens, the constrained answer's own rule; the answer then follows."""
+    and the engine ends it at thinking.budget_tokens, or (adaptive) at half of max_tokens, the
+    constrained answer's own rule; output_config.effort is the chat's reasoning_effort, with its budgets."""
     c = anthropic.Anthropic(base_url=tiny_server.url, api_key="none", max_retries=0)
     schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["a"], "additionalProperties": False}
     tokens = tiny_server.llm.tokenizer.encode
     spent = {}
-    for name, thinking, effort in (("budget 3", {"type": "enabled", "budget_tokens": 3}, None),
-                                   ("effort low", {"type": "adaptive"}, "low"),
-                                   ("adaptive", {"type": "adaptive"}, None)):
+    for name, thinking in (("budget 3", {"type": "enabled", "budget_tokens": 3}), ("adaptive", {"type": "adaptive"})):
         m = c.messages.create(model=MODEL, max_tokens=64, messages=ask("hi"), thinking=thinking,
-                              output_config={"format": {"type": "json_schema", "schema": schema},
-                                             **({"effort": effort} if effort else {})},
+                              output_config={"format": {"type": "json_schema", "schema": schema}},
                               extra_body={"temperature": 0})
         assert [b.type for b in m.content] == ["thinking", "text"], (name, m.content)
         if m.stop_reason == "end_turn":   # random weights may spend the rest on the JSON's whitespace
             jsonschema.validate(json.loads(m.content[1].text), schema)
         # "<think>" and the reasoning: what is left of output_tokens after the close, the answer and eos
+        # (at most: newlines the answer may open with are not in its text)
         closing = len(tokens("\n</think>\n\n")) + len(tokens(m.content[1].text)) + (m.stop_reason == "end_turn")
         spent[name] = m.usage.output_tokens - closing
-    # (at most: newlines the answer may open with are not in its text)
-    assert spent["budget 3"] <= 3 < spent["effort low"] <= 64 // 8 < spent["adaptive"] <= 64 // 2, spent
+    assert spent["budget 3"] <= 3 < spent["adaptive"] <= 64 // 2, spent
+    messages = tiny_server.app.state.messages
+    for effort, budget in (("low", 1024), ("high", 16384), ("max", None)):
+        chat = to_chat_request(MessagesRequest.model_validate({
+            "model": MODEL, "max_tokens": 64, "messages": ask("hi"), "thinking": {"type": "adaptive"},
+            "output_config": {"effort": effort}}))
+        assert messages.thinking(chat) and messages.budget(chat) == budget
+    with pytest.raises(anthropic.BadRequestError, match="greater than thinking.budget_tokens"):
+        c.messages.create(model=MODEL, max_tokens=64, messages=ask("hi"),
+                          thinking={"type": "enabled", "budget_tokens": 64})

@@ -9,9 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .protocol import MAX_STOPS, APIError, ChatCompletionRequest, Strict, Whole
-
-EFFORT_SHARE = {"low": 1 / 8, "medium": 1 / 4, "high": 1 / 2, "xhigh": 3 / 4, "max": None}   # of max_tokens
+from .protocol import MAX_STOPS, APIError, Strict, Whole
 
 # Anthropic's error type for each status (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -149,11 +147,3 @@ class MessagesRequest(CountTokensRequest):
     service_tier: str | None = None
     cache_control: dict | None = None                      # the prefix cache needs no marks
 
-
-class MessagesChat(ChatCompletionRequest):
-    """The chat request a Messages call runs as (serving_messages.to_chat_request): a chat, with the
-    reasoning's budget that thinking.budget_tokens or output_config.effort set."""
-    thinking_budget: Whole | None = Field(None, ge=0)
-
-    def sampling(self) -> dict:
-        return {**super().sampling(), "thinking_budget": self.thinking_budget}

@@ -4,7 +4,8 @@ a chat.
 
 A Messages call is turned into a chat completion request (system and blocks into chat messages,
 tools into chat tools, tool_choice any/tool into the chat's required/named choice, output_config.format
-into response_format, thinking into enable_thinking) and run as one: the same template, parsers and
+into response_format, thinking into enable_thinking, budget_tokens into thinking_token_budget,
+output_config.effort into reasoning_effort's budgets) and run as one: the same template, parsers and
 constraints. What comes back is written as content blocks: a `thinking` block for Qwen3's
 reasoning, a `text` block, a `tool_use` block per call. Streamed, as Anthropic's events:
 message_start, ping, per block content_block_start / _delta (thinking_delta, text_delta,
@@ -28,8 +29,7 @@ from .engine_loop import EngineStopped
 from .http import EventStream
 from .parsers import StreamParser, parse_output
 from .protocol import APIError, ChatCompletionRequest, template_messages
-from .protocol_messages import (EFFORT_SHARE, CountTokensRequest, CustomTool, MediaBlock, MessagesChat, MessagesRequest,
-                                anthropic_error)
+from .protocol_messages import CountTokensRequest, CustomTool, MediaBlock, MessagesRequest, anthropic_error
 from .serving import Choice
 from .serving_chat import ServingChat
 
@@ -102,7 +102,7 @@ def refused(block, where: str, place: str) -> APIError:
     return APIError(400, f"{where}: a {block.type!r} block has no place in {place}", f"{where}.type")
 
 
-def to_chat_request(body: CountTokensRequest) -> MessagesChat:
+def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat completion request a Messages call runs as (so that every check a chat gets applies)."""
     chat = {"model": body.model, "messages": to_messages(body)}
     thinking = body.thinking is not None and body.thinking.type != "disabled"   # off unless asked, as Anthropic's
@@ -133,10 +133,13 @@ def to_chat_request(body: CountTokensRequest) -> MessagesChat:
     fmt = body.output_format or (body.output_config.format if body.output_config else None)
     if fmt is not None:
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
-    if thinking and isinstance(body, MessagesRequest):
-        chat["thinking_budget"] = thinking_budget(body)
+    if thinking and body.thinking.type == "enabled" and isinstance(body, MessagesRequest):
+        chat["thinking_token_budget"] = enabled_budget(body)
+    effort = body.output_config.effort if body.output_config else None
+    if thinking and effort is not None:   # the chat's reasoning_effort budgets; "max": no cap
+        chat["reasoning_effort"] = "xhigh" if effort == "max" else effort
     try:
-        request = MessagesChat.model_validate(chat)
+        request = ChatCompletionRequest.model_validate(chat)
         request.check_supported()
     except ValidationError as e:   # a message the blocks made: say where in the conversation
         error = e.errors()[0]
@@ -147,21 +150,16 @@ def to_chat_request(body: CountTokensRequest) -> MessagesChat:
     return request
 
 
-def thinking_budget(body: MessagesRequest) -> int | None:
-    """The reasoning's most tokens: thinking.budget_tokens ("enabled"), else output_config.effort's share
-    of max_tokens ("adaptive"; effort "max", or none: no cap). The engine writes the end of the
-    thinking when it is spent (npqwen/engine/thinking.py)."""
-    if body.thinking.type == "enabled":
-        budget = body.thinking.budget_tokens
-        if budget is None:
-            raise APIError(400, "thinking of type 'enabled' needs budget_tokens", "thinking.budget_tokens")
-        if budget >= body.max_tokens:
-            raise APIError(400, f"max_tokens ({body.max_tokens}) must be greater than thinking.budget_tokens "
-                                f"({budget})", "thinking.budget_tokens")
-        return budget
-    effort = body.output_config.effort if body.output_config else None
-    share = EFFORT_SHARE[effort] if effort else None
-    return None if share is None else max(1, int(body.max_tokens * share))
+def enabled_budget(body: MessagesRequest) -> int:
+    """thinking {"type": "enabled", "budget_tokens": N}: the reasoning's most tokens, the chat's
+    thinking_token_budget (the engine writes the end of the thinking when it is spent)."""
+    budget = body.thinking.budget_tokens
+    if budget is None:
+        raise APIError(400, "thinking of type 'enabled' needs budget_tokens", "thinking.budget_tokens")
+    if budget >= body.max_tokens:
+        raise APIError(400, f"max_tokens ({body.max_tokens}) must be greater than thinking.budget_tokens "
+                            f"({budget})", "thinking.budget_tokens")
+    return budget
 
 
 def in_messages_names(e: APIError) -> APIError:
@@ -186,7 +184,7 @@ class ServingMessages(ServingChat):
         self.check_model(body.model)
         chat = to_chat_request(body)
         tools_on, tools = self.chat_tools(chat)
-        thinking = chat.thinking
+        thinking = self.thinking(chat)
         try:   # output_config.format and tool_choice any/tool constrain the answer (constraints.py)
             opened, requests = await self.off_loop(self.chat_requests, chat, thinking, tools, None)
         except APIError as e:
@@ -227,7 +225,7 @@ class ServingMessages(ServingChat):
 
     def prompt_ids(self, chat: ChatCompletionRequest, tools) -> list[int]:
         try:
-            return self.encode(self.chat_text(chat, template_messages(chat.messages), chat.thinking, tools))
+            return self.encode(self.chat_text(chat, template_messages(chat.messages), self.thinking(chat), tools))
         except NpqwenError as e:
             raise APIError(400, str(e), "messages") from None
 
