@@ -2,6 +2,7 @@
 anthropic SDK: messages.create and messages.stream, thinking enabled / adaptive / disabled, a forced
 tool call and its tool_result, output_config.format, count_tokens, the prefix cache's reads, each
 error as the SDK's exception class, and a request in the shape Claude Code sends."""
+import asyncio
 import json
 import urllib.request
 
@@ -14,7 +15,7 @@ import jsonschema  # noqa: E402
 
 from npqwen.server.protocol import APIError  # noqa: E402
 from npqwen.server.protocol_messages import MessagesRequest, anthropic_error  # noqa: E402
-from npqwen.server.serving_messages import to_chat_request  # noqa: E402
+from npqwen.server.serving_messages import pinging, to_chat_request  # noqa: E402
 
 from serving import LiveServer, ScriptedModel, http_json, tiny_server  # noqa: E402,F401
 
@@ -229,6 +230,31 @@ def test_a_request_shaped_as_claude_code_sends_it(server):
     del body["stream"], body["temperature"]
     with client(server).beta.messages.stream(**body, betas=["claude-code-20250219"]) as stream:
         assert stream.get_final_message().content[0].text == "I will read the file."
+
+
+def test_a_failure_mid_stream_is_an_error_event(server):
+    """A prompt the script has no answer for makes the scripted model fail the engine's step, after
+    message_start went out: the stream ends with Anthropic's error event, which the SDK raises."""
+    events = []
+    with pytest.raises(anthropic.APIStatusError) as e:
+        with client(server).messages.stream(model=MODEL, max_tokens=16, messages=ask("unscripted")) as stream:
+            for event in stream:
+                events.append(event.type)
+    assert events[0] == "message_start" and e.value.body["type"] == "error"
+    assert e.value.body["error"]["type"] == "overloaded_error" and "engine failed" in e.value.body["error"]["message"]
+    assert client(server).messages.create(model=MODEL, max_tokens=64, messages=ask("M-PLAIN")).content[0].text
+
+
+def test_pings_while_nothing_else_comes():
+    """A stream whose prompt takes long to read sends a ping each PING_SECONDS (here 0.05 s) until the first output."""
+    async def slow_outputs():
+        await asyncio.sleep(0.3)
+        yield "first"
+
+    async def run():
+        return [item async for item in pinging(slow_outputs(), 0.05)]
+    items = asyncio.run(run())
+    assert items[-1] == "first" and set(items[:-1]) == {None} and len(items) >= 3
 
 
 def test_metrics_and_openapi_count_and_document_the_routes(server):
