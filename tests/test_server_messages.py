@@ -201,7 +201,8 @@ def test_a_request_shaped_as_claude_code_sends_it(server):
             "metadata": {"user_id": "user_abc_account__session_123"},
             "system": [{"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude.",
                         "cache_control": {"type": "ephemeral"}},
-                       {"type": "text", "text": "You are an interactive CLI tool.", "cache_control": {"type": "ephemeral"}}],
+                       {"type": "text", "text": "You are an interactive CLI tool.",
+                        "cache_control": {"type": "ephemeral"}}],
             "messages": [{"role": "user", "content": [
                 {"type": "text", "text": "<system-reminder>As you answer, use the tools.</system-reminder>"},
                 {"type": "text", "text": "Read README.md M-CODE", "cache_control": {"type": "ephemeral"}}]}],
@@ -230,6 +231,14 @@ def test_a_request_shaped_as_claude_code_sends_it(server):
     del body["stream"], body["temperature"]
     with client(server).beta.messages.stream(**body, betas=["claude-code-20250219"]) as stream:
         assert stream.get_final_message().content[0].text == "I will read the file."
+    # its billing header, first in the system blocks, changes with every request: it is left out of the prompt
+    counts = set()
+    for cch in ("", "fa690", "0aaa9"):
+        header = [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.37.0d9; cc_entrypoint=cli; "
+                                           f"cch={cch};"}] if cch else []
+        counts.add(client(server).messages.count_tokens(model=MODEL, system=header + body["system"],
+                                                        messages=body["messages"], tools=body["tools"]).input_tokens)
+    assert len(counts) == 1
 
 
 def test_a_failure_mid_stream_is_an_error_event(server):

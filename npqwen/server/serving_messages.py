@@ -34,29 +34,31 @@ from .serving import Choice
 from .serving_chat import ServingChat
 
 PING_SECONDS = 10   # a ping this often while nothing else is sent (a long prompt being read)
+# Claude Code's first system block: its cch= changes on every request, and at the prompt's start it
+# would leave the prefix cache nothing to reuse; it is for Anthropic's billing, not the model
+BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 def tool_use_id(index: int) -> str:
+    """An Anthropic-style tool-use id, "toolu_" and 24 hex digits; the index is not used."""
     return "toolu_" + uuid.uuid4().hex[:24]
 
 
-def block_text(blocks, where: str, what: str = "text") -> str:
-    """The text of a list of text blocks; an image or a document is a 400 (this server reads text)."""
-    text = ""
+def block_text(blocks, where: str) -> str:
+    """The text of a tool_result's blocks; an image or a document is a 400 (this server reads text)."""
     for j, block in enumerate(blocks):
         if isinstance(block, MediaBlock):
-            raise APIError(400, f"{where}[{j}] is a {block.type!r} block: this server reads text only (Qwen3 has "
-                                f"no vision); send text blocks", f"{where}[{j}].type", "unsupported")
-        text += block.text
-    return text
+            raise refused(block, f"{where}[{j}]", "a tool result")
+    return "".join(block.text for block in blocks)
 
 
 def to_messages(body: CountTokensRequest) -> list[dict]:
-    """The conversation as chat messages: system first; a user's tool_result blocks become tool messages
-    and its text blocks a user message, in their order; an assistant's thinking, text and tool_use
-    blocks become one assistant message (reasoning_content, content, tool_calls)."""
+    """The conversation as chat messages: system first (its blocks joined, Claude Code's billing header
+    left out); a user's tool_result blocks become tool messages and its text blocks a user message,
+    in their order; an assistant's thinking, text and tool_use blocks become one assistant message
+    (reasoning_content, content, tool_calls)."""
     system = body.system if isinstance(body.system, str) or body.system is None else \
-        "\n\n".join(block.text for block in body.system)
+        "\n\n".join(block.text for block in body.system if not block.text.startswith(BILLING_HEADER))
     messages = [{"role": "system", "content": system}] if system else []
     for i, m in enumerate(body.messages):
         if isinstance(m.content, str):
@@ -70,8 +72,8 @@ def to_messages(body: CountTokensRequest) -> list[dict]:
                 elif block.type == "thinking":
                     message["reasoning_content"] = message.get("reasoning_content", "") + block.thinking
                 elif block.type == "tool_use":
-                    message.setdefault("tool_calls", []).append(
-                        {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}})
+                    message.setdefault("tool_calls", []).append({"id": block.id, "type": "function", "function": {
+                        "name": block.name, "arguments": block.input}})
                 elif block.type != "redacted_thinking":
                     raise refused(block, f"messages[{i}].content[{j}]", "an assistant message")
             messages.append(message)
@@ -96,6 +98,7 @@ def to_messages(body: CountTokensRequest) -> list[dict]:
 
 
 def refused(block, where: str, place: str) -> APIError:
+    """The 400 for a block that cannot be read here: an image or a document, or a block in the wrong role."""
     if isinstance(block, MediaBlock):
         return APIError(400, f"{where} is a {block.type!r} block: this server reads text only (Qwen3 has no "
                              f"vision); send text blocks", f"{where}.type", "unsupported")
@@ -165,12 +168,12 @@ def enabled_budget(body: MessagesRequest) -> int:
 def in_messages_names(e: APIError) -> APIError:
     """A chat request's error said with the Messages API's names (output_config.format, not response_format)."""
     names = {"response_format.json_schema.schema": "output_config.format.schema", "response_format":
-             "output_config.format", "stop": "stop_sequences", "tool_choice": "tool_choice"}
+             "output_config.format", "stop": "stop_sequences"}
     param = e.param or ""
     param = names.get(param, param.replace(".function.parameters", ".input_schema"))
     e.param = param or None
     for chat_name, name in (("response_format.json_schema.schema", "output_config.format.schema"),
-                            ("response_format", "output_config.format"), ("required", "any")):
+                            ("response_format", "output_config.format"), ("tool_choice 'required'", "tool_choice any")):
         e.message = e.message.replace(chat_name, name)
     return e
 
