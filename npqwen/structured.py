@@ -18,8 +18,8 @@ Qwen3's thinking (`thinking=True`): the answer opens with its reasoning, "<think
 which stays free text. The first token is "<think>" (as Qwen3 writes it; unless the prompt already
 ends with it), so that the answer is read as reasoning then content; then until the model draws
 "</think>" the mask only takes away end-of-sequence (the answer cannot end before its constrained
-part). From the next token on the constraint applies, after any newlines (Qwen3 writes "\\n\\n"
-after "</think>"; they are not part of the content).
+part). From the next token on the constraint applies, after at most two newlines (Qwen3 writes
+"\\n\\n" after "</think>"; they are not part of the content).
 
 The constraint's text is llguidance's grammar format: {"grammars": [entry, ...]}, one entry a
 {"json_schema": ...} or a {"lark_grammar": ...} (llguidance's Lark dialect; GBNF is converted).

@@ -69,6 +69,12 @@ class Tokenizer:
             # tokenized in one thread does not stop every other thread for seconds
             return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except Exception as e:   # e.g. lone surrogates, which are not valid UTF-8
+            at = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+            if at is not None:   # said in npqwen's words, not the library's ("TextEncodeInput must be ...")
+                raise NpqwenError(f"cannot tokenize the text: it is not valid Unicode: character {at} is "
+                                  f"U+{ord(text[at]):04X}, half of a UTF-16 surrogate pair without its other half "
+                                  f"(a lone \\u{ord(text[at]):04x} escape in JSON?), which is no character; send "
+                                  f"valid Unicode") from None
             raise NpqwenError(f"cannot tokenize the text: it is not valid Unicode ({e})") from e
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
@@ -147,30 +153,48 @@ class Tokenizer:
 class StreamDecoder:
     """Token ids in, text pieces out; a piece never ends inside a multi-byte UTF-8 character.
 
-    Chinese characters and emoji often span several byte-level tokens; the `tokenizers`
-    DecodeStream holds their bytes back until the character is complete. `finish()` returns
-    what is left, so the pieces always concatenate to decode(all ids).
+    Chinese characters and emoji often span several byte-level tokens: each token's bytes go through
+    an incremental UTF-8 decoder, which holds back the start of a character until its last byte and
+    writes U+FFFD as soon as bytes cannot become a character (a stray continuation byte, a lead byte
+    followed by a byte that does not continue it), so text keeps flowing whatever the model writes.
+    `finish()` returns what is left, so the pieces always concatenate to decode(all ids). A tokenizer
+    that is not byte-level uses the `tokenizers` DecodeStream instead.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
-        from tokenizers.decoders import DecodeStream
+        import codecs
 
         self.tokenizer, self.skip = tokenizer, skip_special_tokens
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.ids: list[int] = []
         self.text = ""   # emitted so far
+        decoder = tokenizer.backend.decoder
+        if decoder is not None and json.loads(decoder.__getstate__()).get("type") == "ByteLevel":
+            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+            self._skipped = {i for i, t in tokenizer.backend.get_added_tokens_decoder().items()
+                             if t.special} if skip_special_tokens else set()
+        else:
+            from tokenizers.decoders import DecodeStream
+
+            self._utf8, self._stream = None, DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         self.ids.append(int(token_id))
-        piece = self._stream.step(self.tokenizer.backend, int(token_id)) or ""
+        if self._utf8 is None:
+            piece = self._stream.step(self.tokenizer.backend, int(token_id)) or ""
+        elif int(token_id) in self._skipped:
+            piece = ""
+        else:
+            piece = self._utf8.decode(self.tokenizer.token_bytes(token_id))
         self.text += piece
         return piece
 
     def finish(self) -> str:
+        held = self._utf8.decode(b"", final=True) if self._utf8 is not None else ""   # an unfinished character
+        self.text += held
         full = self.tokenizer.decode(self.ids, self.skip)
         rest = full[len(self.text):] if full.startswith(self.text) else ""
         self.text += rest
-        return rest
+        return held + rest
 
 
 def bytes_to_unicode() -> dict[int, str]:

@@ -70,9 +70,9 @@ def test_models_and_health(tiny_server):
     assert [m.id for m in tiny_server.client().models.list().data] == ["test-model"]
     assert http_json("GET", tiny_server.url + "/health") == (200, {"status": "ok"})
     metrics = http_json("GET", tiny_server.url + "/metrics")[1]
-    for name in ("npqwen_requests_running", "npqwen_requests_waiting", "npqwen_kv_pages_used",
-                 "npqwen_prefix_cache_hit_tokens_total", "npqwen_generation_tokens_total",
-                 "npqwen_time_to_first_token_seconds_bucket"):
+    for name in ("npqwen:num_requests_running", "npqwen:num_requests_waiting", "npqwen:kv_pages_used",
+                 "npqwen:prefix_cache_hit_tokens_total", "npqwen:generation_tokens_total",
+                 "npqwen:time_to_first_token_seconds_bucket"):
         assert name in metrics, name
 
 

@@ -56,8 +56,8 @@ def wait_idle(url: str, timeout: float = 30):
     deadline = time.monotonic() + timeout
     while True:
         metrics = http_json("GET", url + "/metrics")[1]
-        values = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("npqwen_requests_"))
-        if float(values["npqwen_requests_running"]) == 0 and float(values["npqwen_requests_waiting"]) == 0:
+        values = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("npqwen:num_requests_"))
+        if float(values["npqwen:num_requests_running"]) == 0 and float(values["npqwen:num_requests_waiting"]) == 0:
             return
         assert time.monotonic() < deadline, "the server did not become idle"
         time.sleep(0.05)
@@ -125,7 +125,7 @@ def test_serve_load_32_streaming_clients(capsys):
         assert after <= idle * 1.05 + 10, f"RSS grew from {idle:.0f} MB to {after:.0f} MB over the load"
         _, metrics = http_json("GET", url + "/metrics")
         finished = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                       if line.startswith("npqwen_requests_finished_total"))
+                       if line.startswith("npqwen:requests_finished_total"))
         assert finished == CLIENTS * (REQUESTS_EACH + 1)
     finally:
         code, err = stop(proc)

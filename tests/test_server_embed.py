@@ -119,9 +119,9 @@ def test_metrics_count_embeddings_and_rerank(embedding, reranker):
         text = http_json("GET", server.url + "/metrics")[1]
         return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + "_total ")))
 
-    before = counter(embedding[0], "npqwen_embedding_inputs")
+    before = counter(embedding[0], "npqwen:embedding_inputs")
     embedding[0].client().embeddings.create(model="emb", input=["a", "b"])
-    assert counter(embedding[0], "npqwen_embedding_inputs") == before + 2
-    before = counter(reranker[0], "npqwen_rerank_documents")
+    assert counter(embedding[0], "npqwen:embedding_inputs") == before + 2
+    before = counter(reranker[0], "npqwen:rerank_documents")
     http_json("POST", reranker[0].url + "/v1/rerank", {"query": "q", "documents": ["a", "b", "c"]})
-    assert counter(reranker[0], "npqwen_rerank_documents") == before + 3
+    assert counter(reranker[0], "npqwen:rerank_documents") == before + 3

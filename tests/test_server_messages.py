@@ -268,8 +268,8 @@ def test_pings_while_nothing_else_comes():
 
 def test_metrics_and_openapi_count_and_document_the_routes(server):
     status, text = http_json("GET", server.url + "/metrics")
-    assert 'npqwen_api_requests_total{endpoint="messages"}' in text
-    assert 'npqwen_api_requests_total{endpoint="count_tokens"}' in text
+    assert 'npqwen:api_requests_total{endpoint="messages"}' in text
+    assert 'npqwen:api_requests_total{endpoint="count_tokens"}' in text
     status, schema = http_json("GET", server.url + "/openapi.json")
     messages = schema["paths"]["/v1/messages"]["post"]["responses"]
     assert set(messages["200"]["content"]) == {"application/json", "text/event-stream"}

@@ -108,3 +108,31 @@ def test_broken_unicode_is_a_clear_error(tokenizers):
         ours.encode("bad \udcff surrogate")
     with pytest.raises(NpqwenError, match="list of"):
         ours.apply_chat_template("just a string")
+
+
+def test_a_lone_surrogate_is_said_in_npqwens_words():
+    from npqwen.tiny import tiny_tokenizer
+
+    with pytest.raises(NpqwenError) as e:
+        tiny_tokenizer().encode('ok \ud800 "')
+    assert "character 3 is U+D800, half of a UTF-16 surrogate pair" in str(e.value)
+    assert "TextEncodeInput" not in str(e.value)
+
+
+@pytest.mark.parametrize("raw, pieces", [
+    (b"a\x80b", ["a", "\ufffd", "b"]),                        # a stray continuation byte
+    (b"\xe4a", ["", "\ufffda"]),                              # a lead byte, then no continuation
+    (b"\xf0\x9f\x98a", ["", "", "", "\ufffda"]),              # four bytes that never complete a character
+    (b"\xe4\xb8\xad\xff", ["", "", "\u4e2d", "\ufffd"]),      # a whole character, then a byte no UTF-8 has
+])
+def test_stream_writes_the_replacement_char_as_soon_as_bytes_cannot_be_a_character(raw, pieces):
+    """Before: the decoder held every piece back until the text was valid again, which on random
+    weights meant never (3,000 tokens came as one chunk at the end)."""
+    from npqwen.tiny import tiny_tokenizer
+    from npqwen.tokenizer import bytes_to_unicode
+
+    tokenizer = tiny_tokenizer()
+    ids = [tokenizer.token_to_id(bytes_to_unicode()[b]) for b in raw]
+    decoder = tokenizer.stream_decoder()
+    assert [decoder.push(i) for i in ids] == pieces
+    assert "".join(pieces) + decoder.finish() == tokenizer.decode(ids)

@@ -438,8 +438,8 @@ def test_page_stop_aborts_the_request_on_the_server(browser, scripted_server):
     assert scripted_server.wait_idle(timeout=2) < 2
     assert scripted_server.engine.stats["running"] == scripted_server.engine.stats["waiting"] == 0
     metrics = http_json("GET", scripted_server.url + "/metrics")[1]
-    assert "npqwen_requests_running 0.0" in metrics
-    assert 'npqwen_requests_finished_total{finish_reason="abort"}' in metrics
+    assert "npqwen:num_requests_running 0.0" in metrics
+    assert 'npqwen:requests_finished_total{finish_reason="abort"}' in metrics
     n = len(page_answer(browser)["content"])
     assert 0 < n < len(SCRIPT["Q-LONG"]) - len(THINK_OFF), n
     assert "stopped" in answer.find_element("css selector", ".stats").text

@@ -231,6 +231,9 @@ def load_model(args, chat_template: bool = False):
                                                                                        ", or leave out --chat")
         raise NpqwenError(f"{model}: tokenizer_config.json has no chat_template (nor is there a chat_template.jinja), "
                           f"so messages cannot be formatted; add the model's tokenizer_config.json{instead}")
+    if args.command in ("generate", "chat") and llm.kind == "embedding":   # as the server's 400 (--allow-generation)
+        raise NpqwenError(f"{args.model} is an embedding model (its files say so): it makes vectors, not text; "
+                          f"run npqwen embed with it, or give a generation model")
     return llm, time.perf_counter() - started
 
 

@@ -33,6 +33,8 @@ def add_parser(commands):
                    help="the chat template's variables when a request does not set them, as a JSON object: "
                         "'{\"enable_thinking\": false}' turns thinking off by default (default: none)")
     add_thinking_budget(p)
+    p.add_argument("--allow-generation", action="store_true",
+                   help="serve chat and completions on an embedding model too (default: refused with a 400)")
     add_engine_sizes(p.add_argument_group("engine sizes"))
     add_option(p)
     p.set_defaults(run=cmd_serve)
@@ -80,7 +82,7 @@ def cmd_serve(args) -> int:
     origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
     app = create_app(llm, engine, name, api_key=args.api_key, max_queue=args.max_queue, on_ready=ready,
                      allowed_origins=origins or None, template_kwargs=template_kwargs,
-                     thinking_budget=args.thinking_budget)
+                     thinking_budget=args.thinking_budget, allow_generation=args.allow_generation)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=3))
 
     def handle_exit(sig, frame):

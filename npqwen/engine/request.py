@@ -70,6 +70,7 @@ class Request:
     stop: str | None = None              # the stop string or eos token that ended it
     error: str | None = None             # finish_reason "error": what failed (Engine._fail)
     arrival: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None        # when the scheduler first gave it pages (its time in the queue ends)
     token_times: list[float] = field(default_factory=list)   # when each token was sampled
 
     def __post_init__(self):

@@ -7,6 +7,7 @@ budget, batch room (`max_batch_size`) and pages last. So a long prompt that arri
 chunk per step *beside* everyone's decode tokens (chunked prefill, as vLLM v1 and Sarathi-Serve
 do) instead of freezing them.
 """
+import time
 from collections import deque
 
 from .prefix_cache import PrefixCache
@@ -73,6 +74,7 @@ class Scheduler:
         self.cache.hit_tokens += req.cached_len
         if req.prompt_cached is None:   # readmitted after a preemption, it found its own pages: not counted
             req.prompt_cached = req.cached_len
+            req.admitted = time.perf_counter()
         self.grow(req, req.cached_len + min(req.uncomputed, budget))
         return True
 

@@ -12,7 +12,8 @@
     POST /v1/npqwen/attention       one position's attention in every head of a layer (serving_probes.py)
     POST /v1/npqwen/experts         the experts one token went to in each layer (Qwen3-MoE; for the page)
     POST /tokenize, /detokenize     the model's tokenizer (vLLM's shapes); GET /tokenizer_info
-    GET  /health                    200 while the engine thread is alive
+    GET  /health                    200 while the engine thread is alive (HEAD too)
+    GET  /version                   npqwen's version (vLLM's route)
     GET  /metrics                   Prometheus text format (metrics.py)
 
 How a request flows, the way vLLM's OpenAI server splits it: the route (one line here) calls its
@@ -31,6 +32,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..errors import NpqwenError
+from ..rerank import no_yes_ids
 from .engine_loop import EngineLoop
 from .http import (DEFAULT_MAX_BODY_BYTES, APIKey, BodyLimit, JSONBodies, add_error_handlers, openapi_schema, page,
                    page_file)
@@ -50,20 +53,30 @@ from .serving_tokenization import ServingTokenization
 DEFAULT_MAX_QUEUE = 256                    # waiting requests; one more is a 429
 
 
+def can_rerank(llm) -> bool:
+    """The model has the reranker's "no" and "yes" tokens (rerank.no_yes_ids)."""
+    try:
+        no_yes_ids(llm)
+        return True
+    except NpqwenError:
+        return False
+
+
 def create_app(llm, engine, model_name: str, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready=None,
                allowed_origins: list[str] | None = None, template_kwargs: dict | None = None,
-               thinking_budget: int | None = None) -> FastAPI:
+               thinking_budget: int | None = None, allow_generation: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` (over `llm`) as `model_name`; on_ready() runs once it is up.
     `allowed_origins`: web pages of these origins may call the API (CORS; "*" any); none by default.
     `template_kwargs`: the chat template's variables when a request does not set them (enable_thinking);
-    `thinking_budget`: the reasoning tokens of a request that sets no budget (engine/thinking.py)."""
+    `thinking_budget`: the reasoning tokens of a request that sets no budget (engine/thinking.py);
+    `allow_generation`: chat and completions on an embedding model are served, not refused."""
     metrics = Metrics(engine)
     loop = EngineLoop(engine, metrics)
     workers = PromptWorkers(llm.tokenizer)
     # one object per API, all over the same engine thread and prompt workers
     shared = dict(llm=llm, loop=loop, model_name=model_name, max_queue=max_queue, workers=workers,
-                  template_kwargs=template_kwargs, thinking_budget=thinking_budget)
+                  template_kwargs=template_kwargs, thinking_budget=thinking_budget, allow_generation=allow_generation)
     server, chat, completion = Serving(**shared), ServingChat(**shared), ServingCompletion(**shared)
     responder, pooling = ServingResponses(**shared), ServingPooling(**shared)
     probes, tokenization = ServingProbes(**shared), ServingTokenization(**shared)
@@ -90,7 +103,9 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     if allowed_origins:   # outermost: a browser's preflight OPTIONS is answered before the key is asked for
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"],
                            expose_headers=["Retry-After"])
-    app.openapi = lambda: openapi_schema(app, api_key is not None, model_name)
+    empty_input = llm.tokenizer is not None and bool(llm.tokenizer.encode("", add_special_tokens=True))
+    app.openapi = lambda: openapi_schema(app, api_key is not None, model_name, llm.config, empty_input,
+                                         can_rerank(llm))
     add_error_handlers(app)
 
     @app.get("/", include_in_schema=False)
@@ -104,6 +119,15 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     @app.get("/health")
     async def health():
         return server.health()
+
+    @app.head("/health", include_in_schema=False)
+    async def health_head():
+        server.health()
+        return Response()
+
+    @app.get("/version")
+    async def version():
+        return server.version()
 
     @app.get("/metrics")
     async def prometheus_metrics():

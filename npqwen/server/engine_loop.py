@@ -172,14 +172,18 @@ class EngineLoop:
 
     def deliver(self, out: StepOutput):
         sink = self.sinks.get(out.request_id)
+        now = time.perf_counter()
         if self.metrics and out.token_ids:
             self.metrics.generation_tokens.inc(len(out.token_ids))
-            if sink is not None and len(sink.request.output_ids) == len(out.token_ids):   # its first token
-                self.metrics.time_to_first_token.observe(time.perf_counter() - sink.request.arrival)
+            if sink is not None:
+                first = len(sink.request.output_ids) == len(out.token_ids)
+                self.metrics.observe_token(sink.request, first, now)
         if out.finished:
             self.sinks.pop(out.request_id, None)
             if self.metrics:
                 self.metrics.finished.labels(out.finish_reason).inc()
+                if sink is not None and sink.request.task is None:   # a generation (not an embedding, a score)
+                    self.metrics.observe_finished(sink.request, now)
         if sink is not None:
             failed = out.finished and out.result is not None and out.result.error is not None
             sink.put(RequestFailed(out.result.error) if failed else out)

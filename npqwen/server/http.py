@@ -12,13 +12,14 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from .engine_loop import EngineStopped
+from .openapi import tell_the_truth
 from .protocol import APIError
 from .protocol_messages import ANTHROPIC_ERROR, anthropic_error
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # a bigger body is a 413
 STATIC = Path(__file__).parent / "static"   # the web page: plain files, no build step
 PAGE_FILES = {"app.js": "text/javascript", "markdown.js": "text/javascript", "style.css": "text/css"}
-OPEN_PATHS = ("/health", "/metrics", "/", "/openapi.json", "/docs",                       # answered without the API key
+OPEN_PATHS = ("/health", "/version", "/metrics", "/", "/openapi.json", "/docs",   # answered without the API key
               *(f"/static/{name}" for name in PAGE_FILES))
 # The page's own files are the only code it runs (no inline script, nothing from elsewhere): a second
 # wall behind the rule that model text is never parsed as HTML.
@@ -89,10 +90,12 @@ ERRORS = {400: "a request the server cannot serve, in OpenAI's error shape; para
           529: "the server is shutting down (Anthropic's overloaded_error)"}
 
 
-def openapi_schema(app: FastAPI, with_key: bool, model_name: str) -> dict:
+def openapi_schema(app: FastAPI, with_key: bool, model_name: str, config=None, empty_input: bool = False,
+                   rerank: bool = True) -> dict:
     """FastAPI's schema of the API, made to say what the server really answers: every error is a
     400 (never FastAPI's 422) or another status of ERRORS, in OpenAI's error shape; the streamed
-    endpoints answer text/event-stream too; /metrics is Prometheus text; `model` is the one served."""
+    endpoints answer text/event-stream too; /metrics is Prometheus text; `model` is the one served;
+    bounds in JSON Schema's words (minimum, not pydantic's ge); token ids within the vocabulary."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     from fastapi.openapi.utils import get_openapi
@@ -104,6 +107,7 @@ def openapi_schema(app: FastAPI, with_key: bool, model_name: str) -> dict:
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
     components["Error"], components["AnthropicError"] = ERROR, ANTHROPIC_ERROR
+    tell_the_truth(schema, config, empty_input, rerank)   # openapi.py: the limits the handlers check
     for component in components.values():
         if "model" in component.get("properties", {}):
             model = component["properties"]["model"]

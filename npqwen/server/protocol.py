@@ -13,7 +13,7 @@ AttentionRequest and an ExpertsRequest; the Responses API's request (ResponsesRe
 """
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, WrapValidator
 
 MAX_CHOICES = 8          # n
 MAX_TOP_LOGPROBS = 20    # top_logprobs (chat), logprobs (completions)
@@ -40,6 +40,20 @@ def whole_number(value):
 
 
 Whole = Annotated[int, BeforeValidator(whole_number)]   # an int field that takes a whole-number float
+
+
+def whole_numbers(value, handler):
+    """A list of token ids: integers, checked in pydantic's own (fast) strict way; failing that, a list
+    of integers and whole-number floats (15.0 is an integer to JSON Schema) is taken as integers."""
+    try:
+        return handler(value)
+    except ValidationError:
+        if isinstance(value, list) and all(type(v) is int or (type(v) is float and v.is_integer()) for v in value):
+            return handler([int(v) for v in value])
+        raise
+
+
+TokenIds = Annotated[list[int], WrapValidator(whole_numbers)]   # token ids: ints, or whole-number floats
 
 
 class Strict(BaseModel):
@@ -134,7 +148,7 @@ class StructuredOutputs(Strict):
 
 class Sampling(Strict):
     """Fields shared by chat and completions."""
-    model: str
+    model: str | None = None                              # None: the one model served (as llama.cpp's server)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: Whole | None = Field(None, ge=-1)                 # -1 or 0: off (vLLM's -1 accepted)
@@ -159,6 +173,7 @@ class Sampling(Strict):
     verbosity: Literal["low", "medium", "high"] | None = None
     # vLLM's sampling extras (Request fields, see Serving.vllm_options)
     ignore_eos: bool = False                              # go on after eos (to max_tokens)
+    stop_token_ids: TokenIds | None = Field(None, max_length=MAX_STOPS)   # vLLM's: these end the answer as eos does
     min_tokens: Whole = Field(0, ge=0)                    # no eos and no stop string before this many tokens
     skip_special_tokens: bool = False                     # leave special tokens (<|im_end|>) out of the text
     include_stop_str_in_output: bool = False              # the stop string that ended the text stays in it
@@ -232,7 +247,7 @@ def prompt_kind(value) -> str:
 
 
 Prompt = Annotated[Annotated[str, Tag("str")] | Annotated[list[str], Tag("list[str]")]
-                   | Annotated[list[int], Tag("list[int]")] | Annotated[list[list[int]], Tag("list[list[int]]")],
+                   | Annotated[TokenIds, Tag("list[int]")] | Annotated[list[TokenIds], Tag("list[list[int]]")],
                    Discriminator(prompt_kind)]
 
 
@@ -277,14 +292,14 @@ class TokenizeRequest(Strict):
 
 class DetokenizeRequest(Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds
 
 
 class AttentionRequest(Strict):
     """POST /v1/npqwen/attention: the attention of position `position` of `tokens` over positions
     0 .. position, in every head of `layer` (a forward pass over tokens[:position + 1])."""
     model: str | None = None
-    tokens: list[int]                                     # 1 .. MAX_ATTENTION_TOKENS ids (checked by the server)
+    tokens: TokenIds                                     # 1 .. MAX_ATTENTION_TOKENS ids (checked by the server)
     position: Whole | None = None                           # default: the last token
     layer: Whole
 
@@ -296,8 +311,8 @@ class ExpertsRequest(Strict):
     """POST /v1/npqwen/experts: where the router of each Qwen3-MoE layer sent token `position` of
     `tokens` (a forward pass over tokens[:position + 1])."""
     model: str | None = None
-    tokens: list[int]                                     # 1 .. MAX_ATTENTION_TOKENS ids (checked by the server)
-    position: int | None = None                           # default: the last token
+    tokens: TokenIds                                     # 1 .. MAX_ATTENTION_TOKENS ids (checked by the server)
+    position: Whole | None = None                         # default: the last token
 
 
 def template_messages(messages: list[Message]) -> list[dict]:
@@ -321,10 +336,10 @@ def template_messages(messages: list[Message]) -> list[dict]:
 
 class EmbeddingRequest(Strict):
     """POST /v1/embeddings, OpenAI's shape: `input` a string, a list of strings, token ids or a list of those."""
-    model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    input: str | list[str] | TokenIds | list[TokenIds]
     encoding_format: Literal["float", "base64"] = "float"   # the openai client asks for base64 by default
-    dimensions: int | None = None                          # keep the first d values (Matryoshka), renormalised
+    dimensions: Whole | None = None                        # keep the first d values (Matryoshka), renormalised
     user: str | None = None                                # an end-user id for the caller's logs; unused
 
     def inputs(self) -> list:
@@ -346,7 +361,7 @@ class RerankRequest(Strict):
     model: str | None = None
     query: str
     documents: list[str | RerankDocument]
-    top_n: int | None = None                               # the n best; default: every document
+    top_n: Whole | None = None                             # the n best; default: every document
     return_documents: bool = False                         # put each document's text beside its score
 
     def texts(self) -> list[str]:
@@ -355,7 +370,7 @@ class RerankRequest(Strict):
 
 # -- OpenAI's Responses API (serving_responses.py) --
 
-RESPONSE_FIELDS_IGNORED = (*IGNORED, "store", "truncation", "stream_options", "max_tool_calls")
+RESPONSE_FIELDS_IGNORED = (*IGNORED, "store", "stream_options", "max_tool_calls")
 INCLUDES_ACCEPTED = ("reasoning.encrypted_content",)   # reasoning comes back in the clear, in the item itself
 
 
@@ -390,7 +405,7 @@ class TextConfig(Strict):
 
 class ResponsesRequest(Strict):
     """POST /v1/responses. Input items are checked one by one (to_messages), with their index in `param`."""
-    model: str
+    model: str | None = None
     input: str | list[dict]
     instructions: str | None = None
     max_output_tokens: Whole | None = Field(None, ge=1)
@@ -413,7 +428,7 @@ class ResponsesRequest(Strict):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     user: str | None = None
-    truncation: Literal["auto", "disabled"] | None = None   # "auto" is not done: too long is a 400
+    truncation: Literal["auto", "disabled"] | None = None   # "auto": the oldest input items dropped until it fits
     stream_options: dict | None = None
     max_tool_calls: Whole | None = Field(None, ge=1)
     thinking_token_budget: Whole | None = Field(None, ge=0)   # vLLM's: reasoning tokens before "</think>" is forced

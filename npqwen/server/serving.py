@@ -67,12 +67,14 @@ class Serving:
     """What every API's handlers share; GET /v1/models and /health are answered by this base itself."""
 
     def __init__(self, llm, loop: EngineLoop, model_name: str, max_queue: int, workers: PromptWorkers,
-                 template_kwargs: dict | None = None, thinking_budget: int | None = None):
+                 template_kwargs: dict | None = None, thinking_budget: int | None = None,
+                 allow_generation: bool = False):
         self.llm, self.engine, self.loop, self.workers = llm, loop.engine, loop, workers
         self.tokenizer, self.config = llm.tokenizer, llm.config
         self.model_name, self.max_queue = model_name, max_queue
         self.template_kwargs = template_kwargs or {}   # --default-chat-template-kwargs: under each request's
         self.thinking_budget = thinking_budget         # --thinking-budget: when a request sets none
+        self.allow_generation = allow_generation       # --allow-generation: text from an embedding model too
         self.created = int(time.time())
         self.ignored: set[str] = set()   # OpenAI's service fields seen so far (note_ignored)
 
@@ -110,17 +112,22 @@ class Serving:
             raise APIError(503, "the engine thread has stopped", type="server_error")
         return {"status": "ok"}
 
+    def version(self) -> dict:
+        """GET /version, as vLLM answers it."""
+        from .. import __version__
+        return {"version": __version__}
+
     def check_model(self, name: str | None):
         if name is not None and name != self.model_name:
             raise APIError(404, f"the model {name!r} does not exist: this server serves {self.model_name!r}",
                            "model", "model_not_found")
 
-    def check_tokens(self, ids: list[int]):
+    def check_tokens(self, ids: list[int], param: str = "tokens"):
         """Token ids a client sent, by the rule every prompt follows (generate.check_token_ids)."""
         try:
             check_token_ids(ids, self.config.vocab_size)
         except NpqwenError as e:
-            raise APIError(400, str(e), "tokens") from None
+            raise APIError(400, str(e), param) from None
 
     # -- making engine requests --
 
@@ -132,6 +139,11 @@ class Serving:
             raise APIError(400, f"this model's context is {context} tokens, but the request has {at_least}{tokens} "
                                 f"prompt tokens and asks for {max_tokens} more ({tokens + max_tokens}); shorten "
                                 f"the {param} or lower max_tokens", param, "context_length_exceeded")
+        pool = self.engine.pool.num_pages * self.engine.page_size
+        if max_tokens is not None and tokens + max_tokens > pool:
+            raise APIError(400, f"this server's KV cache holds {pool} positions, but the request has {at_least}{tokens} "
+                                f"prompt tokens and asks for {max_tokens} more ({tokens + max_tokens}); shorten the "
+                                f"{param} or lower max_tokens", param, "context_length_exceeded")
         if max_tokens is None:   # as much as the context and the KV pool allow
             max_tokens = min(context, self.engine.pool.num_pages * self.engine.page_size) - tokens
             if max_tokens < 1:
@@ -156,6 +168,10 @@ class Serving:
         the first scores the prompt when `prompt_logprobs` is set); `constraint`: (SamplingParams'
         constraint fields, the body field they came from)."""
         self.check_size(prompt, max_tokens, param)
+        if self.llm.kind == "embedding" and not self.allow_generation:
+            raise APIError(400, f"{self.model_name!r} is an embedding model (so /v1/models lists it): it serves "
+                                f"/v1/embeddings, not text; start the server with --allow-generation to generate "
+                                f"with it anyway", "model", "model_not_supported")
         try:
             check_lm_head(self.llm.model)   # a Qwen3Model checkpoint (embeddings only) cannot generate
         except NpqwenError as e:
@@ -206,6 +222,9 @@ class Serving:
             raise APIError(400, f"min_tokens {body.min_tokens} is more than max_tokens {max_tokens}", "min_tokens")
         if body.ignore_eos:
             req.eos_ids = frozenset()
+        if body.stop_token_ids:   # vLLM's: these end the answer as eos does (their text left out)
+            self.check_tokens(body.stop_token_ids, "stop_token_ids")
+            req.eos_ids = req.eos_ids | frozenset(body.stop_token_ids)
         req.min_tokens, req.include_stop = body.min_tokens, body.include_stop_str_in_output
         if body.skip_special_tokens and self.tokenizer is not None:
             req.decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)

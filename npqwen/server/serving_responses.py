@@ -197,7 +197,8 @@ class ServingResponses(ServingChat):
         tools_on, tools = self.chat_tools(chat)
         thinking = self.thinking(chat)
         try:   # text.format and tool_choice constrain the answer (constraints.py)
-            opened, requests = await self.off_loop(self.chat_requests, chat, thinking, tools, None)
+            opened, requests = await self.off_loop(self.fitting_requests, chat, thinking, tools,
+                                                   body.truncation == "auto")
         except APIError as e:
             raise in_responses_names(e) from None
         choice = Choice(0, requests[0], StreamParser(thinking, tools=tools_on, opened=opened))
@@ -256,6 +257,18 @@ class ServingResponses(ServingChat):
                           "output_tokens": counts["completion_tokens"],
                           "output_tokens_details": {"reasoning_tokens": reasoning},
                           "total_tokens": counts["total_tokens"]}}
+
+    def fitting_requests(self, chat, thinking: bool, tools, truncate: bool) -> tuple:
+        """chat_requests; with truncation "auto", as OpenAI does, the oldest input items (never the
+        system message, nor the last item) are dropped one by one until the conversation fits."""
+        while True:
+            try:
+                return self.chat_requests(chat, thinking, tools, None)
+            except APIError as e:
+                older = [i for i, m in enumerate(chat.messages[:-1]) if m.role not in ("system", "developer")]
+                if not truncate or e.code != "context_length_exceeded" or not older:
+                    raise
+                chat.messages = chat.messages[:older[0]] + chat.messages[older[0] + 1:]
 
     async def events(self, queue, choice: Choice, base: dict, thinking: bool, tools_on: bool, opened: bool,
                      body: ResponsesRequest, http):
