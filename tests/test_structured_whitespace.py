@@ -14,7 +14,8 @@ import npqwen  # noqa: E402
 SCHEMA = {"type": "object", "properties": {
     "a": {"type": "integer", "minimum": 0, "maximum": 99},
     "b": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
-    "c": {"type": "object", "properties": {"d": {"type": "boolean"}}, "required": ["d"], "additionalProperties": False}},
+    "c": {"type": "object", "properties": {"d": {"type": "boolean"}}, "required": ["d"],
+          "additionalProperties": False}},
     "required": ["a", "b", "c"], "additionalProperties": False}
 STRING = r'"(\\.|[^"\\])*"'
 

@@ -43,8 +43,7 @@ Whole = Annotated[int, BeforeValidator(whole_number)]   # an int field that take
 
 
 def whole_numbers(value, handler):
-    """A list of token ids: integers, checked in pydantic's own (fast) strict way; failing that, a list
-    of integers and whole-number floats (15.0 is an integer to JSON Schema) is taken as integers."""
+    """Token ids: pydantic's own (fast) strict list of ints; failing that, ints and whole-number floats."""
     try:
         return handler(value)
     except ValidationError:

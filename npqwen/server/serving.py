@@ -141,9 +141,10 @@ class Serving:
                                 f"the {param} or lower max_tokens", param, "context_length_exceeded")
         pool = self.engine.pool.num_pages * self.engine.page_size
         if max_tokens is not None and tokens + max_tokens > pool:
-            raise APIError(400, f"this server's KV cache holds {pool} positions, but the request has {at_least}{tokens} "
-                                f"prompt tokens and asks for {max_tokens} more ({tokens + max_tokens}); shorten the "
-                                f"{param} or lower max_tokens", param, "context_length_exceeded")
+            raise APIError(400, f"this server's KV cache holds {pool} positions, but the request has "
+                                f"{at_least}{tokens} prompt tokens and asks for {max_tokens} more "
+                                f"({tokens + max_tokens}); shorten the {param} or lower max_tokens", param,
+                           "context_length_exceeded")
         if max_tokens is None:   # as much as the context and the KV pool allow
             max_tokens = min(context, self.engine.pool.num_pages * self.engine.page_size) - tokens
             if max_tokens < 1:
