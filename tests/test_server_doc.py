@@ -1,4 +1,4 @@
-"""docs/server.md and docs/web-page.md against a live `npqwen serve`.
+"""docs/server.md, docs/messages.md and docs/web-page.md against a live `npqwen serve`.
 
 The test starts the page's `npqwen serve` line with the built-in tiny model in place of
 Qwen/Qwen3-0.6B (random weights: the samples check shapes and constraints, never the text) on a free
@@ -67,6 +67,15 @@ def test_server_doc_samples_run(served, tmp_path):
     assert curls and all(line.startswith("curl ") for line in curls)
     for line in curls:
         assert run_doc_line(line).stdout
+
+
+def test_messages_doc_samples_run(served, tmp_path):
+    """docs/messages.md: the anthropic SDK and curl against the same server (its Claude Code lines are shown)."""
+    pytest.importorskip("anthropic")
+    python, shell = doc_samples("messages.md", shown=("console",), swap=served[1])
+    assert len(python) >= 3 and len(shell) == 1 and shell[0].startswith("curl ")
+    run_doc_python(python, tmp_path / "messages_doc.py")
+    assert '"type":"message"' in run_doc_line(shell[0]).stdout
 
 
 def test_web_page_doc_samples_run(served, tmp_path):

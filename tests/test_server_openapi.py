@@ -21,11 +21,12 @@ from serving import LiveServer, http_json  # noqa: E402
 CHECKS = "all"   # every check of schemathesis, positive_data_acceptance included
 # What no schema can state: a prompt or an input longer than the (96-token) context once tokenized (and
 # the chat template and tools applied), min_tokens over the room left, a Responses input item that is
-# no message, a position past the tokens sent. On these routes a schema-valid body may get a 400 for
+# no message, a Messages block in the wrong role or a tool_choice naming a tool not offered (both APIs
+# run as a chat), a position past the tokens sent. On these routes a schema-valid body may get a 400 for
 # such a reason; everywhere else positive_data_acceptance expects it to be served.
 RUNTIME_LIMITS = """
 [[operations]]
-include-path-regex = "^/(v1/chat/completions|v1/completions|v1/responses|v1/embeddings|tokenize|v1/npqwen/.*)$"
+include-path-regex = "^/(v1/(chat/completions|completions|responses|messages.*|embeddings|npqwen/.*)|tokenize)$"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "404", "429"]
 """
 

@@ -204,7 +204,9 @@ class Engine:
             row_logits, row = logits[row], row + 1
             try:
                 forced = req.thinking.forced() if req.thinking is not None else None   # its thinking budget is spent
-                allowed = self.masks.allowed(req.constraint) if forced is None else None   # None for a free request
+                # None for a free request; waited for even when the token is forced, since the mask worker may
+                # still be reading the matcher that req.append advances (llguidance: "Already borrowed")
+                allowed = self.masks.allowed(req.constraint) if forced is None else self.masks.wait()
                 ids, candidate_logits = candidates(no_eos_yet(req, row_logits, allowed), req.params, req.prompt_ids,
                                                    req.output_ids, allowed)
                 token = draw(ids, candidate_logits, req.params, req.rng) if forced is None else forced

@@ -5,6 +5,8 @@
     POST /v1/chat/completions       chat, streamed or not: reasoning, tool calls, logprobs, n (serving_chat.py)
     POST /v1/completions            plain completion of a prompt (text or token ids); echo, prompt logprobs
     POST /v1/responses              OpenAI's Responses API (serving_responses.py), run as a chat
+    POST /v1/messages               Anthropic's Messages API (serving_messages.py), run as a chat; and
+                                    /v1/messages/count_tokens
     POST /v1/embeddings             OpenAI's embeddings: a vector per input (serving_pooling.py, npqwen/embed.py)
     POST /v1/rerank                 a relevance score per document, best first (npqwen/rerank.py)
     POST /v1/npqwen/attention       one position's attention in every head of a layer (serving_probes.py)
@@ -39,10 +41,12 @@ from .http import (DEFAULT_MAX_BODY_BYTES, APIKey, BodyLimit, JSONBodies, add_er
 from .metrics import Metrics
 from .protocol import (AttentionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        EmbeddingRequest, ExpertsRequest, RerankRequest, TokenizeRequest)
+from .protocol_messages import CountTokensRequest, MessagesRequest
 from .protocol_responses import ResponsesRequest
 from .serving import PromptWorkers, Serving
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
+from .serving_messages import ServingMessages
 from .serving_pooling import ServingPooling
 from .serving_probes import ServingProbes
 from .serving_responses import ServingResponses
@@ -78,6 +82,7 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     server, chat, completion = Serving(**shared), ServingChat(**shared), ServingCompletion(**shared)
     responder, pooling = ServingResponses(**shared), ServingPooling(**shared)
     probes, tokenization = ServingProbes(**shared), ServingTokenization(**shared)
+    messages = ServingMessages(**shared)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -92,6 +97,7 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     app.state.loop, app.state.metrics = loop, metrics
     app.state.server, app.state.chat, app.state.completion, app.state.responses = server, chat, completion, responder
     app.state.pooling, app.state.probes, app.state.tokenization = pooling, probes, tokenization
+    app.state.messages = messages
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(JSONBodies)
     if api_key:
@@ -148,6 +154,14 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, http: HTTPRequest):
         return await responder.respond(body, http)
+
+    @app.post("/v1/messages")
+    async def create_message(body: MessagesRequest, http: HTTPRequest):
+        return await messages.create(body, http)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: CountTokensRequest):
+        return await messages.count_tokens(body)
 
     @app.post("/v1/embeddings")
     async def create_embeddings(body: EmbeddingRequest, http: HTTPRequest):

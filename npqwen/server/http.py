@@ -1,6 +1,6 @@
 """The HTTP layer under the handlers: the web page's files, server-sent events, OpenAI's error
-shape for every error (FastAPI's own included), the /openapi.json schema, and three ASGI
-middlewares (a body-size limit, JSON bodies whatever their Content-Type, the API key).
+shape for every error (FastAPI's own included; Anthropic's on /v1/messages), the /openapi.json
+schema, and three ASGI middlewares (a body-size limit, JSON bodies whatever their Content-Type, the API key).
 """
 import json
 import secrets
@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 from .engine_loop import EngineStopped
 from .openapi import tell_the_truth
 from .protocol import APIError
+from .protocol_messages import ANTHROPIC_ERROR, anthropic_error
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # a bigger body is a 413
 STATIC = Path(__file__).parent / "static"   # the web page: plain files, no build step
@@ -72,7 +73,8 @@ class EventStream(StreamingResponse):
 
 # -- the schema: /openapi.json (and /docs) --
 
-STREAMED = ("/v1/chat/completions", "/v1/completions", "/v1/responses")   # 200: JSON, or text/event-stream
+MESSAGES_PATH = "/v1/messages"                                          # its errors in Anthropic's shape
+STREAMED = ("/v1/chat/completions", "/v1/completions", "/v1/responses", MESSAGES_PATH)   # 200: JSON or events
 ENGINE_PATHS = (*STREAMED, "/v1/npqwen/attention")                      # 429 when the queue is full, 503 stopping
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
@@ -80,11 +82,12 @@ ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
     "data": {"type": "string", "description": "a chunk as JSON, or [DONE] at the end of a chat or completion"},
-    "event": {"type": "string", "description": "a Responses event's type; otherwise 'message'"}}}
+    "event": {"type": "string", "description": "a Responses or Messages event's type; otherwise 'message'"}}}
 ERRORS = {400: "a request the server cannot serve, in OpenAI's error shape; param names the field",
           401: "a missing or wrong API key", 404: "another model's name", 413: "a body over the size limit",
           429: "the queue is full: retry after Retry-After seconds", 503: "the server is shutting down",
-          500: "this request's constraint failed while it ran (llguidance); the other requests go on"}
+          500: "this request's constraint failed while it ran (llguidance); the other requests go on",
+          529: "the server is shutting down (Anthropic's overloaded_error)"}
 
 
 def openapi_schema(app: FastAPI, with_key: bool, model_name: str, config=None, empty_input: bool = False,
@@ -103,7 +106,7 @@ def openapi_schema(app: FastAPI, with_key: bool, model_name: str, config=None, e
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
-    components["Error"] = ERROR
+    components["Error"], components["AnthropicError"] = ERROR, ANTHROPIC_ERROR
     tell_the_truth(schema, config, empty_input, rerank)   # openapi.py: the limits the handlers check
     for component in components.values():
         if "model" in component.get("properties", {}):
@@ -122,11 +125,13 @@ def openapi_schema(app: FastAPI, with_key: bool, model_name: str, config=None, e
             codes += [404] if method == "post" or path.startswith("/v1/models/") else []
             codes += [429, 503] if path in ENGINE_PATHS else [503] if path == "/health" else []
             codes += [500] if path in STREAMED else []
+            anthropic = path.startswith(MESSAGES_PATH)   # Anthropic's shape, and 529 where OpenAI's is 503
+            codes = [529 if anthropic and code == 503 else code for code in codes]
             responses = operation["responses"]
             responses.pop("422", None)
             for code in sorted(codes):
-                responses[str(code)] = {"description": ERRORS[code], "content": {
-                    "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+                responses[str(code)] = {"description": ERRORS[code], "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/" + ("AnthropicError" if anthropic else "Error")}}}}
             if path in STREAMED:   # each server-sent event: its data a JSON chunk (or [DONE]), its event name
                 responses["200"]["content"]["text/event-stream"] = {"schema": SSE_EVENT}
     schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
@@ -136,14 +141,18 @@ def openapi_schema(app: FastAPI, with_key: bool, model_name: str, config=None, e
 
 # -- errors in OpenAI's shape --
 
-def error_response(e: APIError) -> JSONResponse:
+def error_response(e: APIError, path: str = "") -> JSONResponse:
+    """The error in OpenAI's shape, or in Anthropic's on the Messages API's paths."""
+    if path.startswith(MESSAGES_PATH):
+        status, body = anthropic_error(e)
+        return JSONResponse(body, status_code=status, headers=e.headers)
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 def add_error_handlers(app: FastAPI):
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
-        return error_response(e)
+        return error_response(e, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, e: RequestValidationError):
@@ -151,7 +160,7 @@ def add_error_handlers(app: FastAPI):
         sent_as = request.scope.get("npqwen.content_type")
         if sent_as is not None and error.message.startswith("the body is not valid JSON"):
             error.message += f" (it was sent as Content-Type: {sent_as}; the API takes application/json)"
-        return error_response(error)
+        return error_response(error, request.url.path)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
@@ -165,16 +174,16 @@ def add_error_handlers(app: FastAPI):
             message = f"no endpoint {request.url.path}: see GET /openapi.json for the endpoints this server has"
         elif e.status_code == 405:
             message = f"{request.url.path} does not take {request.method}; it takes {e.headers.get('Allow', '?')}"
-        return error_response(APIError(e.status_code, message, None, code, headers=e.headers))
+        return error_response(APIError(e.status_code, message, None, code, headers=e.headers), request.url.path)
 
     @app.exception_handler(Exception)
     async def bug(request, e: Exception):   # not the client's doing; uvicorn logs the traceback
         return error_response(APIError(500, f"internal error ({type(e).__name__}); see the server log",
-                                       type="server_error"))
+                                       type="server_error"), request.url.path)
 
     @app.exception_handler(EngineStopped)
     async def engine_stopped(request, e: EngineStopped):
-        return error_response(APIError(e.status, str(e), type="server_error"))
+        return error_response(APIError(e.status, str(e), type="server_error"), request.url.path)
 
 
 def validation_api_error(errors: list[dict]) -> APIError:
@@ -211,7 +220,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return await JSONResponse(self.too_large().body(), 413)(scope, receive, send)
+            return await error_response(self.too_large(), scope["path"])(scope, receive, send)
         received = 0
 
         async def counting_receive():
@@ -249,19 +258,22 @@ class JSONBodies:
 
 class APIKey:
     """ASGI middleware: with --api-key, every path but /health, /metrics and the page's files needs
-    "Authorization: Bearer KEY" (the page asks the user for the key and sends it itself)."""
+    "Authorization: Bearer KEY" or Anthropic's "x-api-key: KEY" (the page asks the user for the key
+    and sends it itself)."""
 
     def __init__(self, app, key: str):
         self.app, self.expected = app, key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            header = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            header, x_api_key = headers.get(b"authorization", b""), headers.get(b"x-api-key")
             scheme, _, given = header.strip().partition(b" ")
             # the scheme's name is case-insensitive (RFC 7235): "bearer KEY" is as good as "Bearer KEY"
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(given.strip(), self.expected):
-                said = "the API key was refused" if header else "no API key was sent"
-                e = APIError(401, f"{said}: send the server's --api-key as 'Authorization: Bearer KEY'", None,
-                             "invalid_api_key")
-                return await JSONResponse(e.body(), 401)(scope, receive, send)
+            bearer = scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), self.expected)
+            if not bearer and not (x_api_key is not None and secrets.compare_digest(x_api_key.strip(), self.expected)):
+                said = "the API key was refused" if header or x_api_key is not None else "no API key was sent"
+                e = APIError(401, f"{said}: send the server's --api-key as 'Authorization: Bearer KEY' or "
+                                  f"'x-api-key: KEY'", None, "invalid_api_key")
+                return await error_response(e, scope["path"])(scope, receive, send)
         await self.app(scope, receive, send)

@@ -29,6 +29,8 @@ class Metrics:
                                         registry=registry)
         self.rerank_documents = Counter("npqwen:rerank_documents", "Documents scored by /v1/rerank",
                                         registry=registry)
+        self.api_requests = Counter("npqwen:api_requests", "Calls of the Messages API, by endpoint "
+                                    "(messages, count_tokens)", ["endpoint"], registry=registry)
         self.time_to_first_token = histogram("time_to_first_token_seconds", "From a request's arrival to its first "
                                              "token", SECONDS)
         self.time_per_output_token = histogram("time_per_output_token_seconds", "Between two tokens of a request",
