@@ -383,12 +383,21 @@ def test_jsonl_prompt_follows_raw_and_stdin_works():
     assert [r["prompt_tokens"] for r in jsonl(out_raw)] == [2, 2]
 
 
-def test_a_file_with_one_non_json_line_is_plain_text(tmp_path):
+@pytest.mark.parametrize("command", ["generate", "embed"])
+def test_a_jsonl_file_with_one_bad_line_is_an_error(tmp_path, command):
+    path = tmp_path / "mixed.jsonl"
+    first = '{"prompt": "a"}' if command == "generate" else '{"text": "a"}'
+    path.write_text(f'{first}\n{{prompt: "b"}}\n', encoding="utf-8")
+    source = ["--prompts-file", str(path), "-n", "2"] if command == "generate" else ["--input", str(path)]
+    code, out, err = run(command, "--model", "tiny", *source)
+    assert code == 1 and out == "" and f"{path} line 2: not valid JSON" in err and "Traceback" not in err
+
+
+def test_a_file_whose_first_line_is_text_is_plain_text(tmp_path):
     path = tmp_path / "mixed.txt"
-    path.write_text('{"prompt": "a"}\nnot json\n', encoding="utf-8")
+    path.write_text('not json\n{"prompt": "a"}\n', encoding="utf-8")
     code, out, err = run("generate", "--model", "tiny", "--prompts-file", str(path), "--raw", "-n", "2")
-    assert code == 0 and [r["prompt"] for r in jsonl(out)] == ['{"prompt": "a"}', "not json"]
-    assert "line 2 is not a JSON object" in err
+    assert code == 0 and [r["prompt"] for r in jsonl(out)] == ["not json", '{"prompt": "a"}']
 
 
 def test_output_file_and_progress_on_stderr(tmp_path):

@@ -249,6 +249,25 @@ def json_object(line: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+def jsonl_objects(name: str, lines: list[tuple[int, str]]) -> list[dict] | None:
+    """The objects of a JSONL input, or None for plain text: a file whose first non-blank line is a
+    JSON object is JSONL, and then a line that is not one is an error (not a quiet switch to text)."""
+    if json_object(lines[0][1]) is None:
+        return None
+    objects = []
+    for n, line in lines:
+        try:
+            value = json.loads(line)
+        except ValueError as e:
+            raise NpqwenError(f"{name} line {n}: not valid JSON ({e}); the first line is a JSON object, so "
+                              f"the file is read as JSONL, one object per line") from None
+        if not isinstance(value, dict):
+            raise NpqwenError(f"{name} line {n}: a {type(value).__name__}, not a JSON object; the first line is "
+                              f"one, so the file is read as JSONL, one object per line")
+        objects.append(value)
+    return objects
+
+
 def checked_text(text: str, what: str) -> str:
     """Refuse text that is not valid UTF-8 (Python keeps undecodable argv bytes as lone surrogates)."""
     try:
