@@ -318,6 +318,13 @@ def test_argument_errors_are_argparse_usage():
     assert code == 2 and "invalid float value" in err and "Traceback" not in err
 
 
+def test_an_unknown_option_shows_the_commands_usage_and_the_nearest_option():
+    code, _, err = run("generate", "--model", "tiny", "--prompt", "hi", "--temprature", "0.5")
+    assert code == 2 and err.startswith("usage: npqwen generate") and "did you mean --temperature?" in err, err
+    code, _, err = run("serve", "--model", "tiny", "--prot", "8001")
+    assert code == 2 and err.startswith("usage: npqwen serve") and "did you mean --port?" in err, err
+
+
 # --prompts-file: many prompts through one engine, JSONL out in input order
 
 PROGRESS = re.compile(r"\] (\d+)/(\d+) done, \d+ tokens, [\d.]+ tokens/s, (ETA|took) \d+:\d\d:\d\d")
