@@ -574,3 +574,35 @@ def test_peak_memory_is_the_commands_own_not_its_parents():
     peak = float(re.search(r"peak memory: ([0-9.]+) GB", result.stdout).group(1))
     print(result.stdout)
     assert 0 < peak < 1.0, peak
+
+
+def test_chat_help_is_a_command_not_a_message():
+    code, out, err = run("chat", "--model", "tiny", "-n", "2", stdin=b"/help\n/exit\n")
+    assert code == 0 and "/reset" in err.split("/help lists the commands", 1)[1] and "/exit, /quit" in err
+    assert prompt_tokens(err) == [] and "random weights: its text is meaningless" in err   # nothing went to the model
+
+
+def test_a_piece_made_after_ctrl_c_is_not_shown(monkeypatch, capsys):
+    from npqwen.cli.common import stream_to_stdout
+
+    pressed = []
+
+    class Model:   # the second piece is made by the step during which Ctrl-C arrives
+        def stream(self, prompt, params, result):
+            yield "one"
+            pressed.append(True)
+            yield "two"
+
+    assert stream_to_stdout(Model(), "hi", None, stop_requested=lambda: bool(pressed)) is None
+    assert capsys.readouterr().out == "one\n"
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_control_characters_are_escaped_on_a_terminal_only(monkeypatch, tty):
+    from npqwen.cli.common import write_out
+
+    out = io.StringIO()
+    out.isatty = lambda: tty
+    monkeypatch.setattr(sys, "stdout", out)
+    write_out("a\x1b[2J\tb\x07\r\x9b\x7f\n")
+    assert out.getvalue() == ("a\\x1b[2J\tb\\x07\\x0d\\x9b\\x7f\n" if tty else "a\x1b[2J\tb\x07\r\x9b\x7f\n")

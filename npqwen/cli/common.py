@@ -4,6 +4,7 @@ import argparse
 import codecs
 import json
 import os
+import re
 import resource
 import sys
 import time
@@ -21,10 +22,20 @@ class OutputError(NpqwenError):
     """stdout cannot take the output (a full disk, /dev/full, a closed terminal)."""
 
 
+# C0 controls but tab and newline, DEL, C1: a random model's bytes can move the cursor or clear the screen
+CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def shown(text: str) -> str:
+    """Text as a terminal should show it: each control character written as its escape ("\\x1b")."""
+    return CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def write_out(text: str):
-    """Write to stdout and flush; a failed write (no space left) is one clear error."""
+    """Write to stdout and flush (control characters escaped on a terminal, raw into a file or a pipe);
+    a failed write (no space left) is one clear error."""
     try:
-        sys.stdout.write(text)
+        sys.stdout.write(shown(text) if sys.stdout.isatty() else text)
         sys.stdout.flush()
     except BrokenPipeError:
         raise
@@ -302,10 +313,10 @@ def stream_to_stdout(llm, prompt, params, stop_requested=None):
     stopped = stop_requested is not None and stop_requested()
     if not stopped:
         for piece in pieces:
-            write_out(piece)
-            if stop_requested is not None and stop_requested():
-                stopped = True
+            if stop_requested is not None and stop_requested():   # Ctrl-C during the step that made this
+                stopped = True                                    # piece: it is not shown
                 break
+            write_out(piece)
     if stopped:
         pieces.close()   # the generator's `finally` aborts the request and frees its pages
         write_out("\n")
