@@ -357,3 +357,21 @@ def test_bench_suites_are_modules_of_one_shape():
         assert flag in help_text, flag
     refused = run("--suites", "nope")
     assert refused.returncode == 2 and f"choose from {', '.join(SUITES)}" in refused.stderr
+
+
+def test_bench_fails_loudly_and_takes_the_built_in_models(tmp_path):
+    """A run that measured nothing exits non-zero; `--model tiny` is a quick try, written once as a checkpoint."""
+    env = {**os.environ, "NPQWEN_CACHE": str(tmp_path / "cache")}
+    run = lambda *args: subprocess.run([sys.executable, "-m", "tools.bench", "--engines", "npqwen",   # noqa: E731
+                                        "--threads", "1", "--prefill", "8", "--decode-prompts", "4",
+                                        "--new-tokens", "3", "--repeats", "1", *args],
+                                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    missing = run("--model", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "no config.json there" in missing.stderr, missing.stderr
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "qwen3"}')
+    broken = run("--model", str(tmp_path / "broken"))
+    assert broken.returncode == 1 and "[bench] npqwen failed:" in broken.stderr, broken.stderr
+    tiny = run("--model", "tiny", "--json")
+    assert tiny.returncode == 0, tiny.stderr
+    assert json.loads(tiny.stdout)["engines"]["npqwen"]["decode_4_tps"] > 0
