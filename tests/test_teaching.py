@@ -247,6 +247,24 @@ def test_walkthrough_code_samples_run(tmp_path):
         run_doc_line(line)
     result = run_doc_line(next(line for line in shell if "pdb" in line), check=False)
     assert "Breakpoint 1 at" in result.stdout and "(21, 16)" in result.stdout   # it stopped and printed shapes
+    # the second breakpoint, named as model.py's frame sees it, stopped too; no pdb command failed
+    assert "Breakpoint 2 at" in result.stdout and "((21, 4, 8), 0)" in result.stdout and "***" not in result.stdout
+
+
+def test_walkthrough_breakpoints_name_what_they_say():
+    """The pdb breakpoints the walkthrough gives by name exist, and its file:line one is inside the function."""
+    import inspect
+
+    import npqwen.model
+    from npqwen import moe, ops
+
+    text = (ROOT / "docs" / "walkthrough.md").read_text(encoding="utf-8")
+    for name in re.findall(r"`break ([\w.]+)`", text):
+        scope = {"npqwen": npqwen, "ops": ops, "moe": moe, "Qwen3": npqwen.model.Qwen3}
+        assert callable(eval(name, scope)), name
+    line = int(re.search(r"`break npqwen/ops.py:(\d+)`", text).group(1))
+    lines, first = inspect.getsourcelines(ops.paged_attention)
+    assert first < line < first + len(lines), (line, first)
 
 
 def test_bench_reports_every_figure(tmp_path, npqwen_tiny_dir):
