@@ -144,9 +144,10 @@ def check_model_split(model: str, n: int):
     from ..config import Qwen3Config
     from ..parallel import check_split
 
-    if model == "tiny":
-        from ..tiny import TINY_CONFIG
-        config = Qwen3Config.from_dict(TINY_CONFIG, source="tiny model")
+    from ..tiny import BUILTIN
+
+    if model in BUILTIN:
+        config = Qwen3Config.from_dict(BUILTIN[model], source=f"{model} model")
     else:
         from ..hub import resolve_model
         config = Qwen3Config.from_json(resolve_model(model) / "config.json")
