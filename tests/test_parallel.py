@@ -327,7 +327,7 @@ def test_a_signal_to_the_launcher_ends_every_process_of_the_group(signum):
         proc.wait(15)
         while any(running(pid) for pid in group) and time.monotonic() < sent + 15:
             time.sleep(0.1)
-        print(f"every process ended {time.monotonic() - sent:.1f} s after the signal; launcher status {proc.returncode}")
+        print(f"every process ended {time.monotonic() - sent:.1f} s after the signal; status {proc.returncode}")
     finally:
         left = [pid for pid in group if running(pid)]
         for pid in left:
