@@ -314,8 +314,9 @@ def load(path, device: str = "cpu", dtype: str = "float32", tensor_parallel=Fals
     """Load a Qwen3 checkpoint onto `device` ("cpu" or "cuda") in `dtype`.
 
     `path` is a Hugging Face checkpoint directory, a hub id such as "Qwen/Qwen3-0.6B" found in
-    the HF cache (or downloaded when huggingface_hub is installed and online), or "tiny" ("tiny-moe")
-    for the built-in tiny Qwen3 (Qwen3-MoE) with random weights (see npqwen/tiny.py).
+    the HF cache (or downloaded when huggingface_hub is installed and online), or "tiny" ("tiny-moe",
+    "tiny-embedding", "tiny-reranker") for the built-in tiny Qwen3 (Qwen3-MoE, embedding and reranker
+    twins) with random weights (see npqwen/tiny.py).
 
     tensor_parallel=True, on every rank of `mpiexec -n N python script.py`: each rank reads only its
     part of every layer (npqwen/parallel.py), and forward, generate and npqwen.Engine give the same
@@ -331,8 +332,10 @@ def load_part(path, device: str, dtype: str, comm) -> LLM:
     from .tiny import BUILTIN
 
     if str(path) in BUILTIN:
-        from .tiny import TINY_GENERATION, tiny_model, tiny_tokenizer
-        return LLM(tiny_model(device, dtype, str(path), comm), tiny_tokenizer(), dict(TINY_GENERATION), None)
+        from .tiny import TINY_GENERATION, tiny_embedding_config, tiny_model, tiny_tokenizer
+        llm = LLM(tiny_model(device, dtype, str(path), comm), tiny_tokenizer(str(path)), dict(TINY_GENERATION), None)
+        llm.embedding_config = tiny_embedding_config(str(path))   # tiny-embedding, tiny-reranker: as their files say
+        return llm
     path = resolve_model(path)
     xp = array_module(device)
     config = Qwen3Config.from_json(path / "config.json")

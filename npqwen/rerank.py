@@ -50,7 +50,8 @@ def no_yes_ids(llm) -> tuple[int, int]:
     tokenizer = llm._tokenizer()
     ids = tokenizer.token_to_id("no"), tokenizer.token_to_id("yes")
     if None in ids:
-        raise NpqwenError('this tokenizer has no "yes" and "no" tokens, so it cannot answer the reranker\'s question')
+        raise NpqwenError('this tokenizer has no "yes" and "no" tokens, so it cannot answer the reranker\'s question '
+                          '(--model tiny-reranker is a built-in one that has them)')
     return ids
 
 

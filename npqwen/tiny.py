@@ -6,6 +6,14 @@ byte) plus Qwen3's special tokens, and it uses Qwen3's chat template. Its weight
 random, so the text it generates is meaningless: it is for stepping through the code.
 `--model tiny-moe` is the same with Qwen3-MoE's sparse MLP in both layers: E=8 experts of
 width I=24, k=2 per token, renormalised.
+
+Two twins of `tiny` run the embedding and reranking paths offline, as Qwen3-Embedding and
+Qwen3-Reranker do (their weights random too, so their vectors and scores are meaningless):
+`tiny-embedding` says what Qwen3-Embedding's sentence-transformers files say (last-token pooling,
+normalised, a "query" prompt) and its tokenizer appends <|endoftext|>; `tiny-reranker` is a
+CrossEncoder whose tokenizer has the "yes" and "no" tokens the reranker's question is answered with.
+Which command takes which: embed `tiny-embedding` (any of them embeds), rerank `tiny-reranker`,
+every other command `tiny` or `tiny-moe`.
 """
 from importlib import resources
 
@@ -31,7 +39,16 @@ TINY_CONFIG = dict(model_type="qwen3", hidden_size=16, intermediate_size=48, num
                    tie_word_embeddings=True, bos_token_id=ENDOFTEXT, eos_token_id=IM_END)
 TINY_MOE_CONFIG = dict(TINY_CONFIG, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
                        moe_intermediate_size=24, norm_topk_prob=True)
-BUILTIN = {"tiny": TINY_CONFIG, "tiny-moe": TINY_MOE_CONFIG}   # --model NAME
+# the reranker's answers: whole-word tokens after the special ones (Qwen3's vocabulary has both)
+ANSWER_TOKENS = ["yes", "no"]
+TINY_RERANKER_CONFIG = dict(TINY_CONFIG, vocab_size=TINY_CONFIG["vocab_size"] + len(ANSWER_TOKENS))
+BUILTIN = {"tiny": TINY_CONFIG, "tiny-moe": TINY_MOE_CONFIG,   # --model NAME
+           "tiny-embedding": TINY_CONFIG, "tiny-reranker": TINY_RERANKER_CONFIG}
+# What Qwen3-Embedding's modules.json, 1_Pooling/config.json (pooling_mode_lasttoken), the Normalize
+# module and config_sentence_transformers.json ("prompts") say, as npqwen/embed.py reads them.
+QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
+TINY_EMBEDDING = dict(pooling="lasttoken", normalize=True, prompts={"query": QUERY_PROMPT, "document": ""},
+                      model_type="SentenceTransformer")
 # Qwen3-0.6B's generation_config.json
 TINY_GENERATION = dict(temperature=0.6, top_k=20, top_p=0.95, eos_token_id=[IM_END, ENDOFTEXT])
 SEED = 0
@@ -42,9 +59,10 @@ def qwen3_chat_template() -> str:
     return resources.files("npqwen").joinpath("qwen3_chat_template.jinja").read_text(encoding="utf-8")
 
 
-def tiny_tokenizer() -> Tokenizer:
-    """Byte-level BPE without merges: token i < 256 is byte i; then Qwen3's special tokens."""
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+def tiny_tokenizer(name: str = "tiny") -> Tokenizer:
+    """Byte-level BPE without merges: token i < 256 is byte i; then Qwen3's special tokens; for
+    tiny-reranker "yes" and "no" as whole words; tiny-embedding's appends <|endoftext|> as Qwen3-Embedding's does."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
     from tokenizers import Tokenizer as Backend
 
     byte_to_char = bytes_to_unicode()
@@ -53,7 +71,22 @@ def tiny_tokenizer() -> Tokenizer:
     backend.decoder = decoders.ByteLevel()
     for text, special in SPECIAL_TOKENS:   # one at a time, so ids follow the list order
         backend.add_tokens([AddedToken(text, special=special, normalized=False)])
+    if name == "tiny-reranker":
+        for word in ANSWER_TOKENS:
+            backend.add_tokens([AddedToken(word, single_word=True, normalized=False)])
+    if name == "tiny-embedding":   # encode(..., add_special_tokens=True) ends with <|endoftext|>
+        backend.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>", pair="$A $B <|endoftext|>",
+                                                               special_tokens=[("<|endoftext|>", ENDOFTEXT)])
     return Tokenizer(backend, qwen3_chat_template(), {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+
+
+def tiny_embedding_config(name: str):
+    """What the built-in model's sentence-transformers files would say (npqwen/embed.py): the twins' own."""
+    from .embed import EmbeddingConfig
+
+    if name == "tiny-embedding":
+        return EmbeddingConfig(**TINY_EMBEDDING)
+    return EmbeddingConfig(model_type="CrossEncoder") if name == "tiny-reranker" else EmbeddingConfig()
 
 
 def tiny_model(device: str = "cpu", dtype: str = "float32", name: str = "tiny", comm=None) -> Qwen3:

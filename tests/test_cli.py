@@ -318,6 +318,13 @@ def test_argument_errors_are_argparse_usage():
     assert code == 2 and "invalid float value" in err and "Traceback" not in err
 
 
+def test_an_unknown_option_shows_the_commands_usage_and_the_nearest_option():
+    code, _, err = run("generate", "--model", "tiny", "--prompt", "hi", "--temprature", "0.5")
+    assert code == 2 and err.startswith("usage: npqwen generate") and "did you mean --temperature?" in err, err
+    code, _, err = run("serve", "--model", "tiny", "--prot", "8001")
+    assert code == 2 and err.startswith("usage: npqwen serve") and "did you mean --port?" in err, err
+
+
 # --prompts-file: many prompts through one engine, JSONL out in input order
 
 PROGRESS = re.compile(r"\] (\d+)/(\d+) done, \d+ tokens, [\d.]+ tokens/s, (ETA|took) \d+:\d\d:\d\d")
@@ -383,12 +390,21 @@ def test_jsonl_prompt_follows_raw_and_stdin_works():
     assert [r["prompt_tokens"] for r in jsonl(out_raw)] == [2, 2]
 
 
-def test_a_file_with_one_non_json_line_is_plain_text(tmp_path):
+@pytest.mark.parametrize("command", ["generate", "embed"])
+def test_a_jsonl_file_with_one_bad_line_is_an_error(tmp_path, command):
+    path = tmp_path / "mixed.jsonl"
+    first = '{"prompt": "a"}' if command == "generate" else '{"text": "a"}'
+    path.write_text(f'{first}\n{{prompt: "b"}}\n', encoding="utf-8")
+    source = ["--prompts-file", str(path), "-n", "2"] if command == "generate" else ["--input", str(path)]
+    code, out, err = run(command, "--model", "tiny", *source)
+    assert code == 1 and out == "" and f"{path} line 2: not valid JSON" in err and "Traceback" not in err
+
+
+def test_a_file_whose_first_line_is_text_is_plain_text(tmp_path):
     path = tmp_path / "mixed.txt"
-    path.write_text('{"prompt": "a"}\nnot json\n', encoding="utf-8")
+    path.write_text('not json\n{"prompt": "a"}\n', encoding="utf-8")
     code, out, err = run("generate", "--model", "tiny", "--prompts-file", str(path), "--raw", "-n", "2")
-    assert code == 0 and [r["prompt"] for r in jsonl(out)] == ['{"prompt": "a"}', "not json"]
-    assert "line 2 is not a JSON object" in err
+    assert code == 0 and [r["prompt"] for r in jsonl(out)] == ["not json", '{"prompt": "a"}']
 
 
 def test_output_file_and_progress_on_stderr(tmp_path):
@@ -558,3 +574,35 @@ def test_peak_memory_is_the_commands_own_not_its_parents():
     peak = float(re.search(r"peak memory: ([0-9.]+) GB", result.stdout).group(1))
     print(result.stdout)
     assert 0 < peak < 1.0, peak
+
+
+def test_chat_help_is_a_command_not_a_message():
+    code, out, err = run("chat", "--model", "tiny", "-n", "2", stdin=b"/help\n/exit\n")
+    assert code == 0 and "/reset" in err.split("/help lists the commands", 1)[1] and "/exit, /quit" in err
+    assert prompt_tokens(err) == [] and "random weights: its text is meaningless" in err   # nothing went to the model
+
+
+def test_a_piece_made_after_ctrl_c_is_not_shown(monkeypatch, capsys):
+    from npqwen.cli.common import stream_to_stdout
+
+    pressed = []
+
+    class Model:   # the second piece is made by the step during which Ctrl-C arrives
+        def stream(self, prompt, params, result):
+            yield "one"
+            pressed.append(True)
+            yield "two"
+
+    assert stream_to_stdout(Model(), "hi", None, stop_requested=lambda: bool(pressed)) is None
+    assert capsys.readouterr().out == "one\n"
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_control_characters_are_escaped_on_a_terminal_only(monkeypatch, tty):
+    from npqwen.cli.common import write_out
+
+    out = io.StringIO()
+    out.isatty = lambda: tty
+    monkeypatch.setattr(sys, "stdout", out)
+    write_out("a\x1b[2J\tb\x07\r\x9b\x7f\n")
+    assert out.getvalue() == ("a\\x1b[2J\tb\\x07\\x0d\\x9b\\x7f\n" if tty else "a\x1b[2J\tb\x07\r\x9b\x7f\n")

@@ -38,3 +38,9 @@ def test_cli_doc_embed_and_rerank_commands_run(embedding_small, reranker_small):
         result = run_doc_line(line)
         if "--top-n 2" in line:   # two documents, best first
             assert len(result.stdout.splitlines()) == 2
+
+
+def test_cli_doc_embed_and_rerank_commands_run_on_the_tiny_twins():
+    """The same lines offline on the built-in twins, which need no tokenizer files."""
+    for line in commands_and_their_files(pooling=True):
+        run_doc_line(line.replace(POOLING[0], "tiny-embedding").replace(POOLING[1], "tiny-reranker"))

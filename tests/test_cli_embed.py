@@ -75,3 +75,12 @@ def test_mistakes_after_the_load_are_one_line(embedding_small, tmp_path):
 def test_inspect_reads_a_qwen3model_checkpoint(embedding_small):
     code, out, err = run("inspect", "-m", embedding_small)
     assert code == 0 and "MISSING" not in out and "model.layers.2.mlp.down_proj.weight" in out and "[151669, 64]" in out
+
+
+@pytest.mark.parametrize("args", [["embed", "-m", "tiny-embedding", "--text", "hi"],
+                                  ["rerank", "-m", "tiny-reranker", "-q", "q", "-d", "a", "-d", "b"],
+                                  ["embed", "-m", "tiny-reranker", "--text", "hi"],
+                                  ["inspect", "-m", "tiny-embedding"], ["inspect", "-m", "tiny-reranker"]])
+def test_the_tiny_twins_run_offline(args):
+    code, out, err = run(*args, env={"HF_HUB_OFFLINE": "1"})
+    assert code == 0 and out and "Traceback" not in err, err

@@ -144,3 +144,11 @@ def test_readme_samples_are_excerpts_of_tested_docs_samples():
     assert len(blocks) >= 8
     loose = [line for code in blocks for line in code.splitlines() if line.strip() and line.strip() not in tested]
     assert not loose, "README lines that no docs sample holds:\n" + "\n".join(loose)
+
+
+def test_readme_says_what_the_test_command_costs():
+    """A newcomer learns before running it: how much it installs, what the browser tests need, how long."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    before, after = readme.split("<!-- test-command -->")[0][-600:], readme.split("<!-- /test-command -->")[1][:1500]
+    assert re.search(r"installs\s+about [\d.]+ GB", before), before
+    assert "chromium chromium-driver" in after and re.search(r"about \d+ minutes", after), after

@@ -365,3 +365,32 @@ def test_rerank_errors(reranker_dir):
                         (lambda: llm.rerank("q", ["x " * 3000]), r"documents\[0\]: the prompt has \d+ tokens")]:
         with pytest.raises(NpqwenError, match=match):
             call()
+
+
+# -- the built-in twins: tiny-embedding and tiny-reranker run both paths offline --
+
+def test_tiny_embedding_pools_its_last_token_and_normalises_as_its_files_say():
+    from npqwen.tiny import ENDOFTEXT, QUERY_PROMPT
+
+    twin, tiny = npqwen.load("tiny-embedding"), npqwen.load("tiny")   # the same random weights
+    assert twin.kind == "embedding" and twin.tokenizer.encode("hi", add_special_tokens=True)[-1] == ENDOFTEXT
+    ids = tiny.tokenizer.encode(QUERY_PROMPT + "hi") + [ENDOFTEXT]
+    want = tiny.embed([ids], normalize=True)                           # last token, unit length
+    compare(twin.embed("hi", prompt_name="query"), want, "tiny-embedding query")
+    compare(twin.embed("hi", instruction=INSTRUCTION), want, "tiny-embedding instruction")
+    assert np.allclose(np.linalg.norm(twin.embed(["a", "b c"]), axis=1), 1, atol=1e-6)
+
+
+def test_tiny_reranker_scores_p_yes_against_no():
+    from npqwen.rerank import DEFAULT_INSTRUCTION, prompt_ids
+
+    twin = npqwen.load("tiny-reranker")
+    yes, no = twin.tokenizer.token_to_id("yes"), twin.tokenizer.token_to_id("no")
+    assert twin.kind == "reranker" and None not in (yes, no)
+    assert twin.tokenizer.encode("no know") == [no, 32, *b"know"]   # whole words only
+    scores = twin.rerank("q", ["a doc", "another"])
+    for doc, score in zip(["a doc", "another"], scores):
+        logits = np.asarray(twin.forward(prompt_ids(twin.tokenizer, DEFAULT_INSTRUCTION, "q", doc)))[-1]
+        assert abs(score - 1 / (1 + np.exp(logits[no] - logits[yes]))) < 1e-5
+    with pytest.raises(NpqwenError, match="tiny-reranker is a built-in one"):
+        npqwen.load("tiny").rerank("q", ["d"])

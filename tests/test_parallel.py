@@ -238,8 +238,8 @@ def start_server(*args, env=None) -> tuple[subprocess.Popen, str]:
     return proc, line.split(" at ")[1].split("/v1")[0]
 
 
-def rank_pid(launcher: int, rank: int) -> int:
-    """The pid of one rank (a Python process with PMI_RANK=rank) among the launcher's descendants."""
+def descendants(launcher: int) -> list[int]:
+    """The launcher and every process under it, read from /proc."""
     children = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -252,7 +252,20 @@ def rank_pid(launcher: int, rank: int) -> int:
         pid = todo.pop()
         found.append(pid)
         todo += children.get(pid, [])
-    for pid in found:
+    return found
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's zombie waits for a parent that may never reap it)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def rank_pid(launcher: int, rank: int) -> int:
+    """The pid of one rank (a Python process with PMI_RANK=rank) among the launcher's descendants."""
+    for pid in descendants(launcher):
         try:
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
             exe = os.readlink(f"/proc/{pid}/exe")
@@ -288,6 +301,41 @@ def test_serve_answers_as_one_process_and_stops_on_ctrl_c():
         proc.send_signal(signal.SIGINT)
         code = proc.wait(30)
     assert code == 0, proc.stderr.read()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launcher_ends_every_process_of_the_group(signum):
+    """What systemd, docker or a supervisor sends (`kill PID`), mid-stream: mpiexec puts each rank in a
+    session of its own, yet mpiexec, its proxy and both ranks end within seconds, and the port is free."""
+    import socket
+
+    openai = pytest.importorskip("openai")
+    proc, url = start_server()
+    group = descendants(proc.pid)
+    assert len(group) >= 4, group   # the launcher, mpiexec, its proxy, two ranks (under their shells)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        stream = client.completions.create(model="tiny", prompt="The cat", max_tokens=4000, temperature=0,
+                                           stream=True)
+        try:
+            for n, _ in enumerate(stream):
+                if n == 3:
+                    proc.send_signal(signum)
+                    sent = time.monotonic()
+        except openai.APIError:
+            pass   # the stream may end with an error or cut short: the server is stopping
+        proc.wait(15)
+        while any(running(pid) for pid in group) and time.monotonic() < sent + 15:
+            time.sleep(0.1)
+        print(f"every process ended {time.monotonic() - sent:.1f} s after the signal; status {proc.returncode}")
+    finally:
+        left = [pid for pid in group if running(pid)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert not left, [open(f"/proc/{p}/cmdline").read()[:80] for p in left if os.path.exists(f"/proc/{p}")]
+    port = int(url.rsplit(":", 1)[1])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))   # free
 
 
 def test_a_rank_killed_mid_stream_ends_the_server_and_the_client_hears_why():

@@ -66,6 +66,12 @@ def test_perplexity_equals_hf(checkpoint, tmp_path, window, stride):
     assert f"over {len(ids) - 1} tokens" in out and "tokens/s" in err
 
 
+@pytest.mark.parametrize("text, count", [("ab", "1 token"), (TEXT, "407 tokens")])
+def test_perplexity_says_one_count(text, count):
+    code, out, err = run("--model", "tiny", "--input", "-", "--window", "100", stdin=text)
+    assert code == 0 and f"over {count} of stdin" in out and f"scored {count} in" in err, (out, err)
+
+
 def test_perplexity_reads_stdin():
     code, out, err = run("--model", "tiny", "--input", "-", stdin=TEXT)
     assert code == 0 and "of stdin" in out, err

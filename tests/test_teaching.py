@@ -247,6 +247,24 @@ def test_walkthrough_code_samples_run(tmp_path):
         run_doc_line(line)
     result = run_doc_line(next(line for line in shell if "pdb" in line), check=False)
     assert "Breakpoint 1 at" in result.stdout and "(21, 16)" in result.stdout   # it stopped and printed shapes
+    # the second breakpoint, named as model.py's frame sees it, stopped too; no pdb command failed
+    assert "Breakpoint 2 at" in result.stdout and "((21, 4, 8), 0)" in result.stdout and "***" not in result.stdout
+
+
+def test_walkthrough_breakpoints_name_what_they_say():
+    """The pdb breakpoints the walkthrough gives by name exist, and its file:line one is inside the function."""
+    import inspect
+
+    import npqwen.model
+    from npqwen import moe, ops
+
+    text = (ROOT / "docs" / "walkthrough.md").read_text(encoding="utf-8")
+    for name in re.findall(r"`break ([\w.]+)`", text):
+        scope = {"npqwen": npqwen, "ops": ops, "moe": moe, "Qwen3": npqwen.model.Qwen3}
+        assert callable(eval(name, scope)), name
+    line = int(re.search(r"`break npqwen/ops.py:(\d+)`", text).group(1))
+    lines, first = inspect.getsourcelines(ops.paged_attention)
+    assert first < line < first + len(lines), (line, first)
 
 
 def test_bench_reports_every_figure(tmp_path, npqwen_tiny_dir):
@@ -357,3 +375,21 @@ def test_bench_suites_are_modules_of_one_shape():
         assert flag in help_text, flag
     refused = run("--suites", "nope")
     assert refused.returncode == 2 and f"choose from {', '.join(SUITES)}" in refused.stderr
+
+
+def test_bench_fails_loudly_and_takes_the_built_in_models(tmp_path):
+    """A run that measured nothing exits non-zero; `--model tiny` is a quick try, written once as a checkpoint."""
+    env = {**os.environ, "NPQWEN_CACHE": str(tmp_path / "cache")}
+    run = lambda *args: subprocess.run([sys.executable, "-m", "tools.bench", "--engines", "npqwen",   # noqa: E731
+                                        "--threads", "1", "--prefill", "8", "--decode-prompts", "4",
+                                        "--new-tokens", "3", "--repeats", "1", *args],
+                                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    missing = run("--model", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "no config.json there" in missing.stderr, missing.stderr
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "qwen3"}')
+    broken = run("--model", str(tmp_path / "broken"))
+    assert broken.returncode == 1 and "[bench] npqwen failed:" in broken.stderr, broken.stderr
+    tiny = run("--model", "tiny", "--json")
+    assert tiny.returncode == 0, tiny.stderr
+    assert json.loads(tiny.stdout)["engines"]["npqwen"]["decode_4_tps"] > 0

@@ -26,6 +26,7 @@ import npqwen  # noqa: E402
 from npqwen import Engine  # noqa: E402
 from npqwen.trace import Trace  # noqa: E402
 
+from conftest import ROOT  # noqa: E402
 from serving import LiveServer, ScriptedModel, SlowModel, http_json, reference, tiny_server  # noqa: E402,F401  (fixtures)
 
 IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
@@ -626,3 +627,20 @@ def test_page_with_an_api_key(browser, reference):
             assert "script-src 'self'" in response.headers["Content-Security-Policy"]
     finally:
         server.close()
+
+
+def test_page_says_a_built_in_models_text_is_meaningless(browser, tiny_server):
+    """Served under its own name, a built-in model (random weights) is shown with that warning; others are not."""
+    from npqwen.tiny import BUILTIN
+
+    script = (ROOT / "npqwen" / "server" / "static" / "app.js").read_text(encoding="utf-8")
+    assert f"const BUILT_IN_MODELS = {json.dumps(list(BUILTIN))};" in script   # the page's list is npqwen's
+    llm = npqwen.load("tiny")
+    server = LiveServer(llm, model_name="tiny", engine=Engine(llm, kv_cache_tokens=1024, page_size=16))
+    try:
+        open_page(browser, server)
+        assert browser.find_element("id", "model-name").text == "tiny (random weights: its text is meaningless)"
+    finally:
+        server.close()
+    open_page(browser, tiny_server)   # "test-model": a name npqwen does not build in
+    assert browser.find_element("id", "model-name").text == "test-model"

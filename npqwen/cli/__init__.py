@@ -9,6 +9,7 @@ A mistake the user can fix (bad path, bad value, prompt too long) prints one lin
 and exits with status 1, without a traceback.
 """
 import argparse
+import difflib
 import importlib
 import io
 import os
@@ -77,8 +78,24 @@ def run(args) -> int:
         return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but an unknown option after a command shows that command's usage and the nearest
+    option it has (`generate --temprature 0.5`: did you mean --temperature?)."""
+
+    def parse_args(self, args=None, namespace=None):
+        args, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            commands = next(a for a in self._actions if isinstance(a, argparse._SubParsersAction))
+            command = commands.choices[args.command]
+            options = [o for a in command._actions for o in a.option_strings if o.startswith("--")]
+            near = [difflib.get_close_matches(u.split("=")[0], options, n=1) for u in unknown if u.startswith("-")]
+            hint = "".join(f"; did you mean {n[0]}?" for n in near if n)
+            command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        return args
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="npqwen", description="Qwen3 inference in plain NumPy / CuPy.")
+    parser = Parser(prog="npqwen", description="Qwen3 inference in plain NumPy / CuPy.")
     from .. import __version__
     parser.add_argument("--version", action="version", version=f"npqwen {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

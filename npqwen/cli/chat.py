@@ -12,13 +12,22 @@ from .common import command_line_steering
 from .parallel import add_option
 
 
+HELP = """/help, /?      this list
+/reset         clear the history (the system message stays)
+/exit, /quit   quit (so do Ctrl-D, and Ctrl-C at the prompt)
+Ctrl-C during an answer stops it; the answer is not kept in the history.
+Up and down arrows recall earlier lines. Anything else is sent to the model."""
+TINY_NOTE = " (random weights: its text is meaningless, it is for stepping through the code)"
+
+
 def add_parser(commands):
     p = commands.add_parser("chat", parents=[model_options(), sampling_options(), constraint_options(),
                                                     steering_options()],
                             help="interactive multi-turn chat",
-                            description="Multi-turn chat. /reset clears the history; /exit, Ctrl-D or Ctrl-C at "
-                                        "the prompt quits; Ctrl-C during an answer stops that answer (it is not "
-                                        "kept in the history). Arrow keys edit the line and recall earlier ones.")
+                            description="Multi-turn chat. /help lists the commands; /reset clears the history; "
+                                        "/exit, Ctrl-D or Ctrl-C at the prompt quits; Ctrl-C during an answer stops "
+                                        "that answer (it is not kept in the history). Arrow keys edit the line and "
+                                        "recall earlier ones.")
     add_option(p)
     p.set_defaults(run=cmd_chat)
 
@@ -30,8 +39,11 @@ def cmd_chat(args) -> int:
     llm, _ = load_model(args, chat_template=True)
     history = list(system)
     line_editing()
-    print(f"npqwen chat with {args.model}. /reset clears the history; /exit, Ctrl-D or Ctrl-C quits; "
-          f"Ctrl-C during an answer stops it.", file=sys.stderr)
+    from ..tiny import BUILTIN
+
+    note = TINY_NOTE if args.model in BUILTIN else ""
+    print(f"npqwen chat with {args.model}{note}. /help lists the commands; /reset clears the history; /exit, "
+          f"Ctrl-D or Ctrl-C quits; Ctrl-C during an answer stops it.", file=sys.stderr)
     while True:
         try:
             line = input(">>> ")
@@ -46,6 +58,9 @@ def cmd_chat(args) -> int:
         command = line.strip()
         if command in ("/exit", "/quit"):
             return 0
+        if command in ("/help", "/?"):
+            print(HELP, file=sys.stderr)
+            continue
         if command == "/reset":
             history = list(system)
             print("(history cleared)", file=sys.stderr)

@@ -4,6 +4,7 @@ import argparse
 import codecs
 import json
 import os
+import re
 import resource
 import sys
 import time
@@ -21,10 +22,20 @@ class OutputError(NpqwenError):
     """stdout cannot take the output (a full disk, /dev/full, a closed terminal)."""
 
 
+# C0 controls but tab and newline, DEL, C1: a random model's bytes can move the cursor or clear the screen
+CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def shown(text: str) -> str:
+    """Text as a terminal should show it: each control character written as its escape ("\\x1b")."""
+    return CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def write_out(text: str):
-    """Write to stdout and flush; a failed write (no space left) is one clear error."""
+    """Write to stdout and flush (control characters escaped on a terminal, raw into a file or a pipe);
+    a failed write (no space left) is one clear error."""
     try:
-        sys.stdout.write(text)
+        sys.stdout.write(shown(text) if sys.stdout.isatty() else text)
         sys.stdout.flush()
     except BrokenPipeError:
         raise
@@ -37,7 +48,8 @@ def model_options() -> argparse.ArgumentParser:
     model = argparse.ArgumentParser(add_help=False)
     model.add_argument("--model", "-m", default=DEFAULT_MODEL,
                        help=f"checkpoint directory, hub id in the HF cache (downloaded if missing), or 'tiny' / "
-                            f"'tiny-moe' (built-in, random weights) (default: {DEFAULT_MODEL})")
+                            f"'tiny-moe' / 'tiny-embedding' / 'tiny-reranker' (built-in, random weights) "
+                            f"(default: {DEFAULT_MODEL})")
     model.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: cpu)")
     model.add_argument("--dtype", default="float32",
                        help="compute dtype; cpu: float32, float64; cuda: also float16 (default: float32)")
@@ -291,6 +303,25 @@ def json_object(line: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+def jsonl_objects(name: str, lines: list[tuple[int, str]]) -> list[dict] | None:
+    """The objects of a JSONL input, or None for plain text: a file whose first non-blank line is a
+    JSON object is JSONL, and then a line that is not one is an error (not a quiet switch to text)."""
+    if json_object(lines[0][1]) is None:
+        return None
+    objects = []
+    for n, line in lines:
+        try:
+            value = json.loads(line)
+        except ValueError as e:
+            raise NpqwenError(f"{name} line {n}: not valid JSON ({e}); the first line is a JSON object, so "
+                              f"the file is read as JSONL, one object per line") from None
+        if not isinstance(value, dict):
+            raise NpqwenError(f"{name} line {n}: a {type(value).__name__}, not a JSON object; the first line is "
+                              f"one, so the file is read as JSONL, one object per line")
+        objects.append(value)
+    return objects
+
+
 def checked_text(text: str, what: str) -> str:
     """Refuse text that is not valid UTF-8 (Python keeps undecodable argv bytes as lone surrogates)."""
     try:
@@ -325,10 +356,10 @@ def stream_to_stdout(llm, prompt, params, stop_requested=None, steering=None):
     stopped = stop_requested is not None and stop_requested()
     if not stopped:
         for piece in pieces:
-            write_out(piece)
-            if stop_requested is not None and stop_requested():
-                stopped = True
+            if stop_requested is not None and stop_requested():   # Ctrl-C during the step that made this
+                stopped = True                                    # piece: it is not shown
                 break
+            write_out(piece)
     if stopped:
         pieces.close()   # the generator's `finally` aborts the request and frees its pages
         write_out("\n")

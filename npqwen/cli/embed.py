@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import NpqwenError
-from .common import (add_engine_sizes, check_writable, checked_text, engine_sizes, input_name, json_object,
+from .common import (add_engine_sizes, check_writable, checked_text, engine_sizes, input_name, jsonl_objects,
                      load_model, model_options, peak_rss_bytes, read_input_file, write_out)
 from .progress import Progress
 
@@ -97,13 +97,13 @@ def check_output(path: str):
 
 
 def read_texts(path: str) -> list[str]:
-    """The texts of FILE: JSONL ("text" fields) if every non-empty line is a JSON object, else one per line."""
+    """The texts of FILE: JSONL ("text" fields) if its first non-blank line is a JSON object, else one per line."""
     name, text = input_name(path), read_input_file(path)
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not lines:
         raise NpqwenError(f"{name}: no texts (every line is blank)")
-    objects = [json_object(line) for _, line in lines]
-    if all(o is not None for o in objects):
+    objects = jsonl_objects(name, lines)
+    if objects is not None:
         texts = []
         for (n, _), o in zip(lines, objects):
             if set(o) != {"text"} or not isinstance(o["text"], str):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import NpqwenError
 from .common import (CONSTRAINT_FIELDS, ENGINE_SIZES, SAMPLING_FIELDS, add_engine_sizes, check_writable,
-                     checked_text, command_line_params, constraint_options, engine_sizes, input_name, json_object,
+                     checked_text, command_line_params, constraint_options, engine_sizes, input_name, jsonl_objects,
                      load_model, model_options, peak_rss_bytes, print_stats, read_input_file, sampling_options,
                      stream_to_stdout, system_messages, write_out)
 from .common import command_line_steering, steering_options
@@ -74,17 +74,13 @@ class FilePrompt:
 
 
 def read_prompts_file(path: str) -> list[FilePrompt]:
-    """The prompts in FILE: JSONL if every non-empty line is a JSON object, else one prompt per line."""
+    """The prompts in FILE: JSONL if its first non-blank line is a JSON object, else one prompt per line."""
     name, text = input_name(path), read_input_file(path)
     lines = [(n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not lines:
         raise NpqwenError(f"{name}: no prompts in it ({'every line is blank' if text else 'the file is empty'})")
-    objects = [json_object(line) for _, line in lines]
-    if any(o is None for o in objects):
-        if any(o is not None for o in objects):   # most likely JSONL with a broken line: say how it was read
-            n = next(n for (n, _), o in zip(lines, objects) if o is None)
-            print(f"npqwen: {name} line {n} is not a JSON object, so every line is read as a plain-text prompt",
-                  file=sys.stderr)
+    objects = jsonl_objects(name, lines)
+    if objects is None:
         return [FilePrompt(n, prompt=line) for n, line in lines]
     return [file_prompt(f"{name} line {n}", n, o) for (n, _), o in zip(lines, objects)]
 

@@ -54,7 +54,8 @@ def wanted(args) -> bool:
 
 
 def relaunch(args, argv: list[str]):
-    """Not under mpiexec yet: check N, then become `mpiexec -n N python -m npqwen ARGS` (never returns)."""
+    """Not under mpiexec yet: check N, then run `mpiexec -n N python -m npqwen ARGS` beside it (supervise) and
+    exit with its status (never returns)."""
     n = args.tensor_parallel_size
     check_model_split(args.model, n)
     import importlib.util
@@ -68,7 +69,74 @@ def relaunch(args, argv: list[str]):
                sys.executable, "-m", "npqwen", *argv]
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(mpiexec, command)
+    sys.exit(supervise(command))
+
+
+# How long the group has to stop by itself after a SIGTERM, SIGHUP or `kill -INT` to the launcher, before
+# every process of it is killed.
+GRACE_S = 5.0
+GROUP_MARK = "NPQWEN_TP_GROUP"   # in the environment of every process of the group, whatever its session
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def supervise(command: list[str]) -> int:
+    """Run mpiexec and stay beside it, so that the group ends as one. mpiexec starts each rank in a
+    session of its own, so a signal to the launcher reaches only part of the group: here a SIGTERM,
+    SIGHUP or `kill -INT` becomes the Ctrl-C the ranks stop on (rank 0 ends the command, the others
+    follow), and whatever of the group is still running GRACE_S later, or once mpiexec has exited,
+    is killed. Ctrl-C from the terminal reaches mpiexec itself (it shares our process group, as chat's
+    input needs), so it is left to it. Every process of the group carries GROUP_MARK in its environment."""
+    import secrets
+    import subprocess
+    import time
+
+    mark = os.environ[GROUP_MARK] = f"{os.getpid()}-{secrets.token_hex(4)}"
+    watched = {*STOP_SIGNALS, signal.SIGCHLD}
+    signal.pthread_sigmask(signal.SIG_BLOCK, watched)   # taken one at a time below, with who sent them
+    launcher = subprocess.Popen(command, preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, watched))
+    deadline, stopped_by = None, None
+    while launcher.poll() is None:
+        timeout = 1.0 if deadline is None else max(0.01, deadline - time.monotonic())
+        info = signal.sigtimedwait(watched, timeout)
+        if info is not None and info.si_signo in STOP_SIGNALS and not from_the_terminal(info):
+            stopped_by = stopped_by or info.si_signo
+            deadline = deadline or time.monotonic() + GRACE_S
+            launcher.send_signal(signal.SIGINT)   # the first: the ranks stop; a second one: hydra kills them
+        if deadline is not None and time.monotonic() >= deadline:
+            launcher.kill()
+            launcher.wait()
+    kill_group(mark)   # an orphaned rank or proxy, in a session of its own
+    code = launcher.returncode
+    return 128 + stopped_by if stopped_by and code else (code if code >= 0 else 128 - code)
+
+
+def from_the_terminal(info) -> bool:
+    """A Ctrl-C typed on the terminal (the kernel sends it to the whole foreground process group, mpiexec
+    included), not a `kill` from a process."""
+    return info.si_signo == signal.SIGINT and info.si_code > 0   # SI_KERNEL; kill() is SI_USER (0)
+
+
+def group_pids(mark: str) -> list[int]:
+    """The processes (not zombies) whose environment carries `mark`, this one aside: read from /proc."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(pid) == os.getpid() or open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            if f"{GROUP_MARK}={mark}".encode() in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"):
+                pids.append(int(pid))
+        except (OSError, IndexError):   # gone meanwhile, or not ours to read
+            pass
+    return pids
+
+
+def kill_group(mark: str):
+    """SIGKILL every process left of the group."""
+    for pid in group_pids(mark):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def check_model_split(model: str, n: int):
@@ -76,9 +144,10 @@ def check_model_split(model: str, n: int):
     from ..config import Qwen3Config
     from ..parallel import check_split
 
-    if model == "tiny":
-        from ..tiny import TINY_CONFIG
-        config = Qwen3Config.from_dict(TINY_CONFIG, source="tiny model")
+    from ..tiny import BUILTIN
+
+    if model in BUILTIN:
+        config = Qwen3Config.from_dict(BUILTIN[model], source=f"{model} model")
     else:
         from ..hub import resolve_model
         config = Qwen3Config.from_json(resolve_model(model) / "config.json")

@@ -46,7 +46,7 @@ def cmd_perplexity(args) -> int:
                           f"that the first token each one scores has tokens before it")
     ids = llm.tokenizer.encode(text)
     if len(ids) < 2:
-        raise NpqwenError(f"{input_name(args.input)} has {len(ids)} token{'s' * (len(ids) != 1)}: a perplexity "
+        raise NpqwenError(f"{input_name(args.input)} has {plural(len(ids), 'token')}: a perplexity "
                           f"needs at least two (the first token has nothing before it to be predicted from)")
     started = time.perf_counter()
     windows, news = sliding_windows(len(ids), window, stride)
@@ -55,12 +55,18 @@ def cmd_perplexity(args) -> int:
     seconds = time.perf_counter() - started
     assert len(logprobs) == len(ids) - 1
     mean = sum(logprobs) / len(logprobs)
-    write_out(f"perplexity {math.exp(-mean):.4f} (mean log p {mean:.4f}) over {len(logprobs)} tokens of "
-              f"{input_name(args.input)}; {len(windows)} window{'s' * (len(windows) > 1)} of up to {window} tokens, "
+    scored = plural(len(logprobs), "token")   # one count on both streams: the tokens predicted
+    write_out(f"perplexity {math.exp(-mean):.4f} (mean log p {mean:.4f}) over {scored} of "
+              f"{input_name(args.input)}; {plural(len(windows), 'window')} of up to {window} tokens, "
               f"stride {stride}\n")
-    print(f"load: {load_seconds:.2f} s; scored {sum(b - a for a, b in windows)} tokens in {seconds:.2f} s "
-          f"({sum(b - a for a, b in windows) / seconds:.1f} tokens/s)", file=sys.stderr)
+    print(f"load: {load_seconds:.2f} s; scored {scored} in {seconds:.2f} s "
+          f"({len(logprobs) / seconds:.1f} tokens/s)", file=sys.stderr)
     return 0
+
+
+def plural(n: int, word: str) -> str:
+    """'1 token', '2 tokens'."""
+    return f"{n} {word}{'s' * (n != 1)}"
 
 
 def sliding_windows(total: int, window: int, stride: int) -> tuple[list[tuple[int, int]], list[int]]:

@@ -41,6 +41,32 @@ def default_checkpoint(moe: bool = False) -> Path:
     return path
 
 
+def builtin_checkpoint(name: str) -> Path:
+    """A built-in model (`--model tiny`, tiny-moe, ...) written once as a checkpoint directory, float32,
+    so that the HF engines load the same weights as npqwen: a quick try of the whole command."""
+    import numpy as np
+
+    import npqwen
+    from npqwen.checkpoint import expected_shapes, save_safetensors
+    from npqwen.tiny import BUILTIN, TINY_GENERATION
+
+    path = CACHE_DIR / f"builtin-{name}"
+    if (path / "model.safetensors").is_file() and (path / "config.json").is_file():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    llm = npqwen.load(name)
+    tensors = {n: np.asarray(llm.weights[n], np.float32) for n in expected_shapes(llm.config)}
+    save_safetensors(path / "model.safetensors.tmp", tensors, "F32")
+    llm.tokenizer.backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": llm.tokenizer.chat_template,
+                                                            **llm.tokenizer.special_tokens}))
+    (path / "generation_config.json").write_text(json.dumps(TINY_GENERATION, indent=2))
+    (path / "config.json").write_text(json.dumps(dict(BUILTIN[name], architectures=[
+        "Qwen3MoeForCausalLM" if BUILTIN[name]["model_type"] == "qwen3_moe" else "Qwen3ForCausalLM"]), indent=2))
+    (path / "model.safetensors.tmp").rename(path / "model.safetensors")   # last: a whole checkpoint or none
+    return path
+
+
 def load_engine(args):
     """The engine this worker measures (args.worker names it), loaded once for all its suites."""
     return NpqwenEngine(args) if args.worker == "npqwen" else HFEngine(args)

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import tools.bench
+from npqwen.tiny import BUILTIN
 from tools.bench import SUITES
-from tools.bench.engines import ENGINES, KNOWN_ENGINES, default_checkpoint, load_engine
+from tools.bench.engines import ENGINES, KNOWN_ENGINES, builtin_checkpoint, default_checkpoint, load_engine
 from tools.bench.machine import bandwidth_probe, machine, measure_device, measure_matmul, merge_machine, peak_rss_bytes
 from tools.bench.report import figures, markdown, table
 
@@ -19,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tools.bench", description=tools.bench.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="checkpoint directory (default: a random Qwen3-0.6B-shape one, built once)")
+    p.add_argument("--model", help="checkpoint directory, or a built-in model (tiny, tiny-moe) for a quick try "
+                                   "(default: a random Qwen3-0.6B-shape one, built once)")
     p.add_argument("--engines", default=",".join(ENGINES),
                    help=f"comma-separated, from {', '.join(KNOWN_ENGINES)} (default: {','.join(ENGINES)})")
     p.add_argument("--suites", default="prefill,decode",
@@ -63,6 +65,11 @@ def main(argv=None) -> int:
         p.error("the moe suite runs on a Qwen3-MoE checkpoint of its own: run it alone, --suites moe")
     own = all(getattr(SUITES[s], "OWN_MODEL", False) for s in suites)   # (the embed suite alone needs no --model)
     model = Path(args.model).resolve() if args.model else None if own else default_checkpoint(moe="moe" in suites)
+    if args.model in BUILTIN:   # written once as a checkpoint, which every engine loads
+        model = builtin_checkpoint(args.model)
+    if model is not None and not (model / "config.json").is_file():
+        p.error(f"--model {args.model}: no config.json there; give a checkpoint directory or a built-in model "
+                f"({', '.join(BUILTIN)})")
     if "moe" in suites and json.loads((model / "config.json").read_text()).get("model_type") != "qwen3_moe":
         p.error(f"--suites moe needs a Qwen3-MoE checkpoint (model_type qwen3_moe); {model} is not one")
     report = {"machine": machine(args), "checkpoint": str(model), "rounds": args.rounds,
@@ -86,7 +93,11 @@ def main(argv=None) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(markdown(report) if args.markdown else table(report))
-    return 0
+    failed = {**{e: r["error"] for e, r in report["engines"].items() if "error" in r},
+              **report.get("serving", {}).get("errors", {})}
+    for engine, error in failed.items():   # a table with holes is not a result: say why, exit 1
+        print(f"[bench] {engine} failed: {error}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 # ---------------------------------------------------------------------------- the workers

@@ -74,11 +74,16 @@ async function* events(response) {
   }
 }
 
+// npqwen's built-in models (npqwen/tiny.py, served under their own names): random weights, meaningless text
+const BUILT_IN_MODELS = ["tiny", "tiny-moe", "tiny-embedding", "tiny-reranker"];
+
 async function loadModel() {
   try {
     const models = await api("v1/models");
     state.model = models.data[0].id;
-    $("model-name").textContent = state.model;
+    const builtIn = BUILT_IN_MODELS.includes(state.model);
+    $("model-name").textContent = state.model + (builtIn ? " (random weights: its text is meaningless)" : "");
+    $("model-name").title = builtIn ? "a built-in model of npqwen/tiny.py, for stepping through the code" : "";
     showNotice("");
   } catch (e) {
     if (e.status !== 401) showNotice("Cannot reach the server: " + e.message);
