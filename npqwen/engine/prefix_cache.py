@@ -24,10 +24,12 @@ class PrefixCache:
     def page_hash(self, parent: int | None, tokens) -> int:
         return hash((parent, tuple(tokens)))
 
-    def match(self, tokens, max_pages: int) -> tuple[list[int], list[int]]:
+    def match(self, tokens, max_pages: int, root: str | None = None) -> tuple[list[int], list[int]]:
         """The cached pages (and their chain hashes) that hold the longest prefix of `tokens`,
-        at most max_pages of them; each page returned gains a reference."""
-        pages, hashes, parent, P = [], [], None, self.page_size
+        at most max_pages of them; each page returned gains a reference. `root` is the first page's
+        parent: a request's LoRA adapter (Request.cache_root), so a prefix cached under one adapter is
+        never reused under another."""
+        pages, hashes, parent, P = [], [], root, self.page_size
         if not self.enabled:
             return pages, hashes
         for j in range(max_pages):

@@ -55,6 +55,7 @@ class Request:
     pooling: str = "lasttoken"           # embed: which positions' final-norm states make the embedding (embed.py)
     score_ids: tuple = ()                # score: the tokens whose logits at the last position are the output
     prefix_reuse: bool = True            # False: every position is computed, none taken from the prefix cache
+    lora: object = None                  # its LoRA adapter (npqwen/lora.py), or None: the base model
     pooled: np.ndarray | None = None     # embed: the pooling so far (mean: the running sum), float32
     pooled_upto: int = 0                 # embed: positions already folded into `pooled` (kept over a preemption)
     tokens: list[int] = field(init=False)       # prompt + generated
@@ -89,6 +90,11 @@ class Request:
         if self.prompt_logprobs is not None and self.prompt_scored < len(self.prompt_ids):
             return self.prompt_scored - 1
         return len(self.tokens) - 1
+
+    @property
+    def cache_root(self) -> str | None:
+        """Where its prefix-cache chain starts: keys and values computed under an adapter are that adapter's."""
+        return None if self.lora is None else self.lora.key
 
     @property
     def finished(self) -> bool:
