@@ -207,3 +207,29 @@ def test_unreadable_files(llm, adapters, tmp_path):
         llm.load_lora("x", path)
     with pytest.raises(NpqwenError, match="is not a directory"):
         llm.load_lora("x", tmp_path / "nowhere")
+
+
+def test_merge_lora_equals_peft_merge_and_unload(base, adapters, tmp_path):
+    from npqwen.cli import main
+
+    out = tmp_path / "merged"
+    assert main(["merge-lora", str(base), str(adapters["pattern"]), str(out)]) == 0
+    ids = np.random.default_rng(3).integers(0, 4000, size=9).tolist()
+    with torch.no_grad():
+        want = peft_model(base, adapters["pattern"]).merge_and_unload()(torch.tensor([ids])).logits[0].numpy()
+    ours = to_numpy(npqwen.load(out).forward(ids))
+    rel = np.abs(ours - want).max() / np.abs(want).max()
+    print(f"merge-lora vs PEFT merge_and_unload: max |diff| {np.abs(ours - want).max():.2e} (relative {rel:.2e})")
+    assert rel < 1e-4
+
+
+def test_cli_generate_with_lora(base, adapters, capsys):
+    from npqwen.cli import main
+
+    common = ["--model", "tiny", "--raw", "-p", "hi", "--max-new-tokens", "2", "--temperature", "0"]
+    assert main(["generate", *common, "--lora", f"a={adapters['plain']}"]) == 1   # made for another base
+    assert "made for another base model" in capsys.readouterr().err
+    assert main(["generate", *common, "--lora", "a"]) == 1
+    assert "--lora takes NAME=PATH" in capsys.readouterr().err
+    assert main(["generate", *common, "--lora", f"a={adapters['plain']}", "--lora-name", "b"]) == 1
+    assert "--lora-name 'b' is not one of the adapters given with --lora (a)" in capsys.readouterr().err

@@ -8,15 +8,16 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import NpqwenError
 from .common import (CONSTRAINT_FIELDS, ENGINE_SIZES, SAMPLING_FIELDS, add_engine_sizes, check_writable,
-                     checked_text, command_line_params, constraint_options, engine_sizes, input_name, json_object,
-                     load_model, model_options, peak_rss_bytes, print_stats, read_input_file, sampling_options,
+                     checked_text, chosen_lora, command_line_params, constraint_options, engine_sizes, input_name,
+                     json_object, load_model, lora_options, model_options, peak_rss_bytes, print_stats, read_input_file, sampling_options,
                      stream_to_stdout, system_messages, write_out)
 from .parallel import add_option
 from .progress import Progress
 
 
 def add_parser(commands):
-    p = commands.add_parser("generate", parents=[model_options(), sampling_options(), constraint_options()],
+    p = commands.add_parser("generate", parents=[model_options(), lora_options(), sampling_options(),
+                                                 constraint_options()],
                             help="complete one prompt, streaming; or a file of prompts, batched")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", "-p", help="the prompt ('-' reads it from stdin)")
@@ -24,6 +25,8 @@ def add_parser(commands):
                         help="many prompts, run together through one engine: one per line, or JSONL lines with "
                              "\"prompt\" or \"messages\" and optional sampling and constraint fields ('-' reads "
                              "stdin)")
+    p.add_argument("--lora-name", metavar="NAME",
+                   help="generate through the --lora adapter called NAME (default: the only --lora given, if one)")
     p.add_argument("--raw", action="store_true",
                    help="plain completion: do not apply the chat template (default: the chat template)")
     batch = p.add_argument_group("with --prompts-file")
@@ -50,10 +53,11 @@ def cmd_generate(args) -> int:
     system = system_messages(args)
     # a bad value shows before the (slow) load; with thinking, a constraint applies after the free reasoning
     params = command_line_params(args, thinking=not args.raw and not args.no_think)
+    lora = chosen_lora(args)
     llm, load_seconds = load_model(args, chat_template=not args.raw)
     if not args.raw:
         prompt = llm.chat_prompt(system + [{"role": "user", "content": prompt}], enable_thinking=not args.no_think)
-    print_stats(stream_to_stdout(llm, prompt, params), load_seconds)
+    print_stats(stream_to_stdout(llm, prompt, params, lora=lora), load_seconds)
     return 0
 
 
@@ -123,13 +127,15 @@ def generate_file(args) -> int:
     if args.output:
         check_writable(args.output, "--output")
     prompts = read_prompts_file(args.prompts_file)
+    lora = chosen_lora(args)
     llm, load_seconds = load_model(args, chat_template=not args.raw or any(p.messages for p in prompts))
     engine = Engine(llm, **engine_sizes(args))
     # Every request is made (and so checked) before the first step; one bad line stops them all.
     requests = []
     for p in prompts:
         try:
-            requests.append(engine.new_request(file_prompt_text(llm, args, p), line_params(params, args, p)))
+            requests.append(engine.new_request(file_prompt_text(llm, args, p), line_params(params, args, p),
+                                               lora=lora))
         except NpqwenError as e:
             raise NpqwenError(f"{name} line {p.line}: {e}") from None
     try:
