@@ -1,7 +1,7 @@
 """`npqwen serve`: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn).
 
     GET  /                          the web page: chat, and why each token was chosen (static/)
-    GET  /v1/models                 the one model served
+    GET  /v1/models                 the model served, and its LoRA adapters (their `model` selects them)
     POST /v1/chat/completions       chat, streamed or not: reasoning, tool calls, logprobs, n (serving_chat.py)
     POST /v1/completions            plain completion of a prompt (text or token ids); echo, prompt logprobs
     POST /v1/responses              OpenAI's Responses API (serving_responses.py), run as a chat
@@ -10,6 +10,8 @@
     POST /v1/npqwen/attention       one position's attention in every head of a layer (serving_probes.py)
     POST /v1/npqwen/experts         the experts one token went to in each layer (Qwen3-MoE; for the page)
     POST /tokenize, /detokenize     the model's tokenizer (vLLM's shapes); GET /tokenizer_info
+    POST /v1/load_lora_adapter      load / unload a LoRA adapter (vLLM's shapes; --allow-runtime-lora only)
+    POST /v1/unload_lora_adapter
     GET  /health                    200 while the engine thread is alive
     GET  /metrics                   Prometheus text format (metrics.py)
 
@@ -34,10 +36,12 @@ from .http import (DEFAULT_MAX_BODY_BYTES, APIKey, BodyLimit, JSONBodies, add_er
                    page_file)
 from .metrics import Metrics
 from .protocol import (AttentionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                       EmbeddingRequest, ExpertsRequest, RerankRequest, ResponsesRequest, TokenizeRequest)
+                       EmbeddingRequest, ExpertsRequest, LoraAdapterRequest, RerankRequest, ResponsesRequest,
+                       TokenizeRequest)
 from .serving import PromptWorkers, Serving
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
+from .serving_lora import ServingLora
 from .serving_pooling import ServingPooling
 from .serving_probes import ServingProbes
 from .serving_responses import ServingResponses
@@ -48,9 +52,10 @@ DEFAULT_MAX_QUEUE = 256                    # waiting requests; one more is a 429
 
 def create_app(llm, engine, model_name: str, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready=None,
-               allowed_origins: list[str] | None = None) -> FastAPI:
+               allowed_origins: list[str] | None = None, allow_runtime_lora: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` (over `llm`) as `model_name`; on_ready() runs once it is up.
-    `allowed_origins`: web pages of these origins may call the API (CORS; "*" any); none by default."""
+    `allowed_origins`: web pages of these origins may call the API (CORS; "*" any); none by default.
+    `allow_runtime_lora`: clients may load LoRA adapters from the server's disk (serving_lora.py)."""
     metrics = Metrics(engine)
     loop = EngineLoop(engine, metrics)
     workers = PromptWorkers(llm.tokenizer)
@@ -59,6 +64,7 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     server, chat, completion = Serving(**shared), ServingChat(**shared), ServingCompletion(**shared)
     responder, pooling = ServingResponses(**shared), ServingPooling(**shared)
     probes, tokenization = ServingProbes(**shared), ServingTokenization(**shared)
+    loras = ServingLora(allow_runtime_lora, **shared)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -148,5 +154,13 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         return await tokenization.off_loop(tokenization.detokenize, body)
+
+    @app.post("/v1/load_lora_adapter", include_in_schema=allow_runtime_lora)
+    async def load_lora_adapter(body: LoraAdapterRequest):
+        return await loras.load(body)
+
+    @app.post("/v1/unload_lora_adapter", include_in_schema=allow_runtime_lora)
+    async def unload_lora_adapter(body: LoraAdapterRequest):
+        return loras.unload(body)
 
     return app

@@ -395,6 +395,12 @@ class TextConfig(Strict):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+class LoraAdapterRequest(Strict):   # POST /v1/load_lora_adapter and /v1/unload_lora_adapter, vLLM's shapes
+    lora_name: str = Field(min_length=1)
+    lora_path: str | None = Field(None, min_length=1)   # loading: a directory on the server's disk
+    lora_int_id: int | None = None                       # vLLM's; not needed
+
+
 class ResponsesRequest(Strict):
     """POST /v1/responses. Input items are checked one by one (to_messages), with their index in `param`."""
     model: str
