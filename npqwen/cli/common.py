@@ -48,7 +48,7 @@ def lora_options() -> argparse.ArgumentParser:
     """--lora name=path (repeatable): PEFT LoRA adapters loaded beside the model (npqwen/lora.py)."""
     lora = argparse.ArgumentParser(add_help=False)
     lora.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
-                      help="load the PEFT LoRA adapter in directory PATH under NAME (repeatable)")
+                      help="load the PEFT LoRA adapter in directory PATH under NAME (repeatable; default: none)")
     return lora
 
 

@@ -8,9 +8,9 @@ def add_parser(commands):
                             description="Write BASE with ADAPTER merged into its weights (W + scale * B A, as PEFT's "
                                         "merge_and_unload) to the directory OUT, with BASE's tokenizer and "
                                         "generation defaults; it then runs like any checkpoint, at no cost per token.")
-    p.add_argument("base", metavar="BASE", help="the base checkpoint directory or hub id")
-    p.add_argument("adapter", metavar="ADAPTER", help="the PEFT adapter directory")
-    p.add_argument("out", metavar="OUT", help="the directory to write (made if missing)")
+    p.add_argument("base", metavar="BASE", help="the base checkpoint directory or hub id (required, no default)")
+    p.add_argument("adapter", metavar="ADAPTER", help="the PEFT adapter directory (required, no default)")
+    p.add_argument("out", metavar="OUT", help="the directory to write, made if missing (required, no default)")
     p.add_argument("--save-dtype", default="F32", choices=["F32", "BF16", "F16"],
                    help="the dtype of the written weights (default: F32)")
     p.set_defaults(run=cmd_merge_lora)
