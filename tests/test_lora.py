@@ -233,3 +233,22 @@ def test_cli_generate_with_lora(base, adapters, capsys):
     assert "--lora takes NAME=PATH" in capsys.readouterr().err
     assert main(["generate", *common, "--lora", f"a={adapters['plain']}", "--lora-name", "b"]) == 1
     assert "--lora-name 'b' is not one of the adapters given with --lora (a)" in capsys.readouterr().err
+
+
+def test_bench_lora_suite_reports_every_figure(npqwen_tiny_dir):
+    """The lora suite of tools/bench, small, on a tiny checkpoint: its figures, never a time asserted."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    cmd = [sys.executable, "-m", "tools.bench", "--model", str(npqwen_tiny_dir), "--engines", "npqwen", "--suites",
+           "lora", "--threads", "1", "--lora-rank", "2", "--lora-batch", "3", "--lora-context", "8", "--lora-steps",
+           "2", "--json"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    ours = report["engines"]["npqwen"]
+    for key in ("lora_decode_base_s", "lora_decode_lora_s", "lora_step_base_s", "lora_step_lora_s"):
+        assert ours[key] > 0, key
+    assert {"lora_decode_overhead_pct", "lora_step_overhead_pct"} <= set(report["figures"])
