@@ -193,8 +193,9 @@ class Qwen3:
         if probs is not None:   # kept for a recorder: every rank's heads
             probs = self.comm.all_gather(probs, axis=0)                                   # (H, n, S)
         recorder(f"{p}.attn_probs", probs); recorder(f"{p}.attn_output", out)  # probs: the last sequence's (H, n, S)
-        out = lora.add(ops.linear(out, W[f"{p}.o_proj.weight"]), out, loras, f"{p}.o_proj")   # (T, H*Dh) -> (T, D)
-        out = self.comm.all_reduce(out)                                         # the sum of every rank's heads
+        o = ops.linear(out, W[f"{p}.o_proj.weight"])                            # (T, H*Dh) -> (T, D)
+        o = lora.add(o, out, loras, f"{p}.o_proj")                              # + scale * B A x, each adapter's rows
+        out = self.comm.all_reduce(o)                                           # the sum of every rank's heads
         recorder(f"{p}.o_proj", out)
         return out
 
@@ -227,7 +228,8 @@ class Qwen3:
         act = ops.silu(gate)                                                    # (T, F)
         recorder(f"{p}.act_fn", act)
         h = act * up                                                            # (T, F)
-        out = lora.add(ops.linear(h, self.weights[f"{p}.down_proj.weight"]), h, loras, f"{p}.down_proj")   # (T, D)
+        out = ops.linear(h, self.weights[f"{p}.down_proj.weight"])              # (T, F) -> (T, D)
+        out = lora.add(out, h, loras, f"{p}.down_proj")                         # + scale * B A x, each adapter's rows
         out = self.comm.all_reduce(out)                                         # the sum of every rank's width
         recorder(f"{p}.down_proj", out)
         return out
