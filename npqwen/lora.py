@@ -111,14 +111,23 @@ def pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def targeted(target_modules, module: str) -> bool:
-    """Whether PEFT's `target_modules` names this module: a list of names (the end of the module's
-    name), "all-linear", or a regular expression over the whole name."""
-    if target_modules == "all-linear":
+def names(spec, module: str) -> bool:
+    """Whether a PEFT module list names this module: a list of names (the end of the module's name),
+    "all-linear", or a regular expression over the whole name."""
+    if spec == "all-linear":
         return module.rsplit(".", 1)[-1] in TARGETS
-    if isinstance(target_modules, str):
-        return re.fullmatch(target_modules, module) is not None
-    return any(module == t or module.endswith("." + t) for t in target_modules)
+    if isinstance(spec, str):
+        return re.fullmatch(spec, module) is not None
+    return any(module == t or module.endswith("." + t) for t in spec or ())
+
+
+def targeted(config: dict, layer: int, module: str) -> bool:
+    """Whether PEFT adapted this module: named by target_modules, not by exclude_modules, and in one of
+    layers_to_transform when that is given."""
+    layers = config.get("layers_to_transform")
+    layers = [layers] if isinstance(layers, int) else layers
+    return names(config["target_modules"], module) and not names(config.get("exclude_modules"), module) and (
+        layers is None or layer in layers)
 
 
 def read_config(path: Path) -> dict:
@@ -159,7 +168,7 @@ def read_config(path: Path) -> dict:
         raise NpqwenError(f"{file}: target_modules must be a list of module names or a regular expression, "
                           f"got {targets!r}")
     for t in targets if isinstance(targets, list) else []:
-        if t not in TARGETS:
+        if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in TARGETS:
             why = ("embedding and lm_head adapters are not applied" if t in ("embed_tokens", "lm_head")
                    else "it is not a linear layer of a Qwen3 decoder layer")
             raise NpqwenError(f"{file}: target_modules names {t!r}: {why}; npqwen applies adapters on "
@@ -215,7 +224,7 @@ def read_adapter(path, name: str, model) -> LoraAdapter:
     for i in range(model.config.num_hidden_layers):
         for t in TARGETS:
             module = f"model.layers.{i}.{'self_attn' if t in ATTENTION else 'mlp'}.{t}"
-            if targeted(targets, module) and module not in found and not (
+            if targeted(config, i, module) and module not in found and not (
                     t in MLP and model.config.is_moe_layer(i)):
                 raise NpqwenError(f"{file}: the config targets {t} (target_modules {targets!r}) but the file has no "
                                   f"weights for {module}; the file is incomplete or belongs to another config")

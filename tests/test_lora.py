@@ -23,6 +23,8 @@ ADAPTERS = {   # name -> LoraConfig fields: plain, rsLoRA, a per-module rank and
     "rslora": dict(r=16, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]),
     "pattern": dict(r=4, lora_alpha=8, target_modules=ALL, rank_pattern={"q_proj": 8, "down_proj": 2},
                     alpha_pattern={"v_proj": 32}),
+    "some": dict(r=4, lora_alpha=4, target_modules=["q_proj", "k_proj", "down_proj"], layers_to_transform=[1],
+                 exclude_modules=["k_proj"]),
 }
 
 
