@@ -251,6 +251,7 @@ def test_bench_lora_suite_reports_every_figure(npqwen_tiny_dir):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     ours = report["engines"]["npqwen"]
-    for key in ("lora_decode_base_s", "lora_decode_lora_s", "lora_step_base_s", "lora_step_lora_s"):
+    for key in ("lora_decode_base_s", "lora_decode_lora_s", "lora_decode_adds_s", "lora_step_base_s",
+                "lora_step_lora_s"):
         assert ours[key] > 0, key
-    assert {"lora_decode_overhead_pct", "lora_step_overhead_pct"} <= set(report["figures"])
+    assert {"lora_decode_overhead_pct", "lora_step_overhead_pct", "lora_decode_adds_pct"} <= set(report["figures"])

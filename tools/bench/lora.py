@@ -2,19 +2,24 @@
 positions) through one adapter of rank --lora-rank on all seven projections vs the base model alone;
 and one decode step of --lora-batch sequences mixing 4 such adapters (round robin) vs none. Each
 figure is the median of --lora-steps steps, the two runs taken in turn. The adapters are random,
-written as PEFT writes them and read back with npqwen.lora.read_adapter."""
+written as PEFT writes them and read back with npqwen.lora.read_adapter. Beside them, the adapter's own
+products alone for one row (npqwen.lora.add over every layer), which a loaded machine does not blur."""
 import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from tools.bench.machine import best_time
+
 NAME, WORKER, NEEDS = "lora", "single", ()
 TARGETS = [("lora_decode_overhead_pct", "<=", 15, "batch-1 decode, one adapter on all seven projections vs none: "
                                                    "% more time"),
-           ("lora_step_overhead_pct", "<=", 25, "decode step mixing 4 adapters vs none: % more time")]
+           ("lora_step_overhead_pct", "<=", 25, "decode step mixing 4 adapters vs none: % more time"),
+           ("lora_decode_adds_pct", ">=", 0, "batch-1 decode: the adapter's products alone, % of the base step")]
 ROWS = {"lora_decode_base_s": "batch-1 decode step, no adapter (s)",
         "lora_decode_lora_s": "batch-1 decode step, one adapter (s)",
+        "lora_decode_adds_s": "  the adapter's products alone (s)",
         "lora_step_base_s": "batched decode step, no adapter (s)",
         "lora_step_lora_s": "batched decode step, 4 adapters (s)"}
 
@@ -88,8 +93,21 @@ def run(engine, args, rng) -> dict:
                 times[k].append(time.perf_counter() - started)
         return statistics.median(times[0]), statistics.median(times[1])
 
+    def adds_alone(adapter):
+        """lora.add of every adapted matrix for one row, on outputs of the model's widths."""
+        from npqwen.lora import add
+
+        groups, work = [(adapter, slice(None))], []
+        for matrix, ds in adapter.deltas.items():
+            width = (model.fused.get(f"{matrix}.weight") if f"{matrix}.weight" in model.fused
+                     else model.weights[f"{matrix}.weight"]).shape[0]
+            work.append((xp.zeros((1, width), model.dtype), xp.ones((1, ds[0].A.shape[1]), model.dtype), matrix))
+        for out, x, matrix in work:
+            add(out, x, groups, matrix)
+        return xp.asarray(work[-1][0])[0, 0].item()
+
     B = args.lora_batch
-    out = {}
+    out = {"lora_decode_adds_s": best_time(lambda: adds_alone(adapters[0]), args.lora_steps)}
     out["lora_decode_base_s"], out["lora_decode_lora_s"] = medians(step_of(1), [None], [adapters[0]])
     out["lora_step_base_s"], out["lora_step_lora_s"] = medians(step_of(B), [None] * B,
                                                                [adapters[b % 4] for b in range(B)])
@@ -101,6 +119,7 @@ def figures(report) -> dict:
     if "lora_decode_base_s" in ours:
         f["lora_decode_overhead_pct"] = 100 * (ours["lora_decode_lora_s"] / ours["lora_decode_base_s"] - 1)
         f["lora_step_overhead_pct"] = 100 * (ours["lora_step_lora_s"] / ours["lora_step_base_s"] - 1)
+        f["lora_decode_adds_pct"] = 100 * ours["lora_decode_adds_s"] / ours["lora_decode_base_s"]
     return f
 
 
