@@ -26,7 +26,7 @@ ROWS = {"lora_decode_base_s": "batch-1 decode step, no adapter (s)",
 
 def add_arguments(p):
     p.add_argument("--lora-rank", type=int, default=16, help="lora: the adapters' rank")
-    p.add_argument("--lora-context", type=int, default=256, help="lora: cached positions of each sequence")
+    p.add_argument("--lora-context", type=int, default=128, help="lora: cached positions of each sequence")
     p.add_argument("--lora-batch", type=int, default=32, help="lora: sequences in the mixed step")
     p.add_argument("--lora-steps", type=int, default=16, help="lora: steps timed per figure (median)")
 
@@ -66,8 +66,8 @@ def run(engine, args, rng) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         adapters = [read_adapter(write_adapter(Path(tmp) / f"a{k}", engine.llm, args.lora_rank, k), f"a{k}", model)
                     for k in range(4)]
-    S, P = args.lora_context, 256
-    per_seq = -(-(S + 1) // P)
+    S = args.lora_context
+    P, per_seq = S + 1, 1                     # one page per sequence: the KV pool no larger than it must be
 
     def step_of(B: int):
         """A decode step of B sequences with S cached positions each, run with `loras` (one per sequence)."""
