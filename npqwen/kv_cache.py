@@ -101,6 +101,7 @@ class Batch:
     score_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))    # (Q,) rows scored on a few tokens
     score_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))  # (Q, k) the tokens of each
     steering: dict = field(default_factory=dict)   # layer -> (T, D) added after that block (npqwen/steering.py)
+    loras: list = field(default_factory=list)     # per sequence: its LoRA adapter (npqwen/lora.py) or None; [] none
     positions: np.ndarray = field(init=False)      # (T,) each token's position in its own sequence
     write_pages: np.ndarray = field(init=False)    # (T,) the page each token's keys/values go to
     write_offsets: np.ndarray = field(init=False)  # (T,) ... and the position within that page

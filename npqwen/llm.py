@@ -25,6 +25,7 @@ from .generate import ChatResult, GenerationResult, ScoreResult
 from .hooks import Cache, Hooks, both, check_names
 from .hub import resolve_model
 from .lens import logit_attribution, logit_lens
+from .lora import read_adapter
 from .model import Qwen3
 from .parallel import agreed, check_split, communicator, rank_0_leads, shards
 from .rerank import rerank
@@ -55,6 +56,7 @@ class LLM:
         self.embedding_config = read_sentence_transformers(path)   # pooling, prompts (npqwen/embed.py)
         self._engine = None       # made on first use: generate / stream / chat run through it
         self._inbox = {}          # engine outputs that arrived for another stream than the one stepping
+        self._loras = {}          # LoRA adapters by name (load_lora); a request names one, or none
 
     @property
     def engine(self):
@@ -63,9 +65,42 @@ class LLM:
             self._engine = Engine(self)
         return self._engine
 
-    def forward(self, token_ids, cache=None, last_only=False, recorder=None):
-        """Logits (T, V) in the compute dtype; see Qwen3.forward."""
-        return self.model.forward(token_ids, cache=cache, last_only=last_only, recorder=recorder)
+    def forward(self, token_ids, cache=None, last_only=False, recorder=None, lora: str | None = None):
+        """Logits (T, V) in the compute dtype, through the LoRA adapter named `lora` if given; see Qwen3.forward."""
+        adapter = None if lora is None else self.lora_adapter(lora)
+        return self.model.forward(token_ids, cache=cache, last_only=last_only, recorder=recorder,
+                                  **({"lora": adapter} if adapter is not None else {}))
+
+    @property
+    def loras(self) -> list[str]:
+        """The names of the loaded LoRA adapters."""
+        return list(self._loras)
+
+    def load_lora(self, name: str, path) -> "LLM":
+        """Load a PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) under `name`;
+        requests that name it (lora="name") go through it, the others through the base model (npqwen/lora.py)."""
+        if not isinstance(name, str) or not name.strip() or name != name.strip():
+            raise NpqwenError(f"a LoRA adapter's name is a non-empty string without surrounding spaces, got {name!r}")
+        if name in self._loras:
+            raise NpqwenError(f"a LoRA adapter named {name!r} is loaded already; unload it first (llm.unload_lora)")
+        if self.comm.size > 1:
+            raise NpqwenError("LoRA adapters are not applied under tensor parallelism; merge the adapter into the "
+                              "base (npqwen merge-lora) and load the result")
+        self._loras[name] = read_adapter(path, name, self.model)   # checked whole before it is added
+        return self
+
+    def unload_lora(self, name: str):
+        """Forget the adapter `name`; requests already running with it finish with it."""
+        self.lora_adapter(name)
+        del self._loras[name]
+
+    def lora_adapter(self, name: str):
+        """The loaded LoraAdapter called `name`, or an error that names the loaded ones."""
+        if name not in self._loras:
+            loaded = ", ".join(self._loras) or "none"
+            raise NpqwenError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded}); load one with "
+                              f"llm.load_lora(name, path) or npqwen.load(..., lora={{name: path}})")
+        return self._loras[name]
 
     def run_with_cache(self, prompt, names=None, hooks=None):
         """(logits (T, V), cache): one forward pass over `prompt` (text or token ids) that keeps a host copy
@@ -100,7 +135,8 @@ class LLM:
         return self.generation_defaults.get("eos_token_id") or list(self.config.eos_token_ids)
 
     @rank_0_leads
-    def generate(self, prompt, params: SamplingParams | int | None = None, steering=None,
+    def generate(self, prompt, params: SamplingParams | int | None = None, steering=None, *,
+                 lora: str | None = None,
                  **sampling) -> GenerationResult | list[GenerationResult]:
         """Complete `prompt` (text, used as is, or token ids) as `params` (an npqwen.SamplingParams) say,
         or its fields given as keyword arguments (max_new_tokens=20, temperature=0, stop=..., seed=...);
@@ -116,25 +152,27 @@ class LLM:
 
         Steering: `steering=[{"layer": L, "vector": v, "scale": s}]` adds s*v to the residual stream after
         block L, at every position and step, for this request only (npqwen/steering.py).
+        `lora` names a loaded LoRA adapter (load_lora) to generate through.
         """
         params = params_of(params, sampling)   # checked now, before anything runs
         if is_prompt_list(prompt):
-            return self._generate_many(prompt, params, steering)
+            return self._generate_many(prompt, params, steering, lora)
         result = GenerationResult("", [], "length")
-        for _ in self.stream(prompt, params, result=result, steering=steering):
+        for _ in self.stream(prompt, params, result=result, steering=steering, lora=lora):
             pass
         return result
 
     @rank_0_leads
     def stream(self, prompt, params: SamplingParams | int | None = None, *, result: GenerationResult | None = None,
-               steering=None, **sampling):
+               steering=None, lora: str | None = None, **sampling):
         """Like generate (one prompt), but yields text pieces as they come; `result`, if given, is filled
         in. SamplingParams' `thinking`: the answer opens with Qwen3's <think> reasoning, which a
         constraint leaves free."""
-        request = self.engine.new_request(prompt, params_of(params, sampling), steering=steering)   # checked now
+        request = self.engine.new_request(prompt, params_of(params, sampling), steering=steering,
+                                          lora=lora)   # checked now
         return self._pieces(request, result if result is not None else GenerationResult("", [], "length"))
 
-    def score(self, text) -> ScoreResult | list[ScoreResult]:
+    def score(self, text, lora: str | None = None) -> ScoreResult | list[ScoreResult]:
         """How likely the model finds `text` (a string, used as is, or token ids): each token's log
         probability given the tokens before it, under the model's own distribution (the raw logits'
         log-softmax, no sampling transform); the first token has no context and is not scored.
@@ -142,7 +180,7 @@ class LLM:
         The prompt's positions are scored chunk by chunk as the engine reads it (StepOutput.prompt_logprobs)."""
         many = is_prompt_list(text)
         params = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=0)
-        requests = [self.engine.new_request(t, params) for t in (text if many else [text])]
+        requests = [self.engine.new_request(t, params, lora=lora) for t in (text if many else [text])]
         scores = {r.request_id: [] for r in requests}
         with closing(run(self.engine, requests, self._inbox)) as outputs:
             for out in outputs:
@@ -159,7 +197,8 @@ class LLM:
 
     @rank_0_leads
     def chat(self, messages, enable_thinking: bool = True, tools=None, stream_to=None,
-             params: SamplingParams | None = None, steering=None, **sampling) -> ChatResult:
+             params: SamplingParams | None = None, steering=None, lora: str | None = None,
+             **sampling) -> ChatResult:
         """Answer the conversation; the <think> reasoning comes back apart from the final content.
 
         `params` (an npqwen.SamplingParams) or its fields as keyword arguments, as for generate.
@@ -176,7 +215,7 @@ class LLM:
             params = replace(params, thinking=enable_thinking)
         prompt = self.chat_prompt(messages, enable_thinking, tools)
         result = ChatResult("", [], "length")
-        for piece in self.stream(prompt, params, result=result, steering=steering):
+        for piece in self.stream(prompt, params, result=result, steering=steering, lora=lora):
             if stream_to is not None:
                 stream_to(piece)
         result.reasoning, result.content = split_reasoning(result.text, enable_thinking, opens_reasoning(prompt))
@@ -274,13 +313,14 @@ class LLM:
                     if out.result.error is not None:
                         raise NpqwenError(out.result.error)
 
-    def _generate_many(self, prompts, params: SamplingParams, steering=None) -> list[GenerationResult]:
+    def _generate_many(self, prompts, params: SamplingParams, steering=None,
+                       lora: str | None = None) -> list[GenerationResult]:
         """Every prompt through the engine at once; their results in order. A prompt that cannot run,
         or fails, is named by its index; the others are then stopped."""
         requests = []
         for prompt in prompts:
             try:
-                requests.append(self.engine.new_request(prompt, params, steering=steering))
+                requests.append(self.engine.new_request(prompt, params, steering=steering, lora=lora))
             except NpqwenError as e:
                 raise NpqwenError(f"prompt {len(requests)}: {e}") from e
         index = {r.request_id: i for i, r in enumerate(requests)}
@@ -310,7 +350,7 @@ def check_device_dtype(device: str, dtype: str):
                           f"{', '.join(DTYPES[device])}")
 
 
-def load(path, device: str = "cpu", dtype: str = "float32", tensor_parallel=False) -> LLM:
+def load(path, device: str = "cpu", dtype: str = "float32", tensor_parallel=False, lora: dict | None = None) -> LLM:
     """Load a Qwen3 checkpoint onto `device` ("cpu" or "cuda") in `dtype`.
 
     `path` is a Hugging Face checkpoint directory, a hub id such as "Qwen/Qwen3-0.6B" found in
@@ -321,10 +361,17 @@ def load(path, device: str = "cpu", dtype: str = "float32", tensor_parallel=Fals
     tensor_parallel=True, on every rank of `mpiexec -n N python script.py`: each rank reads only its
     part of every layer (npqwen/parallel.py), and forward, generate and npqwen.Engine give the same
     results on every rank. A communicator (npqwen/comm.py) may be given instead of True.
+
+    lora={"name": path, ...} loads PEFT LoRA adapters (llm.load_lora); a request picks one by name.
     """
     check_device_dtype(device, dtype)
     comm = communicator(tensor_parallel, device)
-    return agreed(comm, lambda: load_part(path, device, dtype, comm))   # a rank that fails stops them all
+    llm = agreed(comm, lambda: load_part(path, device, dtype, comm))   # a rank that fails stops them all
+    if lora is not None and not isinstance(lora, dict):
+        raise NpqwenError(f"lora must be a dict of adapter name -> adapter directory, got {type(lora).__name__}")
+    for name, adapter_path in (lora or {}).items():
+        llm.load_lora(name, adapter_path)
+    return llm
 
 
 def load_part(path, device: str, dtype: str, comm) -> LLM:

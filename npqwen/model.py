@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import moe, ops
+from . import lora, moe, ops
 from .backend import xp_of
 from .checks import check_token_ids
 from .comm import SingleProcess
@@ -103,11 +103,13 @@ class Qwen3:
     def new_kv_cache(self, num_pages: int, page_size: int) -> KVCache:
         return KVCache(self.config, num_pages, page_size, self.xp, self.dtype, self.kv_heads)
 
-    def forward(self, token_ids, cache: SequenceCache | None = None, last_only: bool = False, recorder=None):
+    def forward(self, token_ids, cache: SequenceCache | None = None, last_only: bool = False, recorder=None,
+                lora=None):
         """Logits (T, V) for one sequence's `token_ids` (or (1, V) for the last token when last_only).
 
         With a cache, the tokens continue at position cache.length, their keys/values are
-        appended, and attention reads every cached position. A batch of one through forward_batch.
+        appended, and attention reads every cached position. `lora`: a LoraAdapter (npqwen/lora.py)
+        added to every linear layer it adapts. A batch of one through forward_batch.
         """
         ids = self._check_ids(token_ids, cache)
         T = len(ids)
@@ -115,7 +117,7 @@ class Qwen3:
             cache = SequenceCache(self.config, T, self.xp, self.dtype, page_size=T, kv_heads=self.kv_heads)
         start = cache.length
         batch = Batch(ids, [start], [T], [cache.page_table], cache.kv.page_size,
-                      sample_rows=np.array([T - 1]) if last_only else np.arange(T))
+                      sample_rows=np.array([T - 1]) if last_only else np.arange(T), loras=[lora])
         out = self.forward_batch(batch, cache.kv, recorder)
         cache.length = start + T
         return out.logits
@@ -135,9 +137,11 @@ class Qwen3:
         cos, sin = ops.rope_cos_sin(self.inv_freq, xp.asarray(batch.positions), self.rope_scale, self.dtype)  # (T, Dh)
         cos, sin = recorder("model.rotary_emb.cos", cos), recorder("model.rotary_emb.sin", sin)
         slots = xp.asarray(kv.slots(batch.write_pages, batch.write_offsets))          # where new keys/values go
+        # LoRA: each adapter in the batch and its rows (each sequence's adapter, or none; npqwen/lora.py)
+        loras = lora.row_groups(batch.loras, batch.rows, len(batch.token_ids), xp)   # [(adapter, rows)]
         # 3. the decoder layers, each two residual updates
         for i in range(cfg.num_hidden_layers):
-            x = self.decoder_layer(i, x, cos, sin, batch, kv, slots, recorder)
+            x = self.decoder_layer(i, x, cos, sin, batch, kv, slots, recorder, loras)
             if i in batch.steering:   # steering: s*v added to the steered requests' rows, zeros elsewhere (T, D)
                 x = x + batch.steering[i]
         # 4. final norm, only for the rows that have an output (usually: the rows that sample)
@@ -172,25 +176,26 @@ class Qwen3:
         check_lm_head(self)
         return self.weights["lm_head.weight"]
 
-    def decoder_layer(self, i: int, x, cos, sin, batch, kv, slots, recorder=no_recorder):
+    def decoder_layer(self, i: int, x, cos, sin, batch, kv, slots, recorder=no_recorder, loras=()):
         """Pre-norm residual block: x + attention(norm(x)), then h + mlp(norm(h))."""
         p, W, eps = f"model.layers.{i}", self.weights, self.config.rms_norm_eps
         a = ops.rms_norm(x, W[f"{p}.input_layernorm.weight"], eps)
         a = recorder(f"{p}.input_layernorm", a)
-        h = x + self.self_attn(i, a, cos, sin, batch, kv, slots, recorder)           # (T, D)
+        h = x + self.self_attn(i, a, cos, sin, batch, kv, slots, recorder, loras)    # (T, D)
         h = recorder(f"{p}.attn_residual", h)
         m = ops.rms_norm(h, W[f"{p}.post_attention_layernorm.weight"], eps)
         m = recorder(f"{p}.post_attention_layernorm", m)
         mlp = self.sparse_moe if self.config.is_moe_layer(i) else self.mlp        # Qwen3-MoE: routed to experts
-        out = h + mlp(i, m, recorder)                                                # (T, D)
+        out = h + mlp(i, m, recorder, loras)                                         # (T, D)
         return recorder(p, out)
 
-    def self_attn(self, i: int, x, cos, sin, batch, kv, slots, recorder=no_recorder):
+    def self_attn(self, i: int, x, cos, sin, batch, kv, slots, recorder=no_recorder, loras=()):
         """QK-normed, rotary, grouped-query causal attention of layer i, each sequence over its own pages."""
         cfg, W, p = self.config, self.weights, f"model.layers.{i}.self_attn"
         T, H, K, Dh = x.shape[0], self.heads, self.kv_heads, cfg.head_dim
         # q_proj, k_proj, v_proj in one matmul: qkv_proj stacks their rows
         qkv = ops.linear(x, self.fused[f"{p}.qkv_proj.weight"])                # (T, (H + 2K) * Dh)
+        qkv = lora.add(qkv, x, loras, f"{p}.qkv_proj")                         # + scale * B A x, each adapter's rows
         q, k, v = qkv[:, :H * Dh], qkv[:, H * Dh:(H + K) * Dh], qkv[:, (H + K) * Dh:]
         q, k, v = recorder(f"{p}.q_proj", q), recorder(f"{p}.k_proj", k), recorder(f"{p}.v_proj", v)
         # QK-norm: RMSNorm over each head's Dh values, before RoPE
@@ -206,9 +211,10 @@ class Qwen3:
             probs = self.comm.all_gather(probs, axis=0)                                   # (H, n, S)
         recorder(f"{p}.attn_probs", probs)   # the last sequence's (H, n, S): seen, not replaced (used already)
         out = recorder(f"{p}.attn_output", out)                                 # (T, H*Dh): the heads side by side
-        out = ops.linear(out, W[f"{p}.o_proj.weight"])                          # (T, H*Dh) -> (T, D)
-        out = self.comm.all_reduce(out)                                         # the sum of every rank's heads
-        return recorder(f"{p}.o_proj", out)
+        o = ops.linear(out, W[f"{p}.o_proj.weight"])                            # (T, H*Dh) -> (T, D)
+        o = lora.add(o, out, loras, f"{p}.o_proj")                              # + scale * B A x, each adapter's rows
+        o = self.comm.all_reduce(o)                                             # the sum of every rank's heads
+        return recorder(f"{p}.o_proj", o)
 
     def attention(self, q, keys, values, batch: Batch, want_probs: bool = False):
         """Causal attention of each sequence over its own pages: (T, H*Dh), and with want_probs the
@@ -228,20 +234,23 @@ class Qwen3:
                 probs = decode_probs[-1, :, None, :batch.decode_lengths[-1]]       # (H, 1, S)
         return out, probs
 
-    def mlp(self, i: int, x, recorder=no_recorder):
+    def mlp(self, i: int, x, recorder=no_recorder, loras=()):
         """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
         p = f"model.layers.{i}.mlp"
         gate_up = ops.linear(x, self.fused[f"{p}.gate_up_proj.weight"])         # (T, 2F): gate_proj | up_proj
+        gate_up = lora.add(gate_up, x, loras, f"{p}.gate_up_proj")              # + scale * B A x, each adapter's rows
         F = gate_up.shape[1] // 2
         gate, up = gate_up[:, :F], gate_up[:, F:]                               # (T, F) each
         gate, up = recorder(f"{p}.gate_proj", gate), recorder(f"{p}.up_proj", up)
         act = ops.silu(gate)                                                    # (T, F)
         act = recorder(f"{p}.act_fn", act)
-        out = ops.linear(act * up, self.weights[f"{p}.down_proj.weight"])       # (T, F) -> (T, D)
+        h = act * up                                                            # (T, F)
+        out = ops.linear(h, self.weights[f"{p}.down_proj.weight"])              # (T, F) -> (T, D)
+        out = lora.add(out, h, loras, f"{p}.down_proj")                         # + scale * B A x, each adapter's rows
         out = self.comm.all_reduce(out)                                         # the sum of every rank's width
         return recorder(f"{p}.down_proj", out)
 
-    def sparse_moe(self, i: int, x, recorder=no_recorder):
+    def sparse_moe(self, i: int, x, recorder=no_recorder, loras=()):
         """Qwen3-MoE's MLP: the router sends each token to k experts; their SwiGLUs, weighted, are summed."""
         cfg, p = self.config, f"model.layers.{i}.mlp"
         logits, chosen, weights = moe.route(x, self.weights[f"{p}.gate.weight"], cfg.num_experts_per_tok,

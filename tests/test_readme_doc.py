@@ -1,7 +1,6 @@
 """The README's samples run as written on the built-in models, the ones it tells offline users to use:
 each hub id replaced by its tiny twin (Qwen3-0.6B by tiny, Qwen3-Embedding by tiny-embedding,
 Qwen3-Reranker by tiny-reranker), with no download (HF_HUB_OFFLINE)."""
-import os
 
 import pytest
 

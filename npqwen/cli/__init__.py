@@ -30,6 +30,7 @@ COMMANDS = [   # npqwen/cli/<name>.py, in the order `npqwen --help` lists them
     "lens",
     "compare",
     "perplexity",
+    "merge-lora",
 ]
 
 
@@ -100,5 +101,5 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"npqwen {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
-        importlib.import_module(f"{__name__}.{name}").add_parser(commands)
+        importlib.import_module(f"{__name__}.{name.replace('-', '_')}").add_parser(commands)
     return parser

@@ -6,8 +6,9 @@ import sys
 from ..chat_format import opens_reasoning, split_reasoning
 from ..comm import GroupFailed
 from ..errors import NpqwenError
-from .common import (OutputError, checked_text, command_line_params, constraint_options, load_model, model_options,
-                     print_stats, sampling_options, steering_options, stream_to_stdout, system_messages)
+from .common import (OutputError, checked_text, chosen_lora, command_line_params, constraint_options, load_model,
+                     lora_options, model_options, print_stats, sampling_options, steering_options, stream_to_stdout,
+                     system_messages)
 from .common import command_line_steering
 from .parallel import add_option
 
@@ -21,13 +22,15 @@ TINY_NOTE = " (random weights: its text is meaningless, it is for stepping throu
 
 
 def add_parser(commands):
-    p = commands.add_parser("chat", parents=[model_options(), sampling_options(), constraint_options(),
-                                                    steering_options()],
+    p = commands.add_parser("chat", parents=[model_options(), lora_options(), sampling_options(),
+                                             constraint_options(), steering_options()],
                             help="interactive multi-turn chat",
                             description="Multi-turn chat. /help lists the commands; /reset clears the history; "
                                         "/exit, Ctrl-D or Ctrl-C at the prompt quits; Ctrl-C during an answer stops "
                                         "that answer (it is not kept in the history). Arrow keys edit the line and "
                                         "recall earlier ones.")
+    p.add_argument("--lora-name", metavar="NAME",
+                   help="answer through the --lora adapter called NAME (default: the only --lora given, if one)")
     add_option(p)
     p.set_defaults(run=cmd_chat)
 
@@ -36,6 +39,7 @@ def cmd_chat(args) -> int:
     params = command_line_params(args, thinking=not args.no_think)   # checked before the (slow) load
     system = system_messages(args)
     steering = command_line_steering(args)
+    lora = chosen_lora(args)
     llm, _ = load_model(args, chat_template=True)
     history = list(system)
     line_editing()
@@ -72,7 +76,8 @@ def cmd_chat(args) -> int:
             messages = history + [{"role": "user", "content": line}]
             with ctrl_c_sets_a_flag() as pressed:   # from Enter to the answer's end: Ctrl-C stops the answer
                 prompt, ids = chat_ids(llm, messages, args, earlier_turns=len(history) > len(system))
-                result = stream_to_stdout(llm, ids, params, stop_requested=pressed, steering=steering)
+                result = stream_to_stdout(llm, ids, params, stop_requested=pressed, steering=steering,
+                                          lora=lora)
         except (OutputError, GroupFailed):   # stdout is gone, or a rank of the model: nothing more can be done
             raise
         except NpqwenError as e:   # e.g. the conversation outgrew the context: say so and keep going

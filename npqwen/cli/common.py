@@ -56,6 +56,37 @@ def model_options() -> argparse.ArgumentParser:
     return model
 
 
+def lora_options() -> argparse.ArgumentParser:
+    """--lora name=path (repeatable): PEFT LoRA adapters loaded beside the model (npqwen/lora.py)."""
+    lora = argparse.ArgumentParser(add_help=False)
+    lora.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                      help="load the PEFT LoRA adapter in directory PATH under NAME (repeatable; default: none)")
+    return lora
+
+
+def lora_paths(args) -> dict:
+    """--lora name=path, ... as {name: path}; a malformed or repeated name is refused."""
+    paths = {}
+    for item in getattr(args, "lora", None) or []:
+        name, eq, path = item.partition("=")
+        if not eq or not name.strip() or not path:
+            raise NpqwenError(f"--lora takes NAME=PATH (an adapter's name and its directory), got {item!r}")
+        if name in paths:
+            raise NpqwenError(f"--lora names {name!r} twice")
+        paths[name] = path
+    return paths
+
+
+def chosen_lora(args) -> str | None:
+    """The adapter a generate or chat command runs through: --lora-name, or the only --lora given."""
+    paths = lora_paths(args)
+    name = getattr(args, "lora_name", None)
+    if name is not None and name not in paths:
+        raise NpqwenError(f"--lora-name {name!r} is not one of the adapters given with --lora "
+                          f"({', '.join(paths) or 'none'})")
+    return name if name is not None else (next(iter(paths)) if len(paths) == 1 else None)
+
+
 def sampling_options() -> argparse.ArgumentParser:
     """The sampling values, --system and --no-think: a parent parser for the commands that generate."""
     sampling = argparse.ArgumentParser(add_help=False)
@@ -267,7 +298,8 @@ def load_model(args, chat_template: bool = False):
         model = resolve_model(model).resolve()   # absolute: a local folder named "tiny" is not the built-in one
         check_checkpoint(model, tokenizer=True)
     share_load(args, str(model))   # tensor parallel: the other ranks load their parts with this rank
-    llm = load(model, device=args.device, dtype=args.dtype, tensor_parallel=getattr(args, "comm", None) or False)
+    llm = load(model, device=args.device, dtype=args.dtype, tensor_parallel=getattr(args, "comm", None) or False,
+               lora=lora_paths(args))
     if chat_template and llm.tokenizer.chat_template is None:
         instead = {"generate": ", or use --raw for a plain completion", "chat": ""}.get(args.command,
                                                                                        ", or leave out --chat")
@@ -344,7 +376,7 @@ def prompt_ids(llm, args, prompt: str) -> list[int]:
     return ids
 
 
-def stream_to_stdout(llm, prompt, params, stop_requested=None, steering=None):
+def stream_to_stdout(llm, prompt, params, stop_requested=None, steering=None, lora: str | None = None):
     """Generate, writing each text piece as it comes; the GenerationResult at the end.
 
     `stop_requested` (chat: Ctrl-C was pressed) is asked after every piece; when it says yes the
@@ -352,7 +384,7 @@ def stream_to_stdout(llm, prompt, params, stop_requested=None, steering=None):
     from ..generate import GenerationResult
 
     result = GenerationResult("", [], "length")
-    pieces = llm.stream(prompt, params, result=result, steering=steering)   # nothing runs until the first piece is asked for
+    pieces = llm.stream(prompt, params, result=result, steering=steering, lora=lora)   # nothing runs until the first piece is asked for
     stopped = stop_requested is not None and stop_requested()
     if not stopped:
         for piece in pieces:

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import NpqwenError
 from .common import (CONSTRAINT_FIELDS, ENGINE_SIZES, SAMPLING_FIELDS, add_engine_sizes, check_writable,
-                     checked_text, command_line_params, constraint_options, engine_sizes, input_name, jsonl_objects,
-                     load_model, model_options, peak_rss_bytes, print_stats, read_input_file, sampling_options,
+                     checked_text, chosen_lora, command_line_params, constraint_options, engine_sizes, input_name,
+                     jsonl_objects, load_model, lora_options, model_options, peak_rss_bytes, print_stats,
+                     read_input_file, sampling_options,
                      stream_to_stdout, system_messages, write_out)
 from .common import command_line_steering, steering_options
 from .parallel import add_option
@@ -17,8 +18,8 @@ from .progress import Progress
 
 
 def add_parser(commands):
-    p = commands.add_parser("generate", parents=[model_options(), sampling_options(), constraint_options(),
-                                                        steering_options()],
+    p = commands.add_parser("generate", parents=[model_options(), lora_options(), sampling_options(),
+                                                 constraint_options(), steering_options()],
                             help="complete one prompt, streaming; or a file of prompts, batched")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", "-p", help="the prompt ('-' reads it from stdin)")
@@ -26,6 +27,8 @@ def add_parser(commands):
                         help="many prompts, run together through one engine: one per line, or JSONL lines with "
                              "\"prompt\" or \"messages\" and optional sampling and constraint fields ('-' reads "
                              "stdin)")
+    p.add_argument("--lora-name", metavar="NAME",
+                   help="generate through the --lora adapter called NAME (default: the only --lora given, if one)")
     p.add_argument("--raw", action="store_true",
                    help="plain completion: do not apply the chat template (default: the chat template)")
     batch = p.add_argument_group("with --prompts-file")
@@ -53,10 +56,11 @@ def cmd_generate(args) -> int:
     # a bad value shows before the (slow) load; with thinking, a constraint applies after the free reasoning
     params = command_line_params(args, thinking=not args.raw and not args.no_think)
     steering = command_line_steering(args)
+    lora = chosen_lora(args)
     llm, load_seconds = load_model(args, chat_template=not args.raw)
     if not args.raw:
         prompt = llm.chat_prompt(system + [{"role": "user", "content": prompt}], enable_thinking=not args.no_think)
-    print_stats(stream_to_stdout(llm, prompt, params, steering=steering), load_seconds)
+    print_stats(stream_to_stdout(llm, prompt, params, steering=steering, lora=lora), load_seconds)
     return 0
 
 
@@ -123,6 +127,7 @@ def generate_file(args) -> int:
     if args.output:
         check_writable(args.output, "--output")
     prompts = read_prompts_file(args.prompts_file)
+    lora = chosen_lora(args)
     llm, load_seconds = load_model(args, chat_template=not args.raw or any(p.messages for p in prompts))
     engine = Engine(llm, **engine_sizes(args))
     # Every request is made (and so checked) before the first step; one bad line stops them all.
@@ -130,7 +135,7 @@ def generate_file(args) -> int:
     for p in prompts:
         try:
             requests.append(engine.new_request(file_prompt_text(llm, args, p), line_params(params, args, p),
-                                                steering=steering))
+                                               steering=steering, lora=lora))
         except NpqwenError as e:
             raise NpqwenError(f"{name} line {p.line}: {e}") from None
     try:

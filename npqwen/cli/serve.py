@@ -3,14 +3,14 @@ import json
 import signal
 
 from ..errors import NpqwenError
-from .common import add_engine_sizes, add_thinking_budget, engine_sizes, load_model, model_options
+from .common import add_engine_sizes, add_thinking_budget, engine_sizes, load_model, lora_options, model_options
+from .parallel import add_option, check_group, watch_server
 
 TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "documents")   # set by the server, not by the option
-from .parallel import add_option, check_group, watch_server
 
 
 def add_parser(commands):
-    p = commands.add_parser("serve", parents=[model_options()],
+    p = commands.add_parser("serve", parents=[model_options(), lora_options()],
                             help="an OpenAI-compatible HTTP server (needs npqwen[serve])",
                             description="Serve the model over HTTP with OpenAI's API (/v1/chat/completions, "
                                         "/v1/completions, /v1/responses, /v1/models), plus /tokenize, /detokenize, "
@@ -27,6 +27,9 @@ def add_parser(commands):
                    help="web pages from these origins may call the API from a browser (CORS), comma-separated "
                         "('https://app.example,http://localhost:3000'), '*' for any (default: none but the "
                         "server's own)")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="let clients load and unload LoRA adapters from directories on this machine (POST "
+                        "/v1/load_lora_adapter, /v1/unload_lora_adapter); default: only the --lora ones")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; info logs each request (default: info)")
     p.add_argument("--default-chat-template-kwargs", metavar="JSON",
@@ -82,7 +85,8 @@ def cmd_serve(args) -> int:
     origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
     app = create_app(llm, engine, name, api_key=args.api_key, max_queue=args.max_queue, on_ready=ready,
                      allowed_origins=origins or None, template_kwargs=template_kwargs,
-                     thinking_budget=args.thinking_budget, allow_generation=args.allow_generation)
+                     thinking_budget=args.thinking_budget, allow_generation=args.allow_generation,
+                     allow_runtime_lora=args.allow_runtime_lora)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=3))
 
     def handle_exit(sig, frame):

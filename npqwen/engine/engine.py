@@ -72,15 +72,18 @@ class Engine:
         self._ids = itertools.count()
 
     @rank_0_leads
-    def add_request(self, prompt, params: SamplingParams | int | None = None, steering=None, **sampling) -> str:
+    def add_request(self, prompt, params: SamplingParams | int | None = None, steering=None, *,
+                    lora: str | None = None, **sampling) -> str:
         """Queue a prompt (text, used as is, or token ids) to generate from as `params` (an
         npqwen.SamplingParams) say, or its fields given as keyword arguments (max_new_tokens=20,
         temperature=0, ...); its request id. `steering`, a list of {layer, vector, scale}, adds
-        scale * vector to this request's residual stream after block layer (npqwen/steering.py).
-        Everything is checked now."""
-        return self.add(self.new_request(prompt, params, steering=steering, **sampling))
+        scale * vector to this request's residual stream after block layer (npqwen/steering.py); `lora`
+        names a loaded LoRA adapter (llm.load_lora) that this request's rows go through. Everything is
+        checked now."""
+        return self.add(self.new_request(prompt, params, steering=steering, lora=lora, **sampling))
 
-    def new_request(self, prompt, params: SamplingParams | int | None = None, steering=None,
+    def new_request(self, prompt, params: SamplingParams | int | None = None, steering=None, *,
+                    lora: str | None = None,
                     **sampling) -> Request:
         """A checked Request, not queued yet (see add); `params` or `sampling` as for add_request (an int
         in params' place is max_new_tokens). The values were checked when the SamplingParams was made;
@@ -89,6 +92,7 @@ class Engine:
         against the tokenizer."""
         params = params_of(params, sampling).with_defaults(self.llm.generation_defaults)
         steers = check_steering(steering, self.config)
+        adapter = None if lora is None else self.llm.lora_adapter(lora)   # the LoraAdapter travels with the request
         ids = self.llm.prompt_ids(prompt)
         max_new_tokens = self.fit(ids, params.max_new_tokens)
         tokenizer = self.llm.tokenizer
@@ -97,7 +101,7 @@ class Engine:
         return Request(f"req-{next(self._ids)}", ids, max_new_tokens, params, frozenset(self.llm.eos_token_ids),
                        StopStrings(params.stop), tokenizer.stream_decoder() if tokenizer is not None else None,
                        params.logprobs, prompt_logprobs=params.prompt_logprobs, constraint=constraint,
-                       steering=steers, prefix_key=prefix_key(steers),
+                       steering=steers, steering_key=prefix_key(steers), lora=adapter,
                        thinking=thinking_budget(params, max_new_tokens, tokenizer, ids))
 
     def fit(self, ids: list[int], max_new_tokens: int) -> int:
@@ -178,7 +182,7 @@ class Engine:
         batch = Batch(np.array([t for req, n in plan for t in req.tokens[req.cached_len:req.cached_len + n]]),
                       starts=[req.cached_len for req, _ in plan], lengths=lengths,
                       page_tables=[np.array(req.page_table) for req, _ in plan], page_size=self.page_size,
-                      sample_rows=rows, **prefill_only.batch_fields,
+                      sample_rows=rows, loras=[req.lora for req, _ in plan], **prefill_only.batch_fields,
                       steering=batch_steering([(req.steering, end - n, n) for (req, n), end in zip(plan, ends)
                                                if req.steering], int(ends[-1]), self.config.hidden_size,
                                               self.model.xp, self.model.dtype))
@@ -276,7 +280,7 @@ class Engine:
         a 2048-token probe runs every stream keeps getting a token per step."""
         p = req.cached_len
         batch = Batch(np.array(req.tokens[p:p + 1]), starts=[p], lengths=[1], page_tables=[np.array(req.page_table)],
-                      page_size=self.page_size, sample_rows=np.array([0]))
+                      page_size=self.page_size, sample_rows=np.array([0]), loras=[req.lora])
         self.model.forward_batch(batch, self.kv, req.probe)
         req.cached_len += 1
         self._remember_full_pages(req)
@@ -289,7 +293,7 @@ class Engine:
         P = self.page_size
         while len(req.page_hashes) < req.cached_len // P:
             j = len(req.page_hashes)
-            parent = req.page_hashes[-1] if req.page_hashes else req.prefix_key
+            parent = req.page_hashes[-1] if req.page_hashes else req.cache_root
             req.page_hashes.append(self.cache.register(req.page_table[j], parent, req.tokens[j * P:(j + 1) * P]))
 
     def _finish_if(self, out: StepOutput) -> StepOutput:

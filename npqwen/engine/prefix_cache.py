@@ -27,7 +27,8 @@ class PrefixCache:
     def match(self, tokens, max_pages: int, root=None) -> tuple[list[int], list[int]]:
         """The cached pages (and their chain hashes) that hold the longest prefix of `tokens`,
         at most max_pages of them; each page returned gains a reference. `root` is the first page's
-        parent: None, or a steered request's key (its pages hold other keys and values)."""
+        parent (Request.cache_root): None for the base model, else its LoRA adapter's and steering's
+        key, so a prefix cached under one is never reused under another."""
         pages, hashes, parent, P = [], [], root, self.page_size
         if not self.enabled:
             return pages, hashes

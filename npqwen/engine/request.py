@@ -58,7 +58,8 @@ class Request:
     score_ids: tuple = ()                # score: the tokens whose logits at the last position are the output
     prefix_reuse: bool = True            # False: every position is computed, none taken from the prefix cache
     steering: tuple = ()                 # steering.Steer items: s*v added to its rows after block L (steering.py)
-    prefix_key: int | None = None        # the prefix cache's root for its pages: None, or its steering's
+    steering_key: int | None = None      # its steering's part of the prefix cache's root: None, or its steering's
+    lora: object = None                  # its LoRA adapter (npqwen/lora.py), or None: the base model
     pooled: np.ndarray | None = None     # embed: the pooling so far (mean: the running sum), float32
     pooled_upto: int = 0                 # embed: positions already folded into `pooled` (kept over a preemption)
     tokens: list[int] = field(init=False)       # prompt + generated
@@ -94,6 +95,14 @@ class Request:
         if self.prompt_logprobs is not None and self.prompt_scored < len(self.prompt_ids):
             return self.prompt_scored - 1
         return len(self.tokens) - 1
+
+    @property
+    def cache_root(self):
+        """Where its prefix-cache chain starts: keys and values computed under an adapter or a steering
+        are theirs alone (None: the base model's, shared by every plain request)."""
+        if self.lora is None and self.steering_key is None:
+            return None
+        return hash((None if self.lora is None else self.lora.key, self.steering_key))
 
     @property
     def finished(self) -> bool:

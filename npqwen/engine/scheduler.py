@@ -63,7 +63,7 @@ class Scheduler:
         """Give a waiting request its cached prefix and the pages for its first chunk, or nothing."""
         P = self.page_size
         # a fully cached prompt still computes its last token: that is where its logits come from
-        pages, hashes = self.cache.match(req.tokens, req.reusable // P, req.prefix_key)
+        pages, hashes = self.cache.match(req.tokens, req.reusable // P, req.cache_root)
         req.page_table, req.page_hashes, req.cached_len = pages, hashes, len(pages) * P
         # Count before taking: a page taken from the cached ones forgets its prefix, so taking
         # pages for a request that then does not fit would wipe the prefix cache for nothing.

@@ -1,7 +1,7 @@
 """`npqwen serve`: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn).
 
     GET  /                          the web page: chat, and why each token was chosen (static/)
-    GET  /v1/models                 the one model served
+    GET  /v1/models                 the model served, and its LoRA adapters (their `model` selects them)
     POST /v1/chat/completions       chat, streamed or not: reasoning, tool calls, logprobs, n (serving_chat.py)
     POST /v1/completions            plain completion of a prompt (text or token ids); echo, prompt logprobs
     POST /v1/responses              OpenAI's Responses API (serving_responses.py), run as a chat
@@ -15,6 +15,8 @@
     POST /tokenize, /detokenize     the model's tokenizer (vLLM's shapes); GET /tokenizer_info
     GET  /health                    200 while the engine thread is alive (HEAD too)
     GET  /version                   npqwen's version (vLLM's route)
+    POST /v1/load_lora_adapter      load / unload a LoRA adapter (vLLM's shapes; --allow-runtime-lora only)
+    POST /v1/unload_lora_adapter
     GET  /metrics                   Prometheus text format (metrics.py)
 
 How a request flows, the way vLLM's OpenAI server splits it: the route (one line here) calls its
@@ -40,12 +42,13 @@ from .http import (DEFAULT_MAX_BODY_BYTES, APIKey, BodyLimit, JSONBodies, add_er
                    page_file)
 from .metrics import Metrics
 from .protocol import (AttentionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                       EmbeddingRequest, ExpertsRequest, RerankRequest, TokenizeRequest)
+                       EmbeddingRequest, ExpertsRequest, LoraAdapterRequest, RerankRequest, TokenizeRequest)
 from .protocol_messages import CountTokensRequest, MessagesRequest
 from .protocol_responses import ResponsesRequest
 from .serving import PromptWorkers, Serving
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
+from .serving_lora import ServingLora
 from .serving_messages import ServingMessages
 from .serving_pooling import ServingPooling
 from .serving_probes import ServingProbes
@@ -67,12 +70,14 @@ def can_rerank(llm) -> bool:
 def create_app(llm, engine, model_name: str, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready=None,
                allowed_origins: list[str] | None = None, template_kwargs: dict | None = None,
-               thinking_budget: int | None = None, allow_generation: bool = False) -> FastAPI:
+               thinking_budget: int | None = None, allow_generation: bool = False,
+               allow_runtime_lora: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` (over `llm`) as `model_name`; on_ready() runs once it is up.
     `allowed_origins`: web pages of these origins may call the API (CORS; "*" any); none by default.
     `template_kwargs`: the chat template's variables when a request does not set them (enable_thinking);
     `thinking_budget`: the reasoning tokens of a request that sets no budget (engine/thinking.py);
-    `allow_generation`: chat and completions on an embedding model are served, not refused."""
+    `allow_generation`: chat and completions on an embedding model are served, not refused;
+    `allow_runtime_lora`: clients may load LoRA adapters from the server's disk (serving_lora.py)."""
     metrics = Metrics(engine)
     loop = EngineLoop(engine, metrics)
     workers = PromptWorkers(llm.tokenizer)
@@ -83,6 +88,7 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     responder, pooling = ServingResponses(**shared), ServingPooling(**shared)
     probes, tokenization = ServingProbes(**shared), ServingTokenization(**shared)
     messages = ServingMessages(**shared)
+    loras = ServingLora(allow_runtime_lora, **shared)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -196,5 +202,13 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         return await tokenization.off_loop(tokenization.detokenize, body)
+
+    @app.post("/v1/load_lora_adapter", include_in_schema=allow_runtime_lora)
+    async def load_lora_adapter(body: LoraAdapterRequest):
+        return await loras.load(body)
+
+    @app.post("/v1/unload_lora_adapter", include_in_schema=allow_runtime_lora)
+    async def unload_lora_adapter(body: LoraAdapterRequest):
+        return loras.unload(body)
 
     return app

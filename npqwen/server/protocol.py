@@ -373,3 +373,9 @@ class RerankRequest(Strict):
 
     def texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+class LoraAdapterRequest(Strict):   # POST /v1/load_lora_adapter and /v1/unload_lora_adapter, vLLM's shapes
+    lora_name: str = Field(min_length=1)
+    lora_path: str | None = Field(None, min_length=1)   # loading: a directory on the server's disk
+    lora_int_id: int | None = None                       # vLLM's; not needed

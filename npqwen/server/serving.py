@@ -94,13 +94,17 @@ class Serving:
     # -- the model --
 
     def models(self) -> dict:
-        """GET /v1/models: the one model served."""
-        return {"object": "list", "data": [self.model_card()]}
+        """GET /v1/models: the model served, and each LoRA adapter with the model as its parent (vLLM's list)."""
+        return {"object": "list", "data": [self.model_card()] + [self.lora_card(n) for n in self.llm.loras]}
 
     def model(self, name: str) -> dict:
         """GET /v1/models/{name}."""
         self.check_model(name)
-        return self.model_card()
+        return self.model_card() if name == self.model_name else self.lora_card(name)
+
+    def lora_card(self, name: str) -> dict:
+        return {**self.model_card(), "id": name, "root": str(self.llm.lora_adapter(name).path),
+                "parent": self.model_name}
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "npqwen",
@@ -118,10 +122,18 @@ class Serving:
         from .. import __version__
         return {"version": __version__}
 
-    def check_model(self, name: str | None):
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"the model {name!r} does not exist: this server serves {self.model_name!r}",
-                           "model", "model_not_found")
+    def check_model(self, name: str | None, adapters: bool = True):
+        """The body's model: the one served, or (where `adapters`) one of its LoRA adapters; else a 404."""
+        served = [self.model_name] + (self.llm.loras if adapters else [])
+        if name is not None and name not in served:
+            also = "" if adapters or name not in self.llm.loras else " here (LoRA adapters apply to generation only)"
+            raise APIError(404, f"the model {name!r} does not exist{also}: this server serves "
+                                f"{', '.join(map(repr, served))}", "model", "model_not_found")
+
+    def lora_of(self, body) -> str | None:
+        """The LoRA adapter a body's model names (vLLM's convention), or None for the model itself."""
+        name = getattr(body, "model", None)
+        return name if name is not None and name != self.model_name and name in self.llm.loras else None
 
     def check_tokens(self, ids: list[int], param: str = "tokens"):
         """Token ids a client sent, by the rule every prompt follows (generate.check_token_ids)."""
@@ -205,7 +217,7 @@ class Serving:
                        steering=()):
         """The one call of Engine.new_request; what the engine refuses is a 400 (see refusing)."""
         return self.refusing(body, param, constraint_param,
-                             lambda: self.engine.new_request(ids, params, steering=steering))
+                             lambda: self.engine.new_request(ids, params, steering=steering, lora=self.lora_of(body)))
 
     def steering(self, body) -> tuple:
         """The body's steering, checked against the model (a 400 naming `steering`)."""

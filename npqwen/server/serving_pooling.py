@@ -38,7 +38,7 @@ class ServingPooling(Serving):
     """POST /v1/embeddings and /v1/rerank (also at /rerank and /v2/rerank)."""
 
     async def embeddings(self, body: EmbeddingRequest, http: HTTPRequest):
-        self.check_model(body.model)
+        self.check_model(body.model, adapters=False)
         llm, engine = self.llm, self.engine
         try:
             width = check_dimensions(body.dimensions, llm.config.hidden_size)
@@ -67,7 +67,7 @@ class ServingPooling(Serving):
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def rerank(self, body: RerankRequest, http: HTTPRequest):
-        self.check_model(body.model)
+        self.check_model(body.model, adapters=False)
         documents = body.texts()
         if not documents:
             raise APIError(400, "documents is empty: send at least one", "documents")

@@ -24,7 +24,7 @@ class ServingProbes(Serving):
     async def attention(self, body: AttentionRequest, http: HTTPRequest) -> dict:
         """The attention row of `position` over positions 0 .. position in every head of `layer`, and
         their mean: a probe over tokens[:position + 1] (see probe)."""
-        self.check_model(body.model)
+        self.check_model(body.model, adapters=False)
         ids, layers, heads = body.tokens, self.config.num_hidden_layers, self.config.num_attention_heads
         p = self.position(body)
         if not 0 <= body.layer < layers:
@@ -48,7 +48,7 @@ class ServingProbes(Serving):
         """Qwen3-MoE: the experts the router sent token `position` to in each layer, best first, with their
         weights; a probe over tokens[:position + 1] (see probe). A dense model has none: num_experts 0 and
         no layers, answered without a pass."""
-        self.check_model(body.model)
+        self.check_model(body.model, adapters=False)
         ids, cfg = body.tokens, self.config
         p = self.position(body)
         answer = {"object": "npqwen.experts", "model": self.model_name, "position": p,

@@ -56,6 +56,9 @@ Suites (--suites, comma-separated, or all; the default is prefill,decode):
               the share of the positions its batching pads. Its workers load a checkpoint of their
               own (--embed-model, default a random one of that shape, built once; needs the real
               Qwen3 tokenizer in .cache/qwen3-tokenizer).
+    lora      what LoRA adapters cost (npqwen): a batch-1 decode step through one adapter of rank --lora-rank (16)
+              on all seven projections vs none, and a decode step of --lora-batch (32) sequences mixing 4
+              adapters vs none (targets: at most 15% and 25% more time).
 
     python -m tools.bench --suites batch1,serving,prefix    # the serving benchmark alone
     python -m tools.bench --suites moe                      # the mixture-of-experts steps
@@ -81,6 +84,7 @@ prefix run in another worker per engine, once whatever --rounds says, so their p
 #   tables(report)        tables of its own: [(column names, rows)]
 #   notes(report)         sentences printed under the tables
 # The order here is the order of the rows, tables, notes and targets, and of the runs in a worker.
-from tools.bench import batch1, decode, embed, moe, prefill, prefix, serving, step, structured, tp
+from tools.bench import batch1, decode, embed, lora, moe, prefill, prefix, serving, step, structured, tp
 
-SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe, structured, tp, embed)}
+SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe, structured, tp, embed,
+                                          lora)}

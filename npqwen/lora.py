@@ -1,0 +1,271 @@
+"""LoRA adapters, as PEFT writes them: W x + scale * B (A x), added to the rows of the requests that ask.
+
+A LoRA adapter of rank r keeps the base weight W (out, in) frozen and learns two thin matrices,
+A (r, in) and B (out, r); the layer computes W x + scale * B A x (PEFT's `LoraLayer`), with
+scale = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). npqwen never touches W: each linear layer
+runs once over every row of the batch, then each adapter adds its update to its own rows, grouped
+by adapter as Punica and S-LoRA do (`add`). So one batch serves many adapters and the base model at
+once; `merge` folds one adapter into W instead (`npqwen merge-lora`).
+
+PEFT's files: `adapter_config.json` (r, lora_alpha, target_modules, use_rslora, rank_pattern,
+alpha_pattern) and `adapter_model.safetensors`, whose names are the base model's module names under
+`base_model.model.` with `.lora_A.weight` (r, in) or `.lora_B.weight` (out, r). npqwen applies
+adapters on the seven linear layers of a Qwen3 decoder layer; whatever else a file holds (DoRA,
+modules_to_save, embedding or lm_head adapters, Qwen3-MoE experts) is refused, with why.
+
+Shapes: T rows of a batch, n of them one adapter's, r rank, in / out a projection's widths.
+"""
+import itertools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from .checkpoint import read_safetensors_header, read_tensor
+from .errors import NpqwenError
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+TARGETS = ATTENTION + MLP                                  # every linear layer of a Qwen3 decoder layer
+WEIGHT = re.compile(r"^base_model\.model\.(.+)\.(lora_A|lora_B)\.weight$")
+MODULE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
+_loads = itertools.count()                                 # each load its own prefix-cache key
+
+
+class Delta(NamedTuple):
+    """One module's update, placed in the output of the matrix the model multiplies by."""
+    module: str    # PEFT's module name: model.layers.3.self_attn.k_proj
+    cols: slice    # its columns of the fused output (qkv_proj: q | k | v; gate_up_proj: gate | up)
+    A: object      # (r, in)
+    B: object      # (out, r)
+    scale: float   # lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA
+
+
+@dataclass(eq=False)
+class LoraAdapter:
+    """A loaded adapter: its updates by the model matrix they add to, and PEFT's arrays by name."""
+    name: str
+    path: Path
+    r: int                                     # the config's rank (rank_pattern may give modules others)
+    deltas: dict = field(default_factory=dict)   # model matrix (model.layers.3.self_attn.qkv_proj) -> [Delta]
+    weights: dict = field(default_factory=dict)  # model.layers.3.self_attn.q_proj.lora_A.weight -> array
+    key: str = ""                                # the prefix cache's key: unique to this load
+
+    @property
+    def modules(self) -> list[str]:
+        return [d.module for ds in self.deltas.values() for d in ds]
+
+
+def add(out, x, groups, matrix: str):
+    """out (T, out) of one linear layer over the whole batch, plus each adapter's update on its own
+    rows: scale * (x_rows @ A.T) @ B.T (PEFT's LoraLayer), one adapter's rows at a time (Punica, S-LoRA)."""
+    for adapter, rows in groups:
+        for d in adapter.deltas.get(matrix, ()):
+            out[rows, d.cols] += d.scale * (x[rows] @ d.A.T) @ d.B.T     # (n, in) @ (in, r) @ (r, out) -> (n, out)
+    return out
+
+
+def row_groups(loras, rows, T: int, xp) -> list:
+    """(adapter, its rows) for each adapter in a batch: `loras` has one adapter (or None) per sequence,
+    `rows` (first row, n) per sequence. All T rows of one adapter are a slice, not an index array."""
+    by_adapter = {}
+    for (first, n), adapter in zip(rows, loras or ()):
+        if adapter is not None:
+            by_adapter.setdefault(id(adapter), (adapter, []))[1].extend(range(first, first + n))
+    return [(a, slice(None) if len(r) == T else xp.asarray(np.array(r, dtype=np.int64)))
+            for a, r in by_adapter.values()]
+
+
+def merge(weights: dict, adapter: LoraAdapter):
+    """Fold the adapter into the base weights in place: W += scale * B @ A (PEFT's merge_and_unload)."""
+    for ds in adapter.deltas.values():
+        for d in ds:
+            weights[f"{d.module}.weight"] += d.scale * (d.B @ d.A)          # (out, r) @ (r, in) -> (out, in)
+
+
+def fused_columns(model, layer: int, kind: str, name: str) -> tuple[str, slice]:
+    """The model matrix a PEFT module's output is part of, and its columns there (npqwen fuses q, k, v
+    into qkv_proj and gate, up into gate_up_proj; o_proj and down_proj stand alone)."""
+    W = model.weights
+    p = f"model.layers.{layer}.{kind}"
+    if name in ("q_proj", "k_proj", "v_proj"):
+        q, k = W[f"{p}.q_proj.weight"].shape[0], W[f"{p}.k_proj.weight"].shape[0]
+        start = {"q_proj": 0, "k_proj": q, "v_proj": q + k}[name]
+        width = W[f"{p}.{name}.weight"].shape[0]
+        return f"{p}.qkv_proj", slice(start, start + width)
+    if name in ("gate_proj", "up_proj"):
+        F = W[f"{p}.gate_proj.weight"].shape[0]
+        return f"{p}.gate_up_proj", slice(0, F) if name == "gate_proj" else slice(F, 2 * F)
+    return f"{p}.{name}", slice(None)
+
+
+def pattern_value(patterns: dict, module: str, default):
+    """rank_pattern / alpha_pattern as PEFT reads them: the first key that matches the end of the
+    module's name, as a regular expression (peft.utils.other.get_pattern_key)."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def names(spec, module: str) -> bool:
+    """Whether a PEFT module list names this module: a list of names (the end of the module's name),
+    "all-linear", or a regular expression over the whole name."""
+    if spec == "all-linear":
+        return module.rsplit(".", 1)[-1] in TARGETS
+    if isinstance(spec, str):
+        return re.fullmatch(spec, module) is not None
+    return any(module == t or module.endswith("." + t) for t in spec or ())
+
+
+def targeted(config: dict, layer: int, module: str) -> bool:
+    """Whether PEFT adapted this module: named by target_modules, not by exclude_modules, and in one of
+    layers_to_transform when that is given."""
+    layers = config.get("layers_to_transform")
+    layers = [layers] if isinstance(layers, int) else layers
+    return names(config["target_modules"], module) and not names(config.get("exclude_modules"), module) and (
+        layers is None or layer in layers)
+
+
+def read_config(path: Path) -> dict:
+    """adapter_config.json, with what npqwen does not apply refused (which, and why)."""
+    file = path / "adapter_config.json"
+    if not file.is_file():
+        raise NpqwenError(f"{path}: no adapter_config.json; a LoRA adapter is a directory PEFT's save_pretrained "
+                          f"wrote (adapter_config.json and adapter_model.safetensors)")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise NpqwenError(f"{file}: cannot read it ({e})") from None
+    if not isinstance(config, dict):
+        raise NpqwenError(f"{file}: not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise NpqwenError(f"{file}: peft_type is {config['peft_type']!r}; npqwen applies LoRA adapters only")
+    refused = [("use_dora", "DoRA rescales each column of W + B A by a learned magnitude, which npqwen does not "
+                            "apply; merge it into the base with PEFT (merge_and_unload) and load the result"),
+               ("modules_to_save", "it replaces whole modules (modules_to_save), which an adapter added to some rows "
+                                   "of a batch cannot do; merge it with PEFT and load the result"),
+               ("trainable_token_indices", "it trains rows of the embedding, which npqwen does not apply"),
+               ("target_parameters", "it adapts parameters (Qwen3-MoE experts), which npqwen does not apply"),
+               ("lora_bias", "it adds a bias to lora_B, which npqwen does not apply"),
+               ("fan_in_fan_out", "its weights are stored transposed (Conv1D), which a Qwen3 never has")]
+    for key, why in refused:
+        if config.get(key):
+            raise NpqwenError(f"{file}: {key} is set: {why}")
+    if config.get("bias", "none") != "none":
+        raise NpqwenError(f"{file}: bias is {config['bias']!r}: the adapter trains the base's biases, which npqwen "
+                          f"does not apply; merge it with PEFT and load the result")
+    r, alpha = config.get("r", 8), config.get("lora_alpha", 8)
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise NpqwenError(f"{file}: r must be an integer >= 1, got {r!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise NpqwenError(f"{file}: lora_alpha must be a number, got {alpha!r}")
+    targets = config.get("target_modules")
+    if targets is None or not isinstance(targets, (str, list)):
+        raise NpqwenError(f"{file}: target_modules must be a list of module names or a regular expression, "
+                          f"got {targets!r}")
+    for t in targets if isinstance(targets, list) else []:
+        if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in TARGETS:
+            why = ("embedding and lm_head adapters are not applied" if t in ("embed_tokens", "lm_head")
+                   else "it is not a linear layer of a Qwen3 decoder layer")
+            raise NpqwenError(f"{file}: target_modules names {t!r}: {why}; npqwen applies adapters on "
+                              f"{', '.join(TARGETS)}")
+    return config
+
+
+def refusal(name: str) -> str:
+    """Why a tensor of an adapter file is not applied."""
+    if "lora_magnitude_vector" in name:
+        return "it is a DoRA magnitude, which npqwen does not apply"
+    if "lora_embedding" in name or "embed_tokens" in name:
+        return "it adapts the embedding, which npqwen does not apply"
+    if "modules_to_save" in name:
+        return "it replaces a whole module (modules_to_save), which npqwen does not apply"
+    if "lm_head" in name:
+        return "it adapts lm_head, which npqwen does not apply"
+    if ".experts." in name:
+        return "it adapts a Qwen3-MoE expert, which npqwen does not apply (attention adapters of a MoE model are)"
+    return f"it is not a LoRA weight of {', '.join(TARGETS)}"
+
+
+def read_adapter(path, name: str, model) -> LoraAdapter:
+    """Read and check a PEFT LoRA adapter directory for `model` (a Qwen3): arrays in the model's dtype."""
+    path = Path(path)
+    if not path.is_dir():
+        raise NpqwenError(f"LoRA adapter {name!r}: {path} is not a directory")
+    config = read_config(path)
+    file = path / "adapter_model.safetensors"
+    if not file.is_file():
+        bin_ = (path / "adapter_model.bin").is_file()
+        raise NpqwenError(f"{path}: no adapter_model.safetensors" + (
+            "; adapter_model.bin is a pickle, which npqwen does not read (loading one can run code): save it "
+            "again with PEFT, save_pretrained(..., safe_serialization=True)" if bin_ else ""))
+    try:
+        infos = read_safetensors_header(file)
+    except OSError as e:
+        raise NpqwenError(f"{file}: cannot read it ({e})") from None
+    # 1. every tensor is a lora_A or lora_B of one of the seven linear layers of a layer this model has
+    found = {}
+    for key in infos:
+        m = WEIGHT.match(key)
+        module = MODULE.match(m.group(1)) if m else None
+        if m is None or module is None or module.group(3) not in TARGETS or \
+                module.group(2) != ("self_attn" if module.group(3) in ATTENTION else "mlp"):
+            raise NpqwenError(f"{file}: {key}: {refusal(key)}")
+        if int(module.group(1)) >= model.config.num_hidden_layers:
+            raise NpqwenError(f"{file}: {key}: the base model has {model.config.num_hidden_layers} layers; this "
+                              f"adapter was made for another base model")
+        found.setdefault(m.group(1), {})[m.group(2)] = infos[key]
+    # 2. every module the config targets has its weights
+    targets = config["target_modules"]
+    for i in range(model.config.num_hidden_layers):
+        for t in TARGETS:
+            module = f"model.layers.{i}.{'self_attn' if t in ATTENTION else 'mlp'}.{t}"
+            if targeted(config, i, module) and module not in found and not (
+                    t in MLP and model.config.is_moe_layer(i)):
+                raise NpqwenError(f"{file}: the config targets {t} (target_modules {targets!r}) but the file has no "
+                                  f"weights for {module}; the file is incomplete or belongs to another config")
+    # 3. shapes: A (r, in), B (out, r) against the base weight (out, in) and the rank the config gives
+    adapter = LoraAdapter(name, path, config["r"], key=f"{name}#{next(_loads)}")
+    order = sorted(found, key=lambda mod: (int(MODULE.match(mod).group(1)), TARGETS.index(mod.rsplit(".", 1)[1])))
+    for module in order:
+        parts = found[module]
+        for part in ("lora_A", "lora_B"):
+            if part not in parts:
+                raise NpqwenError(f"{file}: {module} has no {part}.weight; the file is incomplete")
+        i, kind, t = MODULE.match(module).groups()
+        if int(i) < model.config.num_hidden_layers and t in MLP and model.config.is_moe_layer(int(i)):
+            raise NpqwenError(f"{file}: {module}: layer {i} of this Qwen3-MoE has experts, not one MLP; this adapter "
+                              f"was made for another base model")
+        out, in_ = model.weights[f"{module}.weight"].shape
+        r = pattern_value(config.get("rank_pattern") or {}, module, config["r"])
+        A, B = parts["lora_A"], parts["lora_B"]
+        if len(A.shape) != 2 or len(B.shape) != 2 or A.shape[1] != in_ or B.shape[0] != out:
+            wrong = A if len(A.shape) != 2 or A.shape[1] != in_ else B
+            want = ("r", in_) if wrong is A else (out, "r")
+            raise NpqwenError(f"{file}: {wrong.name} has shape {tuple(wrong.shape)}, but this base model's {t} "
+                              f"needs {want} (its weight is {(out, in_)}); this adapter was made for another "
+                              f"base model")
+        if A.shape[0] != r or B.shape[1] != r:
+            raise NpqwenError(f"{file}: {module} has rank {A.shape[0]} in the weights (lora_A {tuple(A.shape)}, "
+                              f"lora_B {tuple(B.shape)}), but the config says r={r} (r, rank_pattern); the config "
+                              f"and the weights do not belong together")
+        alpha = pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8))
+        scale = alpha / r ** 0.5 if config.get("use_rslora") else alpha / r
+        arrays = []
+        for part in ("lora_A", "lora_B"):
+            info = parts[part]
+            if info.dtype not in ("F32", "F16", "BF16"):
+                raise NpqwenError(f"{file}: {info.name} is {info.dtype}; npqwen reads F32, F16 and BF16 adapters")
+            a = model.xp.empty(info.shape, dtype=model.dtype)
+            read_tensor(info, a)
+            adapter.weights[f"{module}.{part}.weight"] = a
+            arrays.append(a)
+        matrix, cols = fused_columns(model, int(i), kind, t)
+        adapter.deltas.setdefault(matrix, []).append(Delta(module, cols, *arrays, float(scale)))
+    if not adapter.deltas:
+        raise NpqwenError(f"{file}: holds no LoRA weights")
+    return adapter
