@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import linear_attention as la
 from . import moe, ops
 from .backend import xp_of
 from .checks import check_token_ids
@@ -75,8 +76,11 @@ class Qwen3:
         embed = weights["model.embed_tokens.weight"]
         self.xp, self.dtype = xp_of(embed), embed.dtype
         Dh = config.head_dim      # this rank's heads (all of them in one process), and its first token id
-        self.heads = weights["model.layers.0.self_attn.q_proj.weight"].shape[0] // Dh
-        self.kv_heads = weights["model.layers.0.self_attn.k_proj.weight"].shape[0] // Dh
+        attn = f"model.layers.{config.layer_types.index('full_attention')}.self_attn" \
+            if config.num_attention_layers else None    # (a hybrid model may have no full-attention layer)
+        gate = 2 if config.hybrid else 1                # Qwen3.5's q_proj also yields the output gate
+        self.heads = weights[f"{attn}.q_proj.weight"].shape[0] // Dh // gate if attn else config.num_attention_heads
+        self.kv_heads = weights[f"{attn}.k_proj.weight"].shape[0] // Dh if attn else config.num_key_value_heads
         self.vocab_start = split_range(config.vocab_size, self.comm.size, self.comm.rank).start
         inv_freq, self.rope_scale = ops.rope_frequencies(config)
         self.inv_freq = self.xp.asarray(inv_freq)      # (Dh/2,) float32
@@ -84,8 +88,8 @@ class Qwen3:
     def new_cache(self, capacity: int) -> SequenceCache:
         return SequenceCache(self.config, capacity, self.xp, self.dtype, kv_heads=self.kv_heads)
 
-    def new_kv_cache(self, num_pages: int, page_size: int) -> KVCache:
-        return KVCache(self.config, num_pages, page_size, self.xp, self.dtype, self.kv_heads)
+    def new_kv_cache(self, num_pages: int, page_size: int, num_slots: int = 1) -> KVCache:
+        return KVCache(self.config, num_pages, page_size, self.xp, self.dtype, self.kv_heads, num_slots)
 
     def forward(self, token_ids, cache: SequenceCache | None = None, last_only: bool = False, recorder=None):
         """Logits (T, V) for one sequence's `token_ids` (or (1, V) for the last token when last_only).
@@ -119,6 +123,8 @@ class Qwen3:
         cos, sin = ops.rope_cos_sin(self.inv_freq, xp.asarray(batch.positions), self.rope_scale, self.dtype)  # (T, Dh)
         recorder("model.rotary_emb.cos", cos); recorder("model.rotary_emb.sin", sin)
         slots = xp.asarray(kv.slots(batch.write_pages, batch.write_offsets))          # where new keys/values go
+        if kv.states is not None:   # hybrid: a sequence at position 0 starts its linear layers' states from zero
+            kv.states.reset(batch.new_slots)
         # 3. the decoder layers, each two residual updates
         for i in range(cfg.num_hidden_layers):
             x = self.decoder_layer(i, x, cos, sin, batch, kv, slots, recorder)
@@ -126,7 +132,7 @@ class Qwen3:
         rows = batch.output_rows
         if len(rows) < x.shape[0] or (rows != np.arange(len(rows))).any():
             x = x[xp.asarray(rows)]                                                  # (B, D)
-        x = ops.rms_norm(x, W["model.norm.weight"], cfg.rms_norm_eps)
+        x = ops.rms_norm(x, W["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
         recorder("model.norm", x)
         # 5. lm_head (tied to the embedding in small Qwen3s), for the rows that sample; under tensor
         # parallelism every rank's V/N logits side by side
@@ -156,12 +162,13 @@ class Qwen3:
 
     def decoder_layer(self, i: int, x, cos, sin, batch, kv, slots, recorder=no_recorder):
         """Pre-norm residual block: x + attention(norm(x)), then h + mlp(norm(h))."""
-        p, W, eps = f"model.layers.{i}", self.weights, self.config.rms_norm_eps
-        a = ops.rms_norm(x, W[f"{p}.input_layernorm.weight"], eps)
+        p, W, eps, one = f"model.layers.{i}", self.weights, self.config.rms_norm_eps, self.config.norm_offset
+        a = ops.rms_norm(x, W[f"{p}.input_layernorm.weight"], eps, one)
         recorder(f"{p}.input_layernorm", a)
-        h = x + self.self_attn(i, a, cos, sin, batch, kv, slots, recorder)           # (T, D)
+        attn = self.linear_attn if self.config.is_linear_layer(i) else self.self_attn   # Qwen3.5: Gated DeltaNet
+        h = x + attn(i, a, cos, sin, batch, kv, slots, recorder)                     # (T, D)
         recorder(f"{p}.attn_residual", h)
-        m = ops.rms_norm(h, W[f"{p}.post_attention_layernorm.weight"], eps)
+        m = ops.rms_norm(h, W[f"{p}.post_attention_layernorm.weight"], eps, one)
         recorder(f"{p}.post_attention_layernorm", m)
         mlp = self.sparse_moe if self.config.is_moe_layer(i) else self.mlp        # Qwen3-MoE: routed to experts
         out = h + mlp(i, m, recorder)                                                # (T, D)
@@ -171,26 +178,71 @@ class Qwen3:
     def self_attn(self, i: int, x, cos, sin, batch, kv, slots, recorder=no_recorder):
         """QK-normed, rotary, grouped-query causal attention of layer i, each sequence over its own pages."""
         cfg, W, p = self.config, self.weights, f"model.layers.{i}.self_attn"
-        T, H, K, Dh = x.shape[0], self.heads, self.kv_heads, cfg.head_dim
+        T, H, K, Dh, Q = x.shape[0], self.heads, self.kv_heads, cfg.head_dim, self.q_width
         # q_proj, k_proj, v_proj in one matmul: qkv_proj stacks their rows
-        qkv = ops.linear(x, self.fused[f"{p}.qkv_proj.weight"])                # (T, (H + 2K) * Dh)
-        q, k, v = qkv[:, :H * Dh], qkv[:, H * Dh:(H + K) * Dh], qkv[:, (H + K) * Dh:]
+        qkv = ops.linear(x, self.fused[f"{p}.qkv_proj.weight"])                # (T, Q + 2K*Dh)
+        q, k, v = qkv[:, :Q], qkv[:, Q:Q + K * Dh], qkv[:, Q + K * Dh:]
         recorder(f"{p}.q_proj", q); recorder(f"{p}.k_proj", k); recorder(f"{p}.v_proj", v)
+        if cfg.hybrid:   # Qwen3.5: each head's Dh query values are followed by Dh values of its output gate
+            q, gate = q.reshape(T, H, 2 * Dh)[..., :Dh], q.reshape(T, H, 2 * Dh)[..., Dh:].reshape(T, H * Dh)
         # QK-norm: RMSNorm over each head's Dh values, before RoPE
-        q = ops.rms_norm(q.reshape(T, H, Dh), W[f"{p}.q_norm.weight"], cfg.rms_norm_eps)   # (T, H, Dh)
-        k = ops.rms_norm(k.reshape(T, K, Dh), W[f"{p}.k_norm.weight"], cfg.rms_norm_eps)   # (T, K, Dh)
+        q = ops.rms_norm(q.reshape(T, H, Dh), W[f"{p}.q_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)  # (T, H, Dh)
+        k = ops.rms_norm(k.reshape(T, K, Dh), W[f"{p}.k_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)  # (T, K, Dh)
         recorder(f"{p}.q_norm", q); recorder(f"{p}.k_norm", k)
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
         recorder(f"{p}.q_rope", q); recorder(f"{p}.k_rope", k)
         # every token's key and value go to its page first, so a sequence's attention reads them from there
-        kv.write(i, slots, k, v.reshape(T, K, Dh))
-        out, probs = self.attention(q, kv.keys[i], kv.values[i], batch, want_probs=recorder is not no_recorder)
+        c = cfg.cache_index(i)     # this layer's row of the KV cache (i in Qwen3: every layer has one)
+        kv.write(c, slots, k, v.reshape(T, K, Dh))
+        out, probs = self.attention(q, kv.keys[c], kv.values[c], batch, want_probs=recorder is not no_recorder)
         if probs is not None:   # kept for a recorder: every rank's heads
             probs = self.comm.all_gather(probs, axis=0)                                   # (H, n, S)
         recorder(f"{p}.attn_probs", probs); recorder(f"{p}.attn_output", out)  # probs: the last sequence's (H, n, S)
+        if cfg.hybrid:   # Qwen3.5's output gate: each head's output scaled by sigmoid(gate)
+            out = out * ops.sigmoid(gate)                                       # (T, H*Dh)
         out = ops.linear(out, W[f"{p}.o_proj.weight"])                          # (T, H*Dh) -> (T, D)
         out = self.comm.all_reduce(out)                                         # the sum of every rank's heads
         recorder(f"{p}.o_proj", out)
+        return out
+
+    @property
+    def q_width(self) -> int:
+        """Rows of q_proj on this rank: H*Dh, twice that when it also yields Qwen3.5's output gate."""
+        return self.heads * self.config.head_dim * (2 if self.config.hybrid else 1)
+
+    def linear_attn(self, i: int, x, cos, sin, batch: Batch, kv: KVCache, slots, recorder=no_recorder):
+        """Gated DeltaNet (npqwen/linear_attention.py) of layer i: each sequence continues from its states in
+        kv.states; a prompt's tokens run the chunked form, decoding sequences one batched recurrent step."""
+        cfg, W, p, xp = self.config, self.weights, f"model.layers.{i}.linear_attn", self.xp
+        T, heads = x.shape[0], (cfg.linear_num_key_heads, cfg.linear_key_head_dim,
+                                cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+        Hv, dv = heads[2:]
+        conv, state = kv.states.conv[cfg.cache_index(i)], kv.states.recurrent[cfg.cache_index(i)]   # (S, ...)
+        # the four input projections: q, k, v (convolved together), the output gate z, beta and the decay
+        mixed = ops.linear(x, W[f"{p}.in_proj_qkv.weight"])                     # (T, C)
+        z = ops.linear(x, W[f"{p}.in_proj_z.weight"]).reshape(T, Hv, dv)        # (T, Hv, dv)
+        b, a = ops.linear(x, W[f"{p}.in_proj_b.weight"]), ops.linear(x, W[f"{p}.in_proj_a.weight"])   # (T, Hv)
+        recorder(f"{p}.in_proj_qkv", mixed); recorder(f"{p}.in_proj_z", z)
+        recorder(f"{p}.in_proj_b", b); recorder(f"{p}.in_proj_a", a)
+        g, beta = la.decay_and_beta(a, b, W[f"{p}.A_log"], W[f"{p}.dt_bias"])   # (T, Hv) each, float32
+        kernel = W[f"{p}.conv1d.weight"][:, 0]                                  # (C, W)
+        out = xp.empty((T, Hv, dv), dtype=np.float32)
+        for (row, n), slot in zip(batch.rows, batch.slots):
+            if n > 1:   # a prompt's chunk: the convolution, then the chunked delta rule, from this sequence's states
+                r = slice(row, row + n)
+                mixed_r, conv[slot] = (s[0] for s in la.causal_conv1d(mixed[None, r], kernel, conv[slot][None]))
+                q, k, v = la.queries_keys_values(mixed_r, *heads)
+                out[r], state[slot] = la.chunked_gated_delta_rule(q, k, v, g[r], beta[r], state[slot])
+        if len(batch.decode_rows):   # one new token per sequence: one batched step for all of them
+            rows, s = xp.asarray(batch.decode_rows), batch.decode_slots
+            mixed_d, conv[s] = la.causal_conv1d(mixed[rows][:, None], kernel, conv[s])   # (B, 1, C)
+            q, k, v = la.queries_keys_values(mixed_d[:, 0], *heads)              # (B, Hv, dk), (B, Hv, dv)
+            out[rows], state[s] = la.delta_rule_step(q, k, v, g[rows], beta[rows], state[s])
+        recorder(f"{p}.core_attn_out", out)
+        out = la.gated_rms_norm(out.astype(x.dtype), z, W[f"{p}.norm.weight"], cfg.rms_norm_eps)   # (T, Hv, dv)
+        recorder(f"{p}.norm", out)
+        out = ops.linear(out.reshape(T, Hv * dv), W[f"{p}.out_proj.weight"])    # (T, D)
+        recorder(f"{p}.out_proj", out)
         return out
 
     def attention(self, q, keys, values, batch: Batch, want_probs: bool = False):
