@@ -74,12 +74,13 @@ class KVCache:
 
 class LinearStates:
     """Every linear-attention layer's state for S sequences (slots): the convolution's last W-1 inputs
-    (Ll, S, W-1, C) and the delta rule's matrices (Ll, S, Hv, dk, dv), kept in float32 as HF keeps them."""
+    (Ll, S, W-1, C) and the delta rule's matrices (Ll, S, Hv, dk, dv), in (at least) float32 as HF keeps them."""
 
     def __init__(self, config: Qwen3Config, num_slots: int, xp, dtype):
         Ll = config.num_hidden_layers - config.num_attention_layers
         self.conv = xp.zeros((Ll, num_slots, *conv_state_shape(config)), dtype=dtype)      # (Ll, S, W-1, C)
-        self.recurrent = xp.zeros((Ll, num_slots, *recurrent_state_shape(config)), dtype=np.float32)
+        self.recurrent = xp.zeros((Ll, num_slots, *recurrent_state_shape(config)),
+                                  dtype=np.promote_types(dtype, np.float32))          # (Ll, S, Hv, dk, dv)
         self.num_slots = num_slots
 
     def reset(self, slots):
@@ -97,7 +98,7 @@ class LinearStates:
         """One sequence's states in every linear-attention layer: the same at any context length."""
         Ll = config.num_hidden_layers - config.num_attention_layers
         return Ll * (math.prod(conv_state_shape(config)) * np.dtype(dtype).itemsize
-                     + math.prod(recurrent_state_shape(config)) * 4)
+                     + math.prod(recurrent_state_shape(config)) * np.promote_types(dtype, np.float32).itemsize)
 
 
 def conv_state_shape(config: Qwen3Config) -> tuple[int, int]:

@@ -19,6 +19,7 @@ matrix products and one triangular solve per chunk (prefill), as HF's torch_chun
 Shapes: T tokens, B sequences, C = 2*Hk*dk + Hv*dv convolved channels, W conv kernel, Hk key heads
 of dk, Hv value heads of dv (Hv a multiple of Hk: value head h reads key head h // (Hv/Hk)).
 Qwen3.5-0.8B: Hk=16, dk=128, Hv=16, dv=128, W=4.
+The delta rule runs in (at least) float32, as HF runs it, whatever the weights' dtype.
 """
 import numpy as np
 
@@ -58,8 +59,8 @@ def delta_rule_step(q, k, v, g, beta, state):
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     """The delta rule token by token: q, k (B, T, Hv, dk) normalised and scaled, v (B, T, Hv, dv), g, beta
-    (B, T, Hv), state (B, Hv, dk, dv) float32 -> outputs (B, T, Hv, dv), final state."""
-    out = xp_of(q).empty(v.shape, dtype=np.float32)
+    (B, T, Hv), state (B, Hv, dk, dv) -> outputs (B, T, Hv, dv), final state."""
+    out = xp_of(q).empty(v.shape, dtype=state.dtype)
     for t in range(q.shape[1]):
         out[:, t], state = delta_rule_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
     return out, state
@@ -77,7 +78,7 @@ def solve_unit_lower(A, B):
 
 def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     """The delta rule over one sequence, `chunk` tokens at a time: q, k (T, Hv, dk) normalised and scaled,
-    v (T, Hv, dv), g, beta (T, Hv), state (Hv, dk, dv) float32 -> outputs (T, Hv, dv), final state.
+    v (T, Hv, dv), g, beta (T, Hv), state (Hv, dk, dv) -> outputs (T, Hv, dv), final state.
 
     Within a chunk, the token-by-token writes W_t = beta_t (v_t - S_t^T k_t) depend on each other only
     through earlier tokens of the chunk, so all of them solve one unit lower-triangular system; the
@@ -101,7 +102,7 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     q_decayed = q * xp.exp(cum)[..., None]                                  # q reads the state as it was at the chunk's start
     k_decayed = k * xp.exp(cum[..., -1:] - cum)[..., None]                  # a write decays until the chunk's end
     chunk_decay = xp.exp(cum[..., -1])[..., None, None]                     # (Hv, N, 1, 1)
-    out = xp.empty(v.shape, dtype=np.float32)                               # (Hv, N, c, dv)
+    out = xp.empty(v.shape, dtype=state.dtype)                              # (Hv, N, c, dv)
     for n in range(N):
         v_new = u[:, n] - w[:, n] @ state                                   # (Hv, c, dv) the corrections written
         out[:, n] = q_decayed[:, n] @ state + attn[:, n] @ v_new
@@ -111,30 +112,30 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
 
 def gated_rms_norm(x, z, weight, eps: float):
     """RMSNorm of each head's output, times weight, times SiLU(z): x, z (..., dv), weight (dv,)."""
-    xp = xp_of(x)
-    xf = x.astype(np.float32, copy=False)
+    xp, f32 = xp_of(x), np.promote_types(x.dtype, np.float32)
+    xf = x.astype(f32, copy=False)
     y = xf / xp.sqrt((xf * xf).mean(-1, keepdims=True) + eps)
-    return (weight * y.astype(x.dtype) * silu(z.astype(np.float32))).astype(x.dtype)
+    return (weight * y.astype(x.dtype) * silu(z.astype(f32))).astype(x.dtype)
 
 
 def decay_and_beta(a, b, A_log, dt_bias):
     """The per-token, per-value-head decay g = -exp(A_log) softplus(a + dt_bias) (log space, <= 0) and the
     write strength beta = sigmoid(b): a, b (T, Hv) -> g, beta (T, Hv) float32."""
-    xp = xp_of(a)
-    s = a.astype(np.float32) + dt_bias.astype(np.float32)
+    xp, f32 = xp_of(a), np.promote_types(a.dtype, np.float32)
+    s = a.astype(f32) + dt_bias.astype(f32)
     softplus = xp.where(s > 20, s, xp.log1p(xp.exp(xp.minimum(s, 20))))      # torch's softplus (threshold 20)
-    g = -xp.exp(A_log.astype(np.float32)) * softplus
-    beta = 1.0 / (1.0 + xp.exp(-b.astype(np.float32)))
+    g = -xp.exp(A_log.astype(f32)) * softplus
+    beta = 1.0 / (1.0 + xp.exp(-b.astype(f32)))
     return g, beta
 
 
 def queries_keys_values(mixed, Hk, dk, Hv, dv):
     """Split the convolved (T, C) into q, k (T, Hv, dk), L2-normalised, q scaled by dk^-1/2, and v (T, Hv, dv);
     each key head is repeated for the Hv/Hk value heads that read it."""
-    T, xp = mixed.shape[0], xp_of(mixed)
-    q = mixed[:, :Hk * dk].reshape(T, Hk, dk).astype(np.float32)
-    k = mixed[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk).astype(np.float32)
-    v = mixed[:, 2 * Hk * dk:].reshape(T, Hv, dv).astype(np.float32)
+    T, xp, f32 = mixed.shape[0], xp_of(mixed), np.promote_types(mixed.dtype, np.float32)
+    q = mixed[:, :Hk * dk].reshape(T, Hk, dk).astype(f32)
+    k = mixed[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk).astype(f32)
+    v = mixed[:, 2 * Hk * dk:].reshape(T, Hv, dv).astype(f32)
     if Hv != Hk:
         q, k = xp.repeat(q, Hv // Hk, axis=1), xp.repeat(k, Hv // Hk, axis=1)   # (T, Hv, dk): 0,0,1,1,...
     return l2norm(q) * (dk ** -0.5), l2norm(k), v

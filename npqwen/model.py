@@ -226,7 +226,7 @@ class Qwen3:
         recorder(f"{p}.in_proj_b", b); recorder(f"{p}.in_proj_a", a)
         g, beta = la.decay_and_beta(a, b, W[f"{p}.A_log"], W[f"{p}.dt_bias"])   # (T, Hv) each, float32
         kernel = W[f"{p}.conv1d.weight"][:, 0]                                  # (C, W)
-        out = xp.empty((T, Hv, dv), dtype=np.float32)
+        out = xp.empty((T, Hv, dv), dtype=state.dtype)                          # float32 (float64 for float64)
         for (row, n), slot in zip(batch.rows, batch.slots):
             if n > 1:   # a prompt's chunk: the convolution, then the chunked delta rule, from this sequence's states
                 r = slice(row, row + n)
