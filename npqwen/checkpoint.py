@@ -319,6 +319,8 @@ def expected_shapes(config: Qwen3Config, lm_head: bool = True) -> dict[str, tupl
                 shapes.update({f"{p}.mlp.experts.{e}.gate_proj.weight": (I, D),
                                f"{p}.mlp.experts.{e}.up_proj.weight": (I, D),
                                f"{p}.mlp.experts.{e}.down_proj.weight": (D, I)})
+            if config.shared_expert_intermediate_size:
+                shapes.update(shared_expert_shapes(config, p))
         else:
             shapes.update({f"{p}.mlp.gate_proj.weight": (F, D), f"{p}.mlp.up_proj.weight": (F, D),
                            f"{p}.mlp.down_proj.weight": (D, F)})
@@ -335,6 +337,13 @@ def attention_shapes(config: Qwen3Config, p: str) -> dict[str, tuple[int, ...]]:
     return {f"{p}.self_attn.q_proj.weight": (gate * H * Dh, D), f"{p}.self_attn.k_proj.weight": (K * Dh, D),
             f"{p}.self_attn.v_proj.weight": (K * Dh, D), f"{p}.self_attn.q_norm.weight": (Dh,),
             f"{p}.self_attn.k_norm.weight": (Dh,), f"{p}.self_attn.o_proj.weight": (D, H * Dh)}
+
+
+def shared_expert_shapes(config: Qwen3Config, p: str) -> dict[str, tuple[int, ...]]:
+    """Qwen3.5-MoE's shared expert, a SwiGLU every token runs, and its sigmoid gate."""
+    D, S = config.hidden_size, config.shared_expert_intermediate_size
+    return {f"{p}.mlp.shared_expert.gate_proj.weight": (S, D), f"{p}.mlp.shared_expert.up_proj.weight": (S, D),
+            f"{p}.mlp.shared_expert.down_proj.weight": (D, S), f"{p}.mlp.shared_expert_gate.weight": (1, D)}
 
 
 def linear_attention_shapes(config: Qwen3Config, p: str) -> dict[str, tuple[int, ...]]:
@@ -483,6 +492,8 @@ def allocate_weights(config: Qwen3Config, xp, dtype, shapes: dict | None = None)
         if config.is_moe_layer(i):
             views.update(allocate_experts(config, p, xp, dtype, fused))
         mlp = () if config.is_moe_layer(i) else ((f"{p}.mlp.gate_up_proj.weight", ("gate_proj", "up_proj")),)
+        if config.is_moe_layer(i) and config.shared_expert_intermediate_size:   # Qwen3.5-MoE: the shared expert
+            mlp = ((f"{p}.mlp.shared_expert.gate_up_proj.weight", ("gate_proj", "up_proj")),)
         attn = () if config.is_linear_layer(i) else ((f"{p}.self_attn.qkv_proj.weight", ("q_proj", "k_proj", "v_proj")),)
         for stacked, parts in (*attn, *mlp):
             names = [stacked.replace("qkv_proj" if "qkv" in stacked else "gate_up_proj", part)

@@ -20,7 +20,8 @@ from .errors import NpqwenError
 ROPE_TYPES = ("default", "linear", "yarn")
 LAYER_TYPES = ("full_attention", "linear_attention")
 HYBRID_KEYS = ("layer_types", "partial_rotary_factor", "linear_conv_kernel_dim", "linear_key_head_dim",
-               "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")
+               "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+               "shared_expert_intermediate_size")
 MAX_LAYERS_LISTED = 10_000   # a default layer_types is only built for a plausible num_hidden_layers
 MAX_SIZE = 2**31 - 1   # any size above this is a typo; the tensors in the file bound the real ones
 
@@ -87,6 +88,7 @@ class Qwen3Config:
     linear_value_head_dim: int = 128      # dv (128)
     linear_num_key_heads: int = 16        # Hk (16)
     linear_num_value_heads: int = 32      # Hv (16), a multiple of Hk
+    shared_expert_intermediate_size: int = 0  # Qwen3.5-MoE: every token also runs a shared expert this wide (512)
 
     def __post_init__(self):
         # Derived values, computed in this one place.
@@ -140,7 +142,7 @@ class Qwen3Config:
     @property
     def model_type(self) -> str:
         if self.hybrid:
-            return "qwen3_5_text"
+            return "qwen3_5_moe_text" if self.num_experts else "qwen3_5_text"
         return "qwen3_moe" if self.num_experts else "qwen3"
 
     def is_moe_layer(self, i: int) -> bool:
@@ -173,7 +175,8 @@ class Qwen3Config:
                 raw.pop(key)
         raw.pop("hybrid")
         architecture = "Qwen3MoeForCausalLM" if self.num_experts else "Qwen3ForCausalLM"
-        architecture = "Qwen3_5ForCausalLM" if self.hybrid else architecture
+        architecture = ("Qwen3_5MoeForCausalLM" if self.num_experts else "Qwen3_5ForCausalLM") if self.hybrid \
+            else architecture
         return {"architectures": [architecture], "model_type": self.model_type, **raw}
 
     @classmethod
@@ -182,18 +185,24 @@ class Qwen3Config:
         if not isinstance(raw, dict):
             raise NpqwenError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type")
-        if model_type == "qwen3_5" and isinstance(raw.get("text_config"), dict):
-            # the hub's Qwen3_5ForConditionalGeneration: npqwen reads its text model (model.language_model.*)
+        if model_type in ("qwen3_5", "qwen3_5_moe") and isinstance(raw.get("text_config"), dict):
+            # the hub's Qwen3_5(Moe)ForConditionalGeneration: npqwen reads its text model (model.language_model.*)
+            model_type += "_text"
             raw = {"tie_word_embeddings": raw.get("tie_word_embeddings", False), **raw["text_config"],
-                   "model_type": "qwen3_5_text"}
-            model_type = "qwen3_5_text"
-        if model_type not in ("qwen3", "qwen3_moe", "qwen3_5_text"):
+                   "model_type": model_type}
+        if model_type not in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text"):
             raise NpqwenError(f"{source}: model_type is {model_type!r}, but npqwen runs Qwen3 checkpoints: "
                               f"model_type 'qwen3' (dense, e.g. Qwen/Qwen3-0.6B), 'qwen3_moe' (mixture of "
                               f"experts, e.g. Qwen/Qwen3-30B-A3B), or Qwen3.5's 'qwen3_5' / 'qwen3_5_text' "
                               f"(e.g. Qwen/Qwen3.5-0.8B)")
         raw = dict(raw)
-        raw["hybrid"] = model_type == "qwen3_5_text"
+        raw["hybrid"] = model_type in ("qwen3_5_text", "qwen3_5_moe_text")
+        if model_type == "qwen3_5_moe_text":   # every layer sparse, k weights renormalised, no dense MLP
+            raw.update(num_experts=raw.get("num_experts", 256), num_experts_per_tok=raw.get("num_experts_per_tok", 8),
+                       moe_intermediate_size=raw.get("moe_intermediate_size", 512), norm_topk_prob=True,
+                       decoder_sparse_step=1, mlp_only_layers=[],
+                       shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 512))
+            raw.setdefault("intermediate_size", raw["shared_expert_intermediate_size"])   # (no dense layer uses it)
         if raw["hybrid"]:   # transformers' Qwen3_5TextConfig defaults: every fourth layer full attention
             rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
             raw.setdefault("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
@@ -202,7 +211,7 @@ class Qwen3Config:
                 every = raw.get("full_attention_interval", 4)
                 raw["layer_types"] = ["linear_attention" if (i + 1) % every else "full_attention"
                                       for i in range(min(raw["num_hidden_layers"], MAX_LAYERS_LISTED))]
-        if model_type == "qwen3_moe":   # transformers saves num_experts as num_local_experts
+        if model_type in ("qwen3_moe", "qwen3_5_moe_text"):   # transformers saves num_experts as num_local_experts
             raw.setdefault("num_experts", raw.get("num_local_experts"))
             raw.update({k: v for k, v in MOE_DEFAULTS.items() if raw.get(k) is None})
         else:                           # a dense Qwen3 has no experts, whatever else its config.json says

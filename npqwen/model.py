@@ -263,9 +263,9 @@ class Qwen3:
                 probs = decode_probs[-1, :, None, :batch.decode_lengths[-1]]       # (H, 1, S)
         return out, probs
 
-    def mlp(self, i: int, x, recorder=no_recorder):
-        """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
-        p = f"model.layers.{i}.mlp"
+    def mlp(self, i: int, x, recorder=no_recorder, name: str = "mlp"):
+        """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)). `name`: "mlp.shared_expert" for Qwen3.5-MoE's."""
+        p = f"model.layers.{i}.{name}"
         gate_up = ops.linear(x, self.fused[f"{p}.gate_up_proj.weight"])         # (T, 2F): gate_proj | up_proj
         F = gate_up.shape[1] // 2
         gate, up = gate_up[:, :F], gate_up[:, F:]                               # (T, F) each
@@ -287,6 +287,10 @@ class Qwen3:
         out = moe.experts(x, chosen, weights, self.fused[f"{p}.experts.gate_up_proj"],
                           self.fused[f"{p}.experts.down_proj"])                  # (T, D)
         recorder(f"{p}.experts", out)
+        if cfg.shared_expert_intermediate_size:   # Qwen3.5-MoE: a shared expert every token runs, sigmoid-gated
+            gate = ops.sigmoid(ops.linear(x, self.weights[f"{p}.shared_expert_gate.weight"]))   # (T, 1)
+            recorder(f"{p}.shared_expert_gate", gate)
+            out = out + gate * self.mlp(i, x, recorder, "mlp.shared_expert")
         return out
 
     def _check_ids(self, token_ids, cache) -> np.ndarray:

@@ -21,6 +21,26 @@ QWEN3_5_0_8B_TEXT = dict(
     eos_token_id=248044)
 
 
+# Qwen3.5-MoE at the tiny size: 8 experts of width 16, 2 per token, a shared expert of width 24
+TINY_HYBRID_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=24)
+
+# Qwen/Qwen3.5-35B-A3B's text model (a layer's shape: 256 experts of 512, 8 per token, shared expert of 512)
+QWEN3_5_35B_A3B_TEXT = dict(
+    vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=262144,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, full_attention_interval=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                     "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+
+
+def hybrid_moe_config(**overrides) -> dict:
+    cfg = {k: v for k, v in TINY_HYBRID.items() if k != "intermediate_size"}
+    return {"model_type": "qwen3_5_moe_text", **cfg, **TINY_HYBRID_MOE, **overrides}
+
+
 def hybrid_config(**overrides) -> dict:
     return {"model_type": "qwen3_5_text", **TINY_HYBRID, **overrides}
 
@@ -29,7 +49,10 @@ def hf_hybrid_classes(model_type: str):
     import transformers
 
     return {"qwen3_5_text": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
-            "qwen3_5": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration)}[model_type]
+            "qwen3_5": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration),
+            "qwen3_5_moe_text": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
+            "qwen3_5_moe": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration),
+            }[model_type]
 
 
 def randomize(model, seed: int, std: float):
@@ -58,9 +81,10 @@ def build_hybrid_checkpoint(path: Path, config: dict, save_dtype: str = "float32
 
     torch.manual_seed(seed)
     cfg = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "torch_dtype")}
-    text_config_class, text_class = hf_hybrid_classes("qwen3_5_text")
+    text_type = config.get("model_type", "qwen3_5_text")
+    text_config_class, text_class = hf_hybrid_classes(text_type)
     if hub_layout:
-        config_class, model_class = hf_hybrid_classes("qwen3_5")
+        config_class, model_class = hf_hybrid_classes(text_type.removesuffix("_text"))
         vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=cfg["hidden_size"],
                       patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
         model = model_class(config_class(text_config=text_config_class(**cfg).to_dict(), vision_config=vision,

@@ -8,7 +8,9 @@ import pytest
 
 import npqwen
 
-from hybrid_checkpoints import QWEN3_5_0_8B_TEXT, build_hybrid_checkpoint, hf_hybrid_model, hybrid_config
+from hybrid_checkpoints import (QWEN3_5_0_8B_TEXT, QWEN3_5_35B_A3B_TEXT, build_hybrid_checkpoint, hf_hybrid_model,
+                                hybrid_config, hybrid_moe_config)
+from npqwen.backend import free_memory_bytes
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -25,6 +27,9 @@ CASES = {
                              linear_num_value_heads=4, num_hidden_layers=2, layer_types=[L, F]), "float32", False, 65),
     "all-linear": (dict(num_hidden_layers=2, layer_types=[L, L]), "float32", False, 40),
     "hub-layout-untied": (dict(tie_word_embeddings=False), "float32", True, 70),
+    "moe-shared-expert": (dict(model_type="qwen3_5_moe_text"), "float32", False, 70),
+    "moe-hub-layout-FL": (dict(model_type="qwen3_5_moe_text", num_hidden_layers=2, layer_types=[F, L]),
+                          "bfloat16", True, 40),
 }
 
 
@@ -51,7 +56,9 @@ def compare(llm, ref, ids):
 @pytest.mark.parametrize("case", CASES)
 def test_logits_match_hf(case, tmp_path):
     overrides, save_dtype, hub, T = CASES[case]
-    path = build_hybrid_checkpoint(tmp_path, hybrid_config(**overrides), save_dtype=save_dtype, hub_layout=hub)
+    config = hybrid_moe_config(**overrides) if overrides.get("model_type") == "qwen3_5_moe_text" \
+        else hybrid_config(**overrides)
+    path = build_hybrid_checkpoint(tmp_path, config, save_dtype=save_dtype, hub_layout=hub)
     llm, ref = npqwen.load(path), hf_hybrid_model(path)
     ids = np.random.default_rng(0).integers(0, llm.config.vocab_size, T).tolist()
     print(f"{case}:", end=" ")
@@ -88,4 +95,18 @@ def test_qwen3_5_0_8b_text_shape(tmp_path):
     assert llm.config.rotary_dim == 64 and llm.config.layer_types == (L, L, L, F)
     ids = np.random.default_rng(2).integers(0, 248044, 100).tolist()
     print("Qwen3.5-0.8B text shape, 4 layers:", end=" ")
+    compare(llm, ref, ids)
+
+
+@pytest.mark.skipif(free_memory_bytes(np) < 24 * 2**30, reason="the 35B-A3B layer shape needs ~24 GiB free "
+                    "(2 layers of 256 experts: 1.6 billion parameters, in HF and in npqwen)")
+def test_qwen3_5_35b_a3b_layer_shape(tmp_path):
+    """Qwen3.5-35B-A3B's layers exactly (hidden 2048, 16/2 heads of 256, 16/32 linear heads of 128, 256 experts of
+    512, 8 per token, a shared expert of 512), two of them (linear, full); its vocabulary cut to 4,096."""
+    config = {"model_type": "qwen3_5_moe_text", **QWEN3_5_35B_A3B_TEXT, "num_hidden_layers": 2, "vocab_size": 4096,
+              "layer_types": [L, F]}
+    path = build_hybrid_checkpoint(tmp_path, config, save_dtype="bfloat16", std=0.02)
+    llm, ref = npqwen.load(path), hf_hybrid_model(path)
+    ids = np.random.default_rng(3).integers(0, 4096, 40).tolist()
+    print("Qwen3.5-35B-A3B layer shape, 2 layers:", end=" ")
     compare(llm, ref, ids)
