@@ -353,9 +353,13 @@ def linear_attention_shapes(config: Qwen3Config, p: str) -> dict[str, tuple[int,
                       config.linear_value_head_dim)
     C = 2 * Hk * dk + Hv * dv   # q, k and v, convolved together
     p = f"{p}.linear_attn"
+    if config.qwen3_next:   # q, k, v, z and b, a in two matrices, their rows grouped by key head
+        inputs = {f"{p}.in_proj_qkvz.weight": (C + Hv * dv, D), f"{p}.in_proj_ba.weight": (2 * Hv, D)}
+    else:
+        inputs = {f"{p}.in_proj_qkv.weight": (C, D), f"{p}.in_proj_z.weight": (Hv * dv, D),
+                  f"{p}.in_proj_b.weight": (Hv, D), f"{p}.in_proj_a.weight": (Hv, D)}
     return {f"{p}.dt_bias": (Hv,), f"{p}.A_log": (Hv,), f"{p}.conv1d.weight": (C, 1, W),
-            f"{p}.norm.weight": (dv,), f"{p}.out_proj.weight": (D, Hv * dv), f"{p}.in_proj_qkv.weight": (C, D),
-            f"{p}.in_proj_z.weight": (Hv * dv, D), f"{p}.in_proj_b.weight": (Hv, D), f"{p}.in_proj_a.weight": (Hv, D)}
+            f"{p}.norm.weight": (dv,), f"{p}.out_proj.weight": (D, Hv * dv), **inputs}
 
 
 def parameter_counts(config: Qwen3Config) -> tuple[int, int]:

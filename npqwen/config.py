@@ -22,6 +22,9 @@ LAYER_TYPES = ("full_attention", "linear_attention")
 HYBRID_KEYS = ("layer_types", "partial_rotary_factor", "linear_conv_kernel_dim", "linear_key_head_dim",
                "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
                "shared_expert_intermediate_size")
+QWEN3_NEXT_DEFAULTS = dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, norm_topk_prob=True,
+                          shared_expert_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[],
+                          intermediate_size=5632)
 MAX_LAYERS_LISTED = 10_000   # a default layer_types is only built for a plausible num_hidden_layers
 MAX_SIZE = 2**31 - 1   # any size above this is a typo; the tensors in the file bound the real ones
 
@@ -81,6 +84,8 @@ class Qwen3Config:
     # Gated DeltaNet linear attention per layer (npqwen/linear_attention.py); their norms scale by 1 + weight,
     # and full attention has an output gate (q_proj yields query and gate) and rotates only part of each head.
     hybrid: bool = False            # set from model_type (not a config.json key)
+    qwen3_next: bool = False        # set from model_type: Qwen3-Next's linear projections come interleaved by key
+                                    # head (in_proj_qkvz, in_proj_ba) where Qwen3.5 has four
     layer_types: list[str] | None = None  # "linear_attention" or "full_attention" per layer; kept as a tuple
     partial_rotary_factor: float = 1.0    # RoPE turns the first Dh * this of each head (0.25)
     linear_conv_kernel_dim: int = 4       # W: the causal convolution's kernel (4)
@@ -142,7 +147,7 @@ class Qwen3Config:
     @property
     def model_type(self) -> str:
         if self.hybrid:
-            return "qwen3_5_moe_text" if self.num_experts else "qwen3_5_text"
+            return "qwen3_next" if self.qwen3_next else "qwen3_5_moe_text" if self.num_experts else "qwen3_5_text"
         return "qwen3_moe" if self.num_experts else "qwen3"
 
     def is_moe_layer(self, i: int) -> bool:
@@ -177,6 +182,8 @@ class Qwen3Config:
         architecture = "Qwen3MoeForCausalLM" if self.num_experts else "Qwen3ForCausalLM"
         architecture = ("Qwen3_5MoeForCausalLM" if self.num_experts else "Qwen3_5ForCausalLM") if self.hybrid \
             else architecture
+        architecture = "Qwen3NextForCausalLM" if self.qwen3_next else architecture
+        raw.pop("qwen3_next")
         return {"architectures": [architecture], "model_type": self.model_type, **raw}
 
     @classmethod
@@ -190,13 +197,17 @@ class Qwen3Config:
             model_type += "_text"
             raw = {"tie_word_embeddings": raw.get("tie_word_embeddings", False), **raw["text_config"],
                    "model_type": model_type}
-        if model_type not in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text"):
+        if model_type not in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
             raise NpqwenError(f"{source}: model_type is {model_type!r}, but npqwen runs Qwen3 checkpoints: "
                               f"model_type 'qwen3' (dense, e.g. Qwen/Qwen3-0.6B), 'qwen3_moe' (mixture of "
                               f"experts, e.g. Qwen/Qwen3-30B-A3B), or Qwen3.5's 'qwen3_5' / 'qwen3_5_text' "
-                              f"(e.g. Qwen/Qwen3.5-0.8B)")
+                              f"(e.g. Qwen/Qwen3.5-0.8B), 'qwen3_5_moe' and 'qwen3_next'")
         raw = dict(raw)
-        raw["hybrid"] = model_type in ("qwen3_5_text", "qwen3_5_moe_text")
+        raw["hybrid"] = model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+        raw["qwen3_next"] = model_type == "qwen3_next"
+        if model_type == "qwen3_next":   # transformers' Qwen3NextConfig defaults (Qwen3-Next-80B-A3B)
+            for key, value in QWEN3_NEXT_DEFAULTS.items():
+                raw[key] = value if raw.get(key) is None else raw[key]
         if model_type == "qwen3_5_moe_text":   # every layer sparse, k weights renormalised, no dense MLP
             raw.update(num_experts=raw.get("num_experts", 256), num_experts_per_tok=raw.get("num_experts_per_tok", 8),
                        moe_intermediate_size=raw.get("moe_intermediate_size", 512), norm_topk_prob=True,
@@ -211,7 +222,7 @@ class Qwen3Config:
                 every = raw.get("full_attention_interval", 4)
                 raw["layer_types"] = ["linear_attention" if (i + 1) % every else "full_attention"
                                       for i in range(min(raw["num_hidden_layers"], MAX_LAYERS_LISTED))]
-        if model_type in ("qwen3_moe", "qwen3_5_moe_text"):   # transformers saves num_experts as num_local_experts
+        if model_type in ("qwen3_moe", "qwen3_5_moe_text", "qwen3_next"):   # transformers saves num_experts as num_local_experts
             raw.setdefault("num_experts", raw.get("num_local_experts"))
             raw.update({k: v for k, v in MOE_DEFAULTS.items() if raw.get(k) is None})
         else:                           # a dense Qwen3 has no experts, whatever else its config.json says

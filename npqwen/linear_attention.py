@@ -139,3 +139,14 @@ def queries_keys_values(mixed, Hk, dk, Hv, dv):
     if Hv != Hk:
         q, k = xp.repeat(q, Hv // Hk, axis=1), xp.repeat(k, Hv // Hk, axis=1)   # (T, Hv, dk): 0,0,1,1,...
     return l2norm(q) * (dk ** -0.5), l2norm(k), v
+
+
+def ungroup_qwen3_next(qkvz, ba, Hk, dk, Hv, dv):
+    """Qwen3-Next's two projections, whose rows come grouped by key head ([q, k, v, z] and [b, a] of each), as
+    Qwen3.5's four: qkv (T, C) with every q, then every k, then every v; z (T, Hv*dv); b, a (T, Hv)."""
+    T, r = qkvz.shape[0], Hv // Hk                                          # r value heads per key head
+    g = qkvz.reshape(T, Hk, 2 * dk + 2 * r * dv)
+    q, k, v, z = g[..., :dk], g[..., dk:2 * dk], g[..., 2 * dk:2 * dk + r * dv], g[..., 2 * dk + r * dv:]
+    qkv = xp_of(qkvz).concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], axis=1)
+    ba = ba.reshape(T, Hk, 2 * r)
+    return qkv, z.reshape(T, Hv * dv), ba[..., :r].reshape(T, Hv), ba[..., r:].reshape(T, Hv)

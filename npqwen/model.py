@@ -219,9 +219,14 @@ class Qwen3:
         Hv, dv = heads[2:]
         conv, state = kv.states.conv[cfg.cache_index(i)], kv.states.recurrent[cfg.cache_index(i)]   # (S, ...)
         # the four input projections: q, k, v (convolved together), the output gate z, beta and the decay
-        mixed = ops.linear(x, W[f"{p}.in_proj_qkv.weight"])                     # (T, C)
-        z = ops.linear(x, W[f"{p}.in_proj_z.weight"]).reshape(T, Hv, dv)        # (T, Hv, dv)
-        b, a = ops.linear(x, W[f"{p}.in_proj_b.weight"]), ops.linear(x, W[f"{p}.in_proj_a.weight"])   # (T, Hv)
+        if cfg.qwen3_next:   # the same four, from two matrices whose rows are grouped by key head
+            mixed, z, b, a = la.ungroup_qwen3_next(ops.linear(x, W[f"{p}.in_proj_qkvz.weight"]),
+                                                   ops.linear(x, W[f"{p}.in_proj_ba.weight"]), *heads)
+        else:
+            mixed = ops.linear(x, W[f"{p}.in_proj_qkv.weight"])                 # (T, C)
+            z = ops.linear(x, W[f"{p}.in_proj_z.weight"])                       # (T, Hv*dv)
+            b, a = ops.linear(x, W[f"{p}.in_proj_b.weight"]), ops.linear(x, W[f"{p}.in_proj_a.weight"])   # (T, Hv)
+        z = z.reshape(T, Hv, dv)
         recorder(f"{p}.in_proj_qkv", mixed); recorder(f"{p}.in_proj_z", z)
         recorder(f"{p}.in_proj_b", b); recorder(f"{p}.in_proj_a", a)
         g, beta = la.decay_and_beta(a, b, W[f"{p}.A_log"], W[f"{p}.dt_bias"])   # (T, Hv) each, float32

@@ -41,6 +41,13 @@ def hybrid_moe_config(**overrides) -> dict:
     return {"model_type": "qwen3_5_moe_text", **cfg, **TINY_HYBRID_MOE, **overrides}
 
 
+def qwen3_next_config(**overrides) -> dict:
+    """Qwen3-Next at the tiny size: layer 1 keeps a dense MLP (mlp_only_layers), the others are sparse."""
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}   # no multimodal layout
+    return {"model_type": "qwen3_next", **TINY_HYBRID, **TINY_HYBRID_MOE, "mlp_only_layers": [1],
+            "rope_parameters": rope, **overrides}
+
+
 def hybrid_config(**overrides) -> dict:
     return {"model_type": "qwen3_5_text", **TINY_HYBRID, **overrides}
 
@@ -52,6 +59,7 @@ def hf_hybrid_classes(model_type: str):
             "qwen3_5": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration),
             "qwen3_5_moe_text": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
             "qwen3_5_moe": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration),
+            "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
             }[model_type]
 
 

@@ -9,7 +9,7 @@ import pytest
 import npqwen
 
 from hybrid_checkpoints import (QWEN3_5_0_8B_TEXT, QWEN3_5_35B_A3B_TEXT, build_hybrid_checkpoint, hf_hybrid_model,
-                                hybrid_config, hybrid_moe_config)
+                                hybrid_config, hybrid_moe_config, qwen3_next_config)
 from npqwen.backend import free_memory_bytes
 
 torch = pytest.importorskip("torch")
@@ -30,7 +30,12 @@ CASES = {
     "moe-shared-expert": (dict(model_type="qwen3_5_moe_text"), "float32", False, 70),
     "moe-hub-layout-FL": (dict(model_type="qwen3_5_moe_text", num_hidden_layers=2, layer_types=[F, L]),
                           "bfloat16", True, 40),
+    "qwen3-next-dense-layer1": (dict(model_type="qwen3_next"), "float32", False, 70),
+    "qwen3-next-H6-Hk1-LF": (dict(model_type="qwen3_next", num_attention_heads=6, linear_num_key_heads=1,
+                                  num_hidden_layers=2, layer_types=[L, F], tie_word_embeddings=False),
+                             "bfloat16", False, 40),
 }
+BUILD = {"qwen3_5_text": hybrid_config, "qwen3_5_moe_text": hybrid_moe_config, "qwen3_next": qwen3_next_config}
 
 
 def compare(llm, ref, ids):
@@ -56,8 +61,7 @@ def compare(llm, ref, ids):
 @pytest.mark.parametrize("case", CASES)
 def test_logits_match_hf(case, tmp_path):
     overrides, save_dtype, hub, T = CASES[case]
-    config = hybrid_moe_config(**overrides) if overrides.get("model_type") == "qwen3_5_moe_text" \
-        else hybrid_config(**overrides)
+    config = BUILD[overrides.get("model_type", "qwen3_5_text")](**overrides)
     path = build_hybrid_checkpoint(tmp_path, config, save_dtype=save_dtype, hub_layout=hub)
     llm, ref = npqwen.load(path), hf_hybrid_model(path)
     ids = np.random.default_rng(0).integers(0, llm.config.vocab_size, T).tolist()
