@@ -6,6 +6,10 @@ Dh head dim, F MLP width, V vocab size, N pages in the KV cache, P positions per
 Qwen3-0.6B: D=1024, H=16, K=8, G=2, Dh=128, F=3072, V=151936, 28 layers.
 Qwen3-MoE adds E experts, k per token, of width I: Qwen3-30B-A3B has D=2048, H=32, K=4, E=128,
 k=8, I=768, 48 layers.
+Qwen3.5 and Qwen3-Next (hybrid) make most layers Gated DeltaNet linear attention (`linear_attn`,
+npqwen/linear_attention.py: Hk key heads of dk, Hv value heads of dv, a state of (Hv, dk, dv) per sequence)
+and the rest full attention with an output gate and RoPE on part of each head; their RMSNorms scale by
+1 + weight. Qwen3.5-0.8B: D=1024, H=8, K=2, Dh=256 (64 rotated), Hk=Hv=16, dk=dv=128, 18 of 24 layers linear.
 Under tensor parallelism over N ranks (npqwen/parallel.py) H, K, F and V are this rank's share:
 H/N query heads, their key/value heads, F/N of the MLP's width, V/N of the vocabulary; D is whole.
 
