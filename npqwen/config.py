@@ -48,6 +48,17 @@ QWEN3_30B_A3B_CONFIG = dict(
     router_aux_loss_coef=0.001, sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16",
     use_cache=True, use_sliding_window=False, vocab_size=151936,
 )
+# Qwen/Qwen3.5-0.8B's text model (its config.json's text_config): 24 layers, 18 linear; D=1024, 8/2 heads of 256
+QWEN3_5_0_8B_TEXT_CONFIG = dict(
+    architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024,
+    intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    hidden_act="silu", attention_bias=False, eos_token_id=248044,
+    layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(24)],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                     "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+)
 # transformers' Qwen3MoeConfig defaults, for the keys a "qwen3_moe" config.json leaves out
 MOE_DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
                     decoder_sparse_step=1, mlp_only_layers=None)

@@ -2,6 +2,8 @@
 import json
 from pathlib import Path
 
+from npqwen.config import QWEN3_5_0_8B_TEXT_CONFIG
+
 # Qwen3.5 at a small size: 4 layers (3 linear, 1 full), uneven head counts, partial rotary 0.25
 TINY_HYBRID = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -11,14 +13,8 @@ TINY_HYBRID = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hid
                                     "mrope_section": [1, 1, 2], "mrope_interleaved": True})
 
 # Qwen/Qwen3.5-0.8B's text model (its config.json's text_config), with `num_hidden_layers` set by the test
-QWEN3_5_0_8B_TEXT = dict(
-    vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
-    num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
-    linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144, rms_norm_eps=1e-6,
-    tie_word_embeddings=True, full_attention_interval=4, hidden_act="silu", attention_bias=False,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
-                     "mrope_section": [11, 11, 10], "mrope_interleaved": True},
-    eos_token_id=248044)
+QWEN3_5_0_8B_TEXT = {k: v for k, v in QWEN3_5_0_8B_TEXT_CONFIG.items()
+                     if k not in ("architectures", "model_type", "layer_types")}
 
 
 # Qwen3.5-MoE at the tiny size: 8 experts of width 16, 2 per token, a shared expert of width 24
