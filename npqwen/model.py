@@ -239,8 +239,9 @@ class Qwen3:
         for (row, n), slot in zip(batch.rows, batch.slots):
             if n > 1:   # a prompt's chunk: the convolution, then the chunked delta rule, from this sequence's states
                 r = slice(row, row + n)
-                mixed_r, conv[slot] = (s[0] for s in la.causal_conv1d(mixed[None, r], kernel, conv[slot][None]))
-                q, k, v = la.queries_keys_values(mixed_r, *heads)
+                mixed_r, conv_r = la.causal_conv1d(mixed[None, r], kernel, conv[slot][None])   # (1, n, C), (1, W-1, C)
+                conv[slot] = conv_r[0]
+                q, k, v = la.queries_keys_values(mixed_r[0], *heads)                # (n, Hv, dk), (n, Hv, dv)
                 out[r], state[slot] = la.chunked_gated_delta_rule(q, k, v, g[r], beta[r], state[slot])
         if len(batch.decode_rows):   # one new token per sequence: one batched step for all of them
             rows, s = xp.asarray(batch.decode_rows), batch.decode_slots
