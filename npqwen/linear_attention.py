@@ -95,10 +95,10 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     lower = xp.tril(xp.ones((chunk, chunk), dtype=bool))                    # token i sees tokens j <= i
     decay = xp.exp(xp.where(lower, cum[..., :, None] - cum[..., None, :], -np.inf))   # (Hv, N, c, c)
     # the writes of a chunk: (I + strictly_lower(beta k k^T decay)) u = beta v, and the same for the old state's reads
-    system = (k_beta @ k.swapaxes(-1, -2)) * decay                          # (Hv, N, c, c)
+    system = (k_beta @ k.transpose(0, 1, 3, 2)) * decay                         # (Hv, N, c, c)
     u = solve_unit_lower(system, v_beta)                                    # (Hv, N, c, dv)
     w = solve_unit_lower(system, k_beta * xp.exp(cum)[..., None])           # (Hv, N, c, dk)
-    attn = (q @ k.swapaxes(-1, -2)) * decay                                 # (Hv, N, c, c) causal, decayed q.k
+    attn = (q @ k.transpose(0, 1, 3, 2)) * decay                                # (Hv, N, c, c) causal, decayed q.k
     q_decayed = q * xp.exp(cum)[..., None]                                  # q reads the state as it was at the chunk's start
     k_decayed = k * xp.exp(cum[..., -1:] - cum)[..., None]                  # a write decays until the chunk's end
     chunk_decay = xp.exp(cum[..., -1])[..., None, None]                     # (Hv, N, 1, 1)
@@ -106,7 +106,7 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     for n in range(N):
         v_new = u[:, n] - w[:, n] @ state                                   # (Hv, c, dv) the corrections written
         out[:, n] = q_decayed[:, n] @ state + attn[:, n] @ v_new
-        state = state * chunk_decay[:, n] + k_decayed[:, n].swapaxes(-1, -2) @ v_new   # (Hv, dk, dv)
+        state = state * chunk_decay[:, n] + k_decayed[:, n].transpose(0, 2, 1) @ v_new   # (Hv, dk, dv)
     return out.transpose(1, 2, 0, 3).reshape(N * chunk, -1, v.shape[-1])[:T], state
 
 
@@ -114,7 +114,7 @@ def gated_rms_norm(x, z, weight, eps: float):
     """RMSNorm of each head's output, times weight, times SiLU(z): x, z (..., dv), weight (dv,)."""
     xp, f32 = xp_of(x), np.promote_types(x.dtype, np.float32)
     xf = x.astype(f32, copy=False)
-    y = xf / xp.sqrt((xf * xf).mean(-1, keepdims=True) + eps)
+    y = xf / xp.sqrt((xf * xf).sum(-1, keepdims=True) / x.shape[-1] + eps)
     return (weight * y.astype(x.dtype) * silu(z.astype(f32))).astype(x.dtype)
 
 
