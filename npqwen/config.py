@@ -128,22 +128,24 @@ class Qwen3Config:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers or ()))
         if self.num_experts:
             _check_experts(self)
-        object.__setattr__(self, "layer_types", tuple(self.layer_types or ["full_attention"] * self.num_hidden_layers))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types or ()))   # () in Qwen3: every layer full
         if self.hybrid:
             _check_hybrid(self)
 
     def is_linear_layer(self, i: int) -> bool:
         """Whether layer i is Gated DeltaNet linear attention (else full attention)."""
-        return self.layer_types[i] == "linear_attention"
+        return self.hybrid and self.layer_types[i] == "linear_attention"
 
     def cache_index(self, i: int) -> int:
         """Layer i's place among the layers of its kind: its KV cache row, or its linear-attention state row."""
+        if not self.hybrid:
+            return i
         return sum(self.is_linear_layer(j) == self.is_linear_layer(i) for j in range(i))
 
     @property
     def num_attention_layers(self) -> int:
         """Layers with a KV cache (all of them in Qwen3)."""
-        return sum(not self.is_linear_layer(i) for i in range(self.num_hidden_layers))
+        return self.layer_types.count("full_attention") if self.hybrid else self.num_hidden_layers
 
     @property
     def rotary_dim(self) -> int:

@@ -80,8 +80,8 @@ class Qwen3:
         embed = weights["model.embed_tokens.weight"]
         self.xp, self.dtype = xp_of(embed), embed.dtype
         Dh = config.head_dim      # this rank's heads (all of them in one process), and its first token id
-        attn = f"model.layers.{config.layer_types.index('full_attention')}.self_attn" \
-            if config.num_attention_layers else None    # (a hybrid model may have no full-attention layer)
+        first = next((i for i in range(config.num_hidden_layers) if not config.is_linear_layer(i)), None)
+        attn = f"model.layers.{first}.self_attn" if first is not None else None   # (a hybrid one may have none)
         gate = 2 if config.hybrid else 1                # Qwen3.5's q_proj also yields the output gate
         self.heads = weights[f"{attn}.q_proj.weight"].shape[0] // Dh // gate if attn else config.num_attention_heads
         self.kv_heads = weights[f"{attn}.k_proj.weight"].shape[0] // Dh if attn else config.num_key_value_heads
