@@ -195,6 +195,9 @@ def index_checkpoint(directory: Path) -> dict[str, TensorInfo]:
 def canonical_names(found: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
     """The tensors under Qwen3ForCausalLM's names: a checkpoint saved from Qwen3Model ("embed_tokens.weight",
     "layers.0...", "norm.weight") gets the "model." prefix; each TensorInfo keeps the name as stored."""
+    if "model.language_model.embed_tokens.weight" in found:   # Qwen3.5's hub layout: the text model only
+        return {name.replace("model.language_model.", "model.", 1): info for name, info in found.items()
+                if name.startswith(("model.language_model.", "lm_head."))}   # model.visual.*, mtp.*: left unread
     if "model.embed_tokens.weight" in found or "embed_tokens.weight" not in found:
         return found
     return {(name if name.startswith("lm_head.") else f"model.{name}"): info for name, info in found.items()}
@@ -246,14 +249,17 @@ def check_config_matches(config: Qwen3Config, found: dict[str, TensorInfo], sour
     Dh = config.head_dim
     agree("vocab_size", config.vocab_size, "model.embed_tokens.weight", 0, "rows")
     agree("hidden_size", config.hidden_size, "model.embed_tokens.weight", 1, "columns")
-    agree("head_dim", Dh, "model.layers.0.self_attn.q_norm.weight", 0, "size")
-    for key, heads, name in (("num_attention_heads", config.num_attention_heads, "q_proj"),
+    first = next((i for i in range(config.num_hidden_layers) if not config.is_linear_layer(i)), 0)   # full attention
+    gate = 2 if config.hybrid else 1   # Qwen3.5's q_proj also yields the output gate
+    agree("head_dim", Dh, f"model.layers.{first}.self_attn.q_norm.weight", 0, "size")
+    for key, heads, name in (("num_attention_heads", gate * config.num_attention_heads, "q_proj"),
                              ("num_key_value_heads", config.num_key_value_heads, "k_proj")):
-        shape = stored(f"model.layers.0.self_attn.{name}.weight")
+        shape = stored(f"model.layers.{first}.self_attn.{name}.weight")
         if shape and shape[0] != heads * Dh:
-            raise NpqwenError(f"{source}: config.json says {key} is {heads} but model.layers.0.self_attn."
-                              f"{name}.weight has {shape[0]} rows, {shape[0] / Dh:g} heads of head_dim {Dh}; "
-                              f"the config does not match the weights, fix {key}")
+            raise NpqwenError(f"{source}: config.json says {key} is {heads // (gate if name == 'q_proj' else 1)} "
+                              f"but model.layers.{first}.self_attn.{name}.weight has {shape[0]} rows, "
+                              f"{shape[0] / Dh:g} heads of head_dim {Dh}; the config does not match the weights, "
+                              f"fix {key}")
     dense = next((i for i in range(config.num_hidden_layers) if not config.is_moe_layer(i)), None)
     if dense is not None:
         agree("intermediate_size", config.intermediate_size, f"model.layers.{dense}.mlp.gate_proj.weight", 0, "rows")
@@ -300,27 +306,21 @@ def expected_shapes(config: Qwen3Config, lm_head: bool = True) -> dict[str, tupl
     """Every tensor a Qwen3 checkpoint must hold, by HF name, with its HF shape (out, in); an untied
     lm_head unless `lm_head` is False (a Qwen3Model checkpoint without one)."""
     D, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
-    H, K, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     E, I = config.num_experts, config.moe_intermediate_size
     shapes = {"model.embed_tokens.weight": (V, D)}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
-        shapes.update({
-            f"{p}.input_layernorm.weight": (D,),
-            f"{p}.self_attn.q_proj.weight": (H * Dh, D),
-            f"{p}.self_attn.k_proj.weight": (K * Dh, D),
-            f"{p}.self_attn.v_proj.weight": (K * Dh, D),
-            f"{p}.self_attn.q_norm.weight": (Dh,),
-            f"{p}.self_attn.k_norm.weight": (Dh,),
-            f"{p}.self_attn.o_proj.weight": (D, H * Dh),
-            f"{p}.post_attention_layernorm.weight": (D,),
-        })
+        attention = (linear_attention_shapes(config, p) if config.is_linear_layer(i)   # Gated DeltaNet
+                     else attention_shapes(config, p))
+        shapes.update({f"{p}.input_layernorm.weight": (D,), **attention, f"{p}.post_attention_layernorm.weight": (D,)})
         if config.is_moe_layer(i):   # the router, then E experts, each a SwiGLU of width I
             shapes[f"{p}.mlp.gate.weight"] = (E, D)
             for e in range(E):
                 shapes.update({f"{p}.mlp.experts.{e}.gate_proj.weight": (I, D),
                                f"{p}.mlp.experts.{e}.up_proj.weight": (I, D),
                                f"{p}.mlp.experts.{e}.down_proj.weight": (D, I)})
+            if config.shared_expert_intermediate_size:
+                shapes.update(shared_expert_shapes(config, p))
         else:
             shapes.update({f"{p}.mlp.gate_proj.weight": (F, D), f"{p}.mlp.up_proj.weight": (F, D),
                            f"{p}.mlp.down_proj.weight": (D, F)})
@@ -328,6 +328,38 @@ def expected_shapes(config: Qwen3Config, lm_head: bool = True) -> dict[str, tupl
     if lm_head and not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (V, D)
     return shapes
+
+
+def attention_shapes(config: Qwen3Config, p: str) -> dict[str, tuple[int, ...]]:
+    """A full-attention layer's tensors; Qwen3.5's q_proj yields each head's query and its output gate."""
+    D, H, K, Dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    gate = 2 if config.hybrid else 1
+    return {f"{p}.self_attn.q_proj.weight": (gate * H * Dh, D), f"{p}.self_attn.k_proj.weight": (K * Dh, D),
+            f"{p}.self_attn.v_proj.weight": (K * Dh, D), f"{p}.self_attn.q_norm.weight": (Dh,),
+            f"{p}.self_attn.k_norm.weight": (Dh,), f"{p}.self_attn.o_proj.weight": (D, H * Dh)}
+
+
+def shared_expert_shapes(config: Qwen3Config, p: str) -> dict[str, tuple[int, ...]]:
+    """Qwen3.5-MoE's shared expert, a SwiGLU every token runs, and its sigmoid gate."""
+    D, S = config.hidden_size, config.shared_expert_intermediate_size
+    return {f"{p}.mlp.shared_expert.gate_proj.weight": (S, D), f"{p}.mlp.shared_expert.up_proj.weight": (S, D),
+            f"{p}.mlp.shared_expert.down_proj.weight": (D, S), f"{p}.mlp.shared_expert_gate.weight": (1, D)}
+
+
+def linear_attention_shapes(config: Qwen3Config, p: str) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors (HF's Qwen3_5GatedDeltaNet): Hk key heads of dk, Hv value heads of dv."""
+    D, W = config.hidden_size, config.linear_conv_kernel_dim
+    Hk, dk, Hv, dv = (config.linear_num_key_heads, config.linear_key_head_dim, config.linear_num_value_heads,
+                      config.linear_value_head_dim)
+    C = 2 * Hk * dk + Hv * dv   # q, k and v, convolved together
+    p = f"{p}.linear_attn"
+    if config.qwen3_next:   # q, k, v, z and b, a in two matrices, their rows grouped by key head
+        inputs = {f"{p}.in_proj_qkvz.weight": (C + Hv * dv, D), f"{p}.in_proj_ba.weight": (2 * Hv, D)}
+    else:
+        inputs = {f"{p}.in_proj_qkv.weight": (C, D), f"{p}.in_proj_z.weight": (Hv * dv, D),
+                  f"{p}.in_proj_b.weight": (Hv, D), f"{p}.in_proj_a.weight": (Hv, D)}
+    return {f"{p}.dt_bias": (Hv,), f"{p}.A_log": (Hv,), f"{p}.conv1d.weight": (C, 1, W),
+            f"{p}.norm.weight": (dv,), f"{p}.out_proj.weight": (D, Hv * dv), **inputs}
 
 
 def parameter_counts(config: Qwen3Config) -> tuple[int, int]:
@@ -464,7 +496,10 @@ def allocate_weights(config: Qwen3Config, xp, dtype, shapes: dict | None = None)
         if config.is_moe_layer(i):
             views.update(allocate_experts(config, p, xp, dtype, fused))
         mlp = () if config.is_moe_layer(i) else ((f"{p}.mlp.gate_up_proj.weight", ("gate_proj", "up_proj")),)
-        for stacked, parts in ((f"{p}.self_attn.qkv_proj.weight", ("q_proj", "k_proj", "v_proj")), *mlp):
+        if config.is_moe_layer(i) and config.shared_expert_intermediate_size:   # Qwen3.5-MoE: the shared expert
+            mlp = ((f"{p}.mlp.shared_expert.gate_up_proj.weight", ("gate_proj", "up_proj")),)
+        attn = () if config.is_linear_layer(i) else ((f"{p}.self_attn.qkv_proj.weight", ("q_proj", "k_proj", "v_proj")),)
+        for stacked, parts in (*attn, *mlp):
             names = [stacked.replace("qkv_proj" if "qkv" in stacked else "gate_up_proj", part)
                      for part in parts]
             rows = [shapes[n][0] for n in names]

@@ -18,6 +18,14 @@ from pathlib import Path
 from .errors import NpqwenError
 
 ROPE_TYPES = ("default", "linear", "yarn")
+LAYER_TYPES = ("full_attention", "linear_attention")
+HYBRID_KEYS = ("layer_types", "partial_rotary_factor", "linear_conv_kernel_dim", "linear_key_head_dim",
+               "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+               "shared_expert_intermediate_size")
+QWEN3_NEXT_DEFAULTS = dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, norm_topk_prob=True,
+                          shared_expert_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[],
+                          intermediate_size=5632)
+MAX_LAYERS_LISTED = 10_000   # a default layer_types is only built for a plausible num_hidden_layers
 MAX_SIZE = 2**31 - 1   # any size above this is a typo; the tensors in the file bound the real ones
 
 # Qwen/Qwen3-0.6B's config.json, the reference shape: 28 layers, D=1024, 16/8 heads of 128, F=3072.
@@ -39,6 +47,17 @@ QWEN3_30B_A3B_CONFIG = dict(
     output_router_logits=False, rms_norm_eps=1e-06, rope_scaling=None, rope_theta=1000000,
     router_aux_loss_coef=0.001, sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16",
     use_cache=True, use_sliding_window=False, vocab_size=151936,
+)
+# Qwen/Qwen3.5-0.8B's text model (its config.json's text_config): 24 layers, 18 linear; D=1024, 8/2 heads of 256
+QWEN3_5_0_8B_TEXT_CONFIG = dict(
+    architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024,
+    intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    hidden_act="silu", attention_bias=False, eos_token_id=248044,
+    layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(24)],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                     "mrope_section": [11, 11, 10], "mrope_interleaved": True},
 )
 # transformers' Qwen3MoeConfig defaults, for the keys a "qwen3_moe" config.json leaves out
 MOE_DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
@@ -72,6 +91,20 @@ class Qwen3Config:
     norm_topk_prob: bool = False    # rescale each token's k router probabilities to sum 1 (true)
     decoder_sparse_step: int = 1    # layer i is sparse when (i + 1) % decoder_sparse_step == 0 (1: every layer)
     mlp_only_layers: list[int] | None = None  # layers that keep the dense MLP of intermediate_size; kept as a tuple
+    # Hybrid models ("qwen3_5_text", "qwen3_5"; Qwen3.5-0.8B's values): layer_types picks full attention or
+    # Gated DeltaNet linear attention per layer (npqwen/linear_attention.py); their norms scale by 1 + weight,
+    # and full attention has an output gate (q_proj yields query and gate) and rotates only part of each head.
+    hybrid: bool = False            # set from model_type (not a config.json key)
+    qwen3_next: bool = False        # set from model_type: Qwen3-Next's linear projections come interleaved by key
+                                    # head (in_proj_qkvz, in_proj_ba) where Qwen3.5 has four
+    layer_types: list[str] | None = None  # "linear_attention" or "full_attention" per layer; kept as a tuple
+    partial_rotary_factor: float = 1.0    # RoPE turns the first Dh * this of each head (0.25)
+    linear_conv_kernel_dim: int = 4       # W: the causal convolution's kernel (4)
+    linear_key_head_dim: int = 128        # dk (128)
+    linear_value_head_dim: int = 128      # dv (128)
+    linear_num_key_heads: int = 16        # Hk (16)
+    linear_num_value_heads: int = 32      # Hv (16), a multiple of Hk
+    shared_expert_intermediate_size: int = 0  # Qwen3.5-MoE: every token also runs a shared expert this wide (512)
 
     def __post_init__(self):
         # Derived values, computed in this one place.
@@ -95,9 +128,39 @@ class Qwen3Config:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers or ()))
         if self.num_experts:
             _check_experts(self)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types or ()))   # () in Qwen3: every layer full
+        if self.hybrid:
+            _check_hybrid(self)
+
+    def is_linear_layer(self, i: int) -> bool:
+        """Whether layer i is Gated DeltaNet linear attention (else full attention)."""
+        return self.hybrid and self.layer_types[i] == "linear_attention"
+
+    def cache_index(self, i: int) -> int:
+        """Layer i's place among the layers of its kind: its KV cache row, or its linear-attention state row."""
+        if not self.hybrid:
+            return i
+        return sum(self.is_linear_layer(j) == self.is_linear_layer(i) for j in range(i))
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a KV cache (all of them in Qwen3)."""
+        return self.layer_types.count("full_attention") if self.hybrid else self.num_hidden_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's Dh values RoPE turns (all in Qwen3; a quarter in Qwen3.5)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def norm_offset(self) -> float:
+        """Qwen3.5's RMSNorms scale by 1 + weight (their weights are stored centred on 0); Qwen3's by weight."""
+        return 1.0 if self.hybrid else 0.0
 
     @property
     def model_type(self) -> str:
+        if self.hybrid:
+            return "qwen3_next" if self.qwen3_next else "qwen3_5_moe_text" if self.num_experts else "qwen3_5_text"
         return "qwen3_moe" if self.num_experts else "qwen3"
 
     def is_moe_layer(self, i: int) -> bool:
@@ -120,11 +183,20 @@ class Qwen3Config:
 
     def to_dict(self) -> dict:
         """This config as a config.json: HF's keys, architectures and model_type; a dense one without expert keys."""
-        raw = {**dataclasses.asdict(self), "mlp_only_layers": list(self.mlp_only_layers)}
+        raw = {**dataclasses.asdict(self), "mlp_only_layers": list(self.mlp_only_layers),
+               "layer_types": list(self.layer_types)}
         if not self.num_experts:
             for key in MOE_DEFAULTS:
                 raw.pop(key)
+        if not self.hybrid:
+            for key in HYBRID_KEYS:
+                raw.pop(key)
+        raw.pop("hybrid")
         architecture = "Qwen3MoeForCausalLM" if self.num_experts else "Qwen3ForCausalLM"
+        architecture = ("Qwen3_5MoeForCausalLM" if self.num_experts else "Qwen3_5ForCausalLM") if self.hybrid \
+            else architecture
+        architecture = "Qwen3NextForCausalLM" if self.qwen3_next else architecture
+        raw.pop("qwen3_next")
         return {"architectures": [architecture], "model_type": self.model_type, **raw}
 
     @classmethod
@@ -133,18 +205,46 @@ class Qwen3Config:
         if not isinstance(raw, dict):
             raise NpqwenError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type")
-        if model_type not in ("qwen3", "qwen3_moe"):
+        if model_type in ("qwen3_5", "qwen3_5_moe") and isinstance(raw.get("text_config"), dict):
+            # the hub's Qwen3_5(Moe)ForConditionalGeneration: npqwen reads its text model (model.language_model.*)
+            model_type += "_text"
+            raw = {"tie_word_embeddings": raw.get("tie_word_embeddings", False), **raw["text_config"],
+                   "model_type": model_type}
+        if model_type not in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
             raise NpqwenError(f"{source}: model_type is {model_type!r}, but npqwen runs Qwen3 checkpoints: "
-                              f"model_type 'qwen3' (dense, e.g. Qwen/Qwen3-0.6B) or 'qwen3_moe' (mixture of "
-                              f"experts, e.g. Qwen/Qwen3-30B-A3B)")
+                              f"model_type 'qwen3' (dense, e.g. Qwen/Qwen3-0.6B), 'qwen3_moe' (mixture of "
+                              f"experts, e.g. Qwen/Qwen3-30B-A3B), or Qwen3.5's 'qwen3_5' / 'qwen3_5_text' "
+                              f"(e.g. Qwen/Qwen3.5-0.8B), 'qwen3_5_moe' and 'qwen3_next'")
         raw = dict(raw)
-        if model_type == "qwen3_moe":   # transformers saves num_experts as num_local_experts
+        raw["hybrid"] = model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+        raw["qwen3_next"] = model_type == "qwen3_next"
+        if model_type == "qwen3_next":   # transformers' Qwen3NextConfig defaults (Qwen3-Next-80B-A3B)
+            for key, value in QWEN3_NEXT_DEFAULTS.items():
+                raw[key] = value if raw.get(key) is None else raw[key]
+        if model_type == "qwen3_5_moe_text":   # every layer sparse, k weights renormalised, no dense MLP
+            raw.update(num_experts=raw.get("num_experts", 256), num_experts_per_tok=raw.get("num_experts_per_tok", 8),
+                       moe_intermediate_size=raw.get("moe_intermediate_size", 512), norm_topk_prob=True,
+                       decoder_sparse_step=1, mlp_only_layers=[],
+                       shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 512))
+            raw.setdefault("intermediate_size", raw["shared_expert_intermediate_size"])   # (no dense layer uses it)
+        if raw["hybrid"]:   # transformers' Qwen3_5TextConfig defaults: every fourth layer full attention
+            rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+            raw.setdefault("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
+            raw.setdefault("head_dim", 256)
+            if raw.get("layer_types") is None and isinstance(raw.get("num_hidden_layers"), int):
+                every = raw.get("full_attention_interval", 4)
+                raw["layer_types"] = ["linear_attention" if (i + 1) % every else "full_attention"
+                                      for i in range(min(raw["num_hidden_layers"], MAX_LAYERS_LISTED))]
+        if model_type in ("qwen3_moe", "qwen3_5_moe_text", "qwen3_next"):   # transformers saves num_experts as num_local_experts
             raw.setdefault("num_experts", raw.get("num_local_experts"))
             raw.update({k: v for k, v in MOE_DEFAULTS.items() if raw.get(k) is None})
         else:                           # a dense Qwen3 has no experts, whatever else its config.json says
             for key in MOE_DEFAULTS:
                 raw.pop(key, None)
         _check_unsupported(raw, source)
+        if not raw["hybrid"]:   # checked above; a Qwen3 has full attention over whole heads
+            for key in HYBRID_KEYS:
+                raw.pop(key, None)
         # Newer transformers (>= 5) store rope_theta and the scaling inside "rope_parameters".
         rope_parameters = raw.get("rope_parameters")
         if isinstance(rope_parameters, dict):
@@ -191,6 +291,28 @@ def _check_experts(config: Qwen3Config):
                           f"model has layers 0 .. {config.num_hidden_layers - 1}")
 
 
+def _check_hybrid(config: Qwen3Config):
+    """A Qwen3.5 config's layer types and linear-attention sizes, checked against each other."""
+    types = config.layer_types
+    if len(types) != config.num_hidden_layers:
+        raise NpqwenError(f"config: layer_types lists {len(types)} layers but num_hidden_layers is "
+                          f"{config.num_hidden_layers}; give one type per layer")
+    unknown = sorted({t for t in types if t not in LAYER_TYPES})
+    if unknown:
+        raise NpqwenError(f"config: layer_types holds {unknown[0]!r}, which npqwen does not know; each layer is "
+                          f"one of {', '.join(LAYER_TYPES)}")
+    for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                 "linear_num_value_heads"):
+        if not 0 < getattr(config, name) <= MAX_SIZE:
+            raise NpqwenError(f"config: {name} must be between 1 and {MAX_SIZE}, got {getattr(config, name)}")
+    if config.linear_num_value_heads % config.linear_num_key_heads:
+        raise NpqwenError(f"config: linear_num_value_heads ({config.linear_num_value_heads}) must be a multiple of "
+                          f"linear_num_key_heads ({config.linear_num_key_heads})")
+    if not 0 < config.partial_rotary_factor <= 1 or config.rotary_dim % 2:
+        raise NpqwenError(f"config: partial_rotary_factor {config.partial_rotary_factor} must be in (0, 1] and turn "
+                          f"an even number of each head's {config.head_dim} values")
+
+
 def _check_type(name, value, annotation, source):
     """Return `value` if it fits the field's annotation (int, float, bool, dict, list[int], None)."""
     allowed = str(annotation).replace("<class '", "").replace("'>", "")  # e.g. "int | None", "bool"
@@ -208,7 +330,8 @@ def _check_type(name, value, annotation, source):
     elif isinstance(value, dict):
         ok = "dict" in kinds
     elif isinstance(value, list):
-        ok = "list[int]" in kinds and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        ok = ("list[int]" in kinds and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+              or "list[str]" in kinds and all(isinstance(v, str) for v in value))
     if not ok:
         raise NpqwenError(f"{source}: field {name!r} should be {allowed}, got {value!r}")
     return value
@@ -220,9 +343,9 @@ def _check_unsupported(raw: dict, source: str):
         raise NpqwenError(f"{source}: hidden_act {raw['hidden_act']!r} is unsupported (Qwen3 uses 'silu')")
     if raw.get("attention_bias"):
         raise NpqwenError(f"{source}: attention_bias true is unsupported (Qwen3 checkpoints have none)")
-    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+    if raw.get("partial_rotary_factor", 1.0) != 1.0 and not raw.get("hybrid"):
         raise NpqwenError(f"{source}: partial_rotary_factor is unsupported (Qwen3 rotates the whole head)")
-    layer_types = raw.get("layer_types") or []
+    layer_types = [] if raw.get("hybrid") else raw.get("layer_types") or []
     if raw.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
         raise NpqwenError(f"{source}: sliding-window attention is unsupported (Qwen3 checkpoints use "
                           f"full attention: set use_sliding_window false)")

@@ -11,7 +11,7 @@ import re
 
 from .checkpoint import (MAX_NAMES_IN_WARNING, canonical_names, check_config_matches, expected_shapes, has_lm_head,
                          index_checkpoint, parameter_counts)
-from .config import MOE_DEFAULTS, Qwen3Config
+from .config import HYBRID_KEYS, MOE_DEFAULTS, Qwen3Config
 from .hub import resolve_model
 
 EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(.+)$")   # prefix, expert, projection
@@ -45,18 +45,43 @@ def describe(model: str, device: str = "cpu", dtype: str = "float32") -> str:
         found = canonical_names(index_checkpoint(path))   # a Qwen3Model checkpoint's names get the model. prefix
         check_config_matches(config, found, path)   # before render sizes its table from the config
         tensors = {n: (t.shape, t.dtype) for n, t in found.items()}
-        return render(config, tensors, source, lm_head=has_lm_head(config, found))
+        unread = [n for n in index_checkpoint(path) if n.startswith(("model.visual.", "mtp."))]
+        return render(config, tensors, source, lm_head=has_lm_head(config, found), unread=unread, dtype=dtype)
     return render(config, tensors, source)
 
 
-def render(config: Qwen3Config, tensors: dict, source: str, lm_head: bool = True) -> str:
+def hybrid_lines(config: Qwen3Config, unread, dtype) -> list[str]:
+    """Which layers are linear attention, and what a token and a request cost in memory."""
+    from .kv_cache import KVCache, LinearStates, conv_state_shape, recurrent_state_shape
+
+    linear = [i for i in range(config.num_hidden_layers) if config.is_linear_layer(i)]
+    full = [i for i in range(config.num_hidden_layers) if not config.is_linear_layer(i)]
+    per_token, per_request = KVCache.bytes_per_token(config, dtype), LinearStates.bytes_per_slot(config, dtype)
+    lines = ["", "hybrid layers (Gated DeltaNet linear attention; docs/linear-attention.md)",
+             f"  linear attention           {len(linear)} layers: {linear}",
+             f"  full attention             {len(full)} layers: {full}",
+             f"  KV cache per token         {per_token:,} bytes in {dtype} (full-attention layers only)",
+             f"  state per request          {per_request:,} bytes (conv {list(conv_state_shape(config))} and delta "
+             f"rule {list(recurrent_state_shape(config))} per linear layer; the same at any context length)",
+             f"  a 32k-token context        {(32768 * per_token + per_request) / 2**20:,.1f} MiB"]
+    if unread:
+        lines.append(f"  used for text: {len(unread)} tensors of the vision tower (model.visual.*) and the "
+                     f"multi-token-prediction head (mtp.*) stay unread on disk")
+    return lines
+
+
+def render(config: Qwen3Config, tensors: dict, source: str, lm_head: bool = True, unread=(), dtype="float32") -> str:
     """`tensors`: name -> (shape, dtype) as stored; the config says which are used and which are tied
-    (lm_head False: a Qwen3Model checkpoint, which has none)."""
+    (lm_head False: a Qwen3Model checkpoint, which has none). `unread`: a Qwen3.5 hub checkpoint's vision
+    tower and multi-token-prediction head, which npqwen leaves on disk."""
     lines = [f"{source}", "", "config"]
+    hidden = () if config.hybrid else (*HYBRID_KEYS, "hybrid", "qwen3_next")   # Qwen3 has no hybrid fields
     for field in dataclasses.fields(config):
-        if config.num_experts or field.name not in MOE_DEFAULTS:   # a dense model has no expert fields
+        if (config.num_experts or field.name not in MOE_DEFAULTS) and field.name not in hidden:
             lines.append(f"  {field.name:<26} {getattr(config, field.name)}")
     lines.append(f"  {'(derived) kv groups G':<26} {config.num_key_value_groups}")
+    if config.hybrid:
+        lines += hybrid_lines(config, unread, dtype)
     expected = expected_shapes(config, lm_head)
     names = list(expected) + (["lm_head.weight"] if config.tie_word_embeddings else [])
     width = max(len(EXPERT.sub(rf"\1.{{0..{config.num_experts - 1}}}.\3", n)) for n in names) + 2

@@ -6,8 +6,13 @@ keys and values (its page table). `SequenceCache` is one sequence's pages in ord
 single-sequence API (`Qwen3.forward`, `prefill`, `decode_one_token`). The engine (npqwen/engine/)
 decides what goes into a Batch; the model (npqwen/model.py) only reads and writes what it says.
 
+A hybrid model (Qwen3.5) keeps keys and values for its full-attention layers only; each
+linear-attention layer keeps a fixed-size state per sequence instead, in `LinearStates` slots (a
+Batch names each sequence's slot). The state does not grow with the context.
+
 Shapes: L layers, N pages, P positions per page, K key/value heads (this rank's), Dh head dim,
-T tokens in a batch.
+T tokens in a batch; Ll linear-attention layers, S state slots, W conv kernel, C convolved channels,
+Hv value heads of dv, dk key head dim.
 """
 import math
 from dataclasses import dataclass, field
@@ -30,8 +35,9 @@ class KVCache:
     resident as pages are used.
     """
 
-    def __init__(self, config: Qwen3Config, num_pages: int, page_size: int, xp, dtype, kv_heads: int | None = None):
-        L, K, Dh = config.num_hidden_layers, kv_heads or config.num_key_value_heads, config.head_dim   # K: this rank's
+    def __init__(self, config: Qwen3Config, num_pages: int, page_size: int, xp, dtype, kv_heads: int | None = None,
+                 num_slots: int = 1):
+        L, K, Dh = config.num_attention_layers, kv_heads or config.num_key_value_heads, config.head_dim   # K: this rank's
         shape = (L, num_pages, K, page_size, Dh)
         try:
             self.keys = xp.zeros(shape, dtype=dtype)       # (L, N, K, P, Dh)
@@ -41,6 +47,7 @@ class KVCache:
             raise NpqwenError(f"a KV cache of {num_pages} pages x {page_size} positions needs "
                               f"{need / 2**30:.2f} GiB, which cannot be allocated; use fewer pages") from e
         self.num_pages, self.page_size = num_pages, page_size
+        self.states = LinearStates(config, num_slots, xp, dtype) if config.hybrid else None   # linear layers'
 
     def slots(self, pages, offsets):
         """Where token t's key of kv head h goes, as a row of a layer seen as (N*K*P, Dh) rows:
@@ -56,12 +63,54 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return self.keys.nbytes + self.values.nbytes + (self.states.nbytes if self.states is not None else 0)
 
     @staticmethod
     def bytes_per_token(config: Qwen3Config, dtype) -> int:
-        """Keys + values of one position in every layer."""
-        return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * np.dtype(dtype).itemsize
+        """Keys + values of one position in every full-attention layer (all layers of a Qwen3)."""
+        return (2 * config.num_attention_layers * config.num_key_value_heads * config.head_dim
+                * np.dtype(dtype).itemsize)
+
+
+class LinearStates:
+    """Every linear-attention layer's state for S sequences (slots): the convolution's last W-1 inputs
+    (Ll, S, W-1, C) and the delta rule's matrices (Ll, S, Hv, dk, dv), in (at least) float32 as HF keeps them."""
+
+    def __init__(self, config: Qwen3Config, num_slots: int, xp, dtype):
+        Ll = config.num_hidden_layers - config.num_attention_layers
+        self.conv = xp.zeros((Ll, num_slots, *conv_state_shape(config)), dtype=dtype)      # (Ll, S, W-1, C)
+        self.recurrent = xp.zeros((Ll, num_slots, *recurrent_state_shape(config)),
+                                  dtype=np.promote_types(dtype, np.float32))          # (Ll, S, Hv, dk, dv)
+        self.num_slots = num_slots
+
+    def reset(self, slots):
+        """A sequence that starts (position 0) starts from zero states."""
+        if len(slots):
+            self.conv[:, slots] = 0
+            self.recurrent[:, slots] = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.recurrent.nbytes
+
+    @staticmethod
+    def bytes_per_slot(config: Qwen3Config, dtype) -> int:
+        """One sequence's states in every linear-attention layer: the same at any context length."""
+        Ll = config.num_hidden_layers - config.num_attention_layers
+        return Ll * (math.prod(conv_state_shape(config)) * np.dtype(dtype).itemsize
+                     + math.prod(recurrent_state_shape(config)) * np.promote_types(dtype, np.float32).itemsize)
+
+
+def conv_state_shape(config: Qwen3Config) -> tuple[int, int]:
+    """(W-1, C): the last W-1 inputs of the causal convolution over q, k and v."""
+    C = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
+        config.linear_num_value_heads * config.linear_value_head_dim
+    return config.linear_conv_kernel_dim - 1, C
+
+
+def recurrent_state_shape(config: Qwen3Config) -> tuple[int, int, int]:
+    """(Hv, dk, dv): one (dk, dv) matrix per value head."""
+    return config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
 
 
 class SequenceCache:
@@ -74,7 +123,7 @@ class SequenceCache:
             raise NpqwenError(f"a KV cache of {capacity} positions exceeds the model's context of "
                               f"{config.max_position_embeddings} (max_position_embeddings)")
         page_size = max(1, min(page_size, capacity))
-        self.kv = KVCache(config, -(-capacity // page_size), page_size, xp, dtype, kv_heads)
+        self.kv = KVCache(config, -(-capacity // page_size), page_size, xp, dtype, kv_heads)   # one state slot
         self.page_table = np.arange(self.kv.num_pages)
         self.capacity = capacity
         self.length = 0                                # positions filled so far
@@ -102,6 +151,7 @@ class Batch:
     score_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))  # (Q, k) the tokens of each
     steering: dict = field(default_factory=dict)   # layer -> (T, D) added after that block (npqwen/steering.py)
     loras: list = field(default_factory=list)     # per sequence: its LoRA adapter (npqwen/lora.py) or None; [] none
+    state_slots: list[int] | None = None  # per sequence: its LinearStates slot (hybrid models); None: 0, 1, 2, ...
     positions: np.ndarray = field(init=False)      # (T,) each token's position in its own sequence
     write_pages: np.ndarray = field(init=False)    # (T,) the page each token's keys/values go to
     write_offsets: np.ndarray = field(init=False)  # (T,) ... and the position within that page
@@ -127,6 +177,20 @@ class Batch:
     def decode_rows(self) -> np.ndarray:
         """Rows of the sequences with a single new token (decoding), and below their pages and lengths."""
         return np.array([row for row, n in self.rows if n == 1], dtype=np.int64)
+
+    @cached_property
+    def slots(self) -> list[int]:
+        """Each sequence's linear-attention state slot."""
+        return list(range(len(self.lengths))) if self.state_slots is None else list(self.state_slots)
+
+    @cached_property
+    def new_slots(self) -> list[int]:
+        """The slots of sequences that start at position 0: their states start from zero."""
+        return [slot for slot, start in zip(self.slots, self.starts) if start == 0]
+
+    @cached_property
+    def decode_slots(self) -> list[int]:
+        return [slot for slot, n in zip(self.slots, self.lengths) if n == 1]
 
     @cached_property
     def decode_tables(self) -> list:

@@ -6,6 +6,10 @@ Dh head dim, F MLP width, V vocab size, N pages in the KV cache, P positions per
 Qwen3-0.6B: D=1024, H=16, K=8, G=2, Dh=128, F=3072, V=151936, 28 layers.
 Qwen3-MoE adds E experts, k per token, of width I: Qwen3-30B-A3B has D=2048, H=32, K=4, E=128,
 k=8, I=768, 48 layers.
+Qwen3.5 and Qwen3-Next (hybrid) make most layers Gated DeltaNet linear attention (`linear_attn`,
+npqwen/linear_attention.py: Hk key heads of dk, Hv value heads of dv, a state of (Hv, dk, dv) per sequence)
+and the rest full attention with an output gate and RoPE on part of each head; their RMSNorms scale by
+1 + weight. Qwen3.5-0.8B: D=1024, H=8, K=2, Dh=256 (64 rotated), Hk=Hv=16, dk=dv=128, 18 of 24 layers linear.
 Under tensor parallelism over N ranks (npqwen/parallel.py) H, K, F and V are this rank's share:
 H/N query heads, their key/value heads, F/N of the MLP's width, V/N of the vocabulary; D is whole.
 
@@ -38,6 +42,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import linear_attention as la
 from . import lora, moe, ops
 from .backend import xp_of
 from .checks import check_token_ids
@@ -91,8 +96,11 @@ class Qwen3:
         embed = weights["model.embed_tokens.weight"]
         self.xp, self.dtype = xp_of(embed), embed.dtype
         Dh = config.head_dim      # this rank's heads (all of them in one process), and its first token id
-        self.heads = weights["model.layers.0.self_attn.q_proj.weight"].shape[0] // Dh
-        self.kv_heads = weights["model.layers.0.self_attn.k_proj.weight"].shape[0] // Dh
+        first = next((i for i in range(config.num_hidden_layers) if not config.is_linear_layer(i)), None)
+        attn = f"model.layers.{first}.self_attn" if first is not None else None   # (a hybrid one may have none)
+        gate = 2 if config.hybrid else 1                # Qwen3.5's q_proj also yields the output gate
+        self.heads = weights[f"{attn}.q_proj.weight"].shape[0] // Dh // gate if attn else config.num_attention_heads
+        self.kv_heads = weights[f"{attn}.k_proj.weight"].shape[0] // Dh if attn else config.num_key_value_heads
         self.vocab_start = split_range(config.vocab_size, self.comm.size, self.comm.rank).start
         inv_freq, self.rope_scale = ops.rope_frequencies(config)
         self.inv_freq = self.xp.asarray(inv_freq)      # (Dh/2,) float32
@@ -100,8 +108,8 @@ class Qwen3:
     def new_cache(self, capacity: int) -> SequenceCache:
         return SequenceCache(self.config, capacity, self.xp, self.dtype, kv_heads=self.kv_heads)
 
-    def new_kv_cache(self, num_pages: int, page_size: int) -> KVCache:
-        return KVCache(self.config, num_pages, page_size, self.xp, self.dtype, self.kv_heads)
+    def new_kv_cache(self, num_pages: int, page_size: int, num_slots: int = 1) -> KVCache:
+        return KVCache(self.config, num_pages, page_size, self.xp, self.dtype, self.kv_heads, num_slots)
 
     def forward(self, token_ids, cache: SequenceCache | None = None, last_only: bool = False, recorder=None,
                 lora=None):
@@ -139,6 +147,8 @@ class Qwen3:
         slots = xp.asarray(kv.slots(batch.write_pages, batch.write_offsets))          # where new keys/values go
         # LoRA: each adapter in the batch and its rows (each sequence's adapter, or none; npqwen/lora.py)
         loras = lora.row_groups(batch.loras, batch.rows, len(batch.token_ids), xp)   # [(adapter, rows)]
+        if kv.states is not None:   # hybrid: a sequence at position 0 starts its linear layers' states from zero
+            kv.states.reset(batch.new_slots)
         # 3. the decoder layers, each two residual updates
         for i in range(cfg.num_hidden_layers):
             x = self.decoder_layer(i, x, cos, sin, batch, kv, slots, recorder, loras)
@@ -148,7 +158,7 @@ class Qwen3:
         rows = batch.output_rows
         if len(rows) < x.shape[0] or (rows != np.arange(len(rows))).any():
             x = x[xp.asarray(rows)]                                                  # (B, D)
-        x = ops.rms_norm(x, W["model.norm.weight"], cfg.rms_norm_eps)
+        x = ops.rms_norm(x, W["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
         x = recorder("model.norm", x)
         # 5. lm_head (tied to the embedding in small Qwen3s), for the rows that sample; under tensor
         # parallelism every rank's V/N logits side by side
@@ -178,12 +188,13 @@ class Qwen3:
 
     def decoder_layer(self, i: int, x, cos, sin, batch, kv, slots, recorder=no_recorder, loras=()):
         """Pre-norm residual block: x + attention(norm(x)), then h + mlp(norm(h))."""
-        p, W, eps = f"model.layers.{i}", self.weights, self.config.rms_norm_eps
-        a = ops.rms_norm(x, W[f"{p}.input_layernorm.weight"], eps)
+        p, W, eps, one = f"model.layers.{i}", self.weights, self.config.rms_norm_eps, self.config.norm_offset
+        a = ops.rms_norm(x, W[f"{p}.input_layernorm.weight"], eps, one)
         a = recorder(f"{p}.input_layernorm", a)
-        h = x + self.self_attn(i, a, cos, sin, batch, kv, slots, recorder, loras)    # (T, D)
+        attn = self.linear_attn if self.config.is_linear_layer(i) else self.self_attn   # Qwen3.5: Gated DeltaNet
+        h = x + attn(i, a, cos, sin, batch, kv, slots, recorder, loras)              # (T, D)
         h = recorder(f"{p}.attn_residual", h)
-        m = ops.rms_norm(h, W[f"{p}.post_attention_layernorm.weight"], eps)
+        m = ops.rms_norm(h, W[f"{p}.post_attention_layernorm.weight"], eps, one)
         m = recorder(f"{p}.post_attention_layernorm", m)
         mlp = self.sparse_moe if self.config.is_moe_layer(i) else self.mlp        # Qwen3-MoE: routed to experts
         out = h + mlp(i, m, recorder, loras)                                         # (T, D)
@@ -192,29 +203,80 @@ class Qwen3:
     def self_attn(self, i: int, x, cos, sin, batch, kv, slots, recorder=no_recorder, loras=()):
         """QK-normed, rotary, grouped-query causal attention of layer i, each sequence over its own pages."""
         cfg, W, p = self.config, self.weights, f"model.layers.{i}.self_attn"
-        T, H, K, Dh = x.shape[0], self.heads, self.kv_heads, cfg.head_dim
+        T, H, K, Dh, Q = x.shape[0], self.heads, self.kv_heads, cfg.head_dim, self.q_width
         # q_proj, k_proj, v_proj in one matmul: qkv_proj stacks their rows
-        qkv = ops.linear(x, self.fused[f"{p}.qkv_proj.weight"])                # (T, (H + 2K) * Dh)
+        qkv = ops.linear(x, self.fused[f"{p}.qkv_proj.weight"])                # (T, Q + 2K*Dh)
         qkv = lora.add(qkv, x, loras, f"{p}.qkv_proj")                         # + scale * B A x, each adapter's rows
-        q, k, v = qkv[:, :H * Dh], qkv[:, H * Dh:(H + K) * Dh], qkv[:, (H + K) * Dh:]
+        q, k, v = qkv[:, :Q], qkv[:, Q:Q + K * Dh], qkv[:, Q + K * Dh:]
         q, k, v = recorder(f"{p}.q_proj", q), recorder(f"{p}.k_proj", k), recorder(f"{p}.v_proj", v)
+        if cfg.hybrid:   # Qwen3.5: each head's Dh query values are followed by Dh values of its output gate
+            q, gate = q.reshape(T, H, 2 * Dh)[..., :Dh], q.reshape(T, H, 2 * Dh)[..., Dh:].reshape(T, H * Dh)
         # QK-norm: RMSNorm over each head's Dh values, before RoPE
-        q = ops.rms_norm(q.reshape(T, H, Dh), W[f"{p}.q_norm.weight"], cfg.rms_norm_eps)   # (T, H, Dh)
-        k = ops.rms_norm(k.reshape(T, K, Dh), W[f"{p}.k_norm.weight"], cfg.rms_norm_eps)   # (T, K, Dh)
+        q = ops.rms_norm(q.reshape(T, H, Dh), W[f"{p}.q_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)  # (T, H, Dh)
+        k = ops.rms_norm(k.reshape(T, K, Dh), W[f"{p}.k_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)  # (T, K, Dh)
         q, k = recorder(f"{p}.q_norm", q), recorder(f"{p}.k_norm", k)
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
         q, k = recorder(f"{p}.q_rope", q), recorder(f"{p}.k_rope", k)
         # every token's key and value go to its page first, so a sequence's attention reads them from there
-        kv.write(i, slots, k, v.reshape(T, K, Dh))
-        out, probs = self.attention(q, kv.keys[i], kv.values[i], batch, want_probs=recorder is not no_recorder)
+        c = cfg.cache_index(i)     # this layer's row of the KV cache (i in Qwen3: every layer has one)
+        kv.write(c, slots, k, v.reshape(T, K, Dh))
+        out, probs = self.attention(q, kv.keys[c], kv.values[c], batch, want_probs=recorder is not no_recorder)
         if probs is not None:   # kept for a recorder: every rank's heads
             probs = self.comm.all_gather(probs, axis=0)                                   # (H, n, S)
         recorder(f"{p}.attn_probs", probs)   # the last sequence's (H, n, S): seen, not replaced (used already)
         out = recorder(f"{p}.attn_output", out)                                 # (T, H*Dh): the heads side by side
+        if cfg.hybrid:   # Qwen3.5's output gate: each head's output scaled by sigmoid(gate)
+            out = out * ops.sigmoid(gate)                                       # (T, H*Dh)
         o = ops.linear(out, W[f"{p}.o_proj.weight"])                            # (T, H*Dh) -> (T, D)
         o = lora.add(o, out, loras, f"{p}.o_proj")                              # + scale * B A x, each adapter's rows
         o = self.comm.all_reduce(o)                                             # the sum of every rank's heads
         return recorder(f"{p}.o_proj", o)
+
+    @property
+    def q_width(self) -> int:
+        """Rows of q_proj on this rank: H*Dh, twice that when it also yields Qwen3.5's output gate."""
+        return self.heads * self.config.head_dim * (2 if self.config.hybrid else 1)
+
+    def linear_attn(self, i: int, x, cos, sin, batch: Batch, kv: KVCache, slots, recorder=no_recorder, loras=()):
+        """Gated DeltaNet (npqwen/linear_attention.py) of layer i: each sequence continues from its states in
+        kv.states; a prompt's tokens run the chunked form, decoding sequences one batched recurrent step.
+        Takes the arguments self_attn takes; `loras` is always empty here (llm.load_lora refuses hybrid models)."""
+        cfg, W, p, xp = self.config, self.weights, f"model.layers.{i}.linear_attn", self.xp
+        T, heads = x.shape[0], (cfg.linear_num_key_heads, cfg.linear_key_head_dim,
+                                cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+        Hv, dv = heads[2:]
+        conv, state = kv.states.conv[cfg.cache_index(i)], kv.states.recurrent[cfg.cache_index(i)]   # (S, ...)
+        # the four input projections: q, k, v (convolved together), the output gate z, beta and the decay
+        if cfg.qwen3_next:   # the same four, from two matrices whose rows are grouped by key head
+            mixed, z, b, a = la.ungroup_qwen3_next(ops.linear(x, W[f"{p}.in_proj_qkvz.weight"]),
+                                                   ops.linear(x, W[f"{p}.in_proj_ba.weight"]), *heads)
+        else:
+            mixed = ops.linear(x, W[f"{p}.in_proj_qkv.weight"])                 # (T, C)
+            z = ops.linear(x, W[f"{p}.in_proj_z.weight"])                       # (T, Hv*dv)
+            b, a = ops.linear(x, W[f"{p}.in_proj_b.weight"]), ops.linear(x, W[f"{p}.in_proj_a.weight"])   # (T, Hv)
+        z = z.reshape(T, Hv, dv)
+        mixed, z = recorder(f"{p}.in_proj_qkv", mixed), recorder(f"{p}.in_proj_z", z)
+        b, a = recorder(f"{p}.in_proj_b", b), recorder(f"{p}.in_proj_a", a)
+        g, beta = la.decay_and_beta(a, b, W[f"{p}.A_log"], W[f"{p}.dt_bias"])   # (T, Hv) each, float32
+        kernel = W[f"{p}.conv1d.weight"][:, 0]                                  # (C, W)
+        out = xp.empty((T, Hv, dv), dtype=state.dtype)                          # float32 (float64 for float64)
+        for (row, n), slot in zip(batch.rows, batch.slots):
+            if n > 1:   # a prompt's chunk: the convolution, then the chunked delta rule, from this sequence's states
+                r = slice(row, row + n)
+                mixed_r, conv_r = la.causal_conv1d(mixed[None, r], kernel, conv[slot][None])   # (1, n, C), (1, W-1, C)
+                conv[slot] = conv_r[0]
+                q, k, v = la.queries_keys_values(mixed_r[0], *heads)                # (n, Hv, dk), (n, Hv, dv)
+                out[r], state[slot] = la.chunked_gated_delta_rule(q, k, v, g[r], beta[r], state[slot])
+        if len(batch.decode_rows):   # one new token per sequence: one batched step for all of them
+            rows, s = xp.asarray(batch.decode_rows), batch.decode_slots
+            mixed_d, conv[s] = la.causal_conv1d(mixed[rows][:, None], kernel, conv[s])   # (B, 1, C)
+            q, k, v = la.queries_keys_values(mixed_d[:, 0], *heads)              # (B, Hv, dk), (B, Hv, dv)
+            out[rows], state[s] = la.delta_rule_step(q, k, v, g[rows], beta[rows], state[s])
+        out = recorder(f"{p}.core_attn_out", out)
+        out = la.gated_rms_norm(out.astype(x.dtype), z, W[f"{p}.norm.weight"], cfg.rms_norm_eps)   # (T, Hv, dv)
+        out = recorder(f"{p}.norm", out)
+        out = ops.linear(out.reshape(T, Hv * dv), W[f"{p}.out_proj.weight"])    # (T, D)
+        return recorder(f"{p}.out_proj", out)
 
     def attention(self, q, keys, values, batch: Batch, want_probs: bool = False):
         """Causal attention of each sequence over its own pages: (T, H*Dh), and with want_probs the
@@ -234,9 +296,9 @@ class Qwen3:
                 probs = decode_probs[-1, :, None, :batch.decode_lengths[-1]]       # (H, 1, S)
         return out, probs
 
-    def mlp(self, i: int, x, recorder=no_recorder, loras=()):
-        """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
-        p = f"model.layers.{i}.mlp"
+    def mlp(self, i: int, x, recorder=no_recorder, loras=(), name: str = "mlp"):
+        """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)). `name`: "mlp.shared_expert" for Qwen3.5-MoE's."""
+        p = f"model.layers.{i}.{name}"
         gate_up = ops.linear(x, self.fused[f"{p}.gate_up_proj.weight"])         # (T, 2F): gate_proj | up_proj
         gate_up = lora.add(gate_up, x, loras, f"{p}.gate_up_proj")              # + scale * B A x, each adapter's rows
         F = gate_up.shape[1] // 2
@@ -259,7 +321,12 @@ class Qwen3:
         chosen, weights = recorder(f"{p}.gate.top_k_index", chosen), recorder(f"{p}.gate.top_k_weights", weights)
         out = moe.experts(x, chosen, weights, self.fused[f"{p}.experts.gate_up_proj"],
                           self.fused[f"{p}.experts.down_proj"])                  # (T, D)
-        return recorder(f"{p}.experts", out)
+        out = recorder(f"{p}.experts", out)
+        if cfg.shared_expert_intermediate_size:   # Qwen3.5-MoE: a shared expert every token runs, sigmoid-gated
+            gate = ops.sigmoid(ops.linear(x, self.weights[f"{p}.shared_expert_gate.weight"]))   # (T, 1)
+            gate = recorder(f"{p}.shared_expert_gate", gate)
+            out = out + gate * self.mlp(i, x, recorder, name="mlp.shared_expert")
+        return out
 
     def _check_ids(self, token_ids, cache) -> np.ndarray:
         """Token ids as a 1-D int64 host array, checked against the vocabulary and the context."""

@@ -40,15 +40,21 @@ def linear(x, weight):
     return xp_of(y).ascontiguousarray(y.T)            # (T, out)
 
 
-def rms_norm(x, weight, eps: float):
-    """x / sqrt(mean(x^2) + eps) * weight over the last axis, in (at least) float32 as HF does."""
+def rms_norm(x, weight, eps: float, offset: float = 0.0):
+    """x / sqrt(mean(x^2) + eps) * (offset + weight) over the last axis, in (at least) float32 as HF does.
+    Qwen3.5 stores its norm weights centred on zero and scales by 1 + weight (offset 1)."""
     xp = xp_of(x)
     xf = x.astype(np.promote_types(x.dtype, np.float32), copy=False)
     mean_square = xp.einsum("...d,...d->...", xf, xf)[..., None] / x.shape[-1]   # (..., 1)
     inv_rms = 1.0 / xp.sqrt(mean_square + eps)
     y = (xf * inv_rms).astype(x.dtype, copy=False)                           # (..., D)
-    y *= weight
+    y *= weight if not offset else weight + offset
     return y
+
+
+def sigmoid(x):
+    """1 / (1 + exp(-x)) = (1 + tanh(x/2)) / 2, which never overflows."""
+    return (xp_of(x).tanh(x * 0.5) + 1.0) * 0.5
 
 
 def silu(x):
@@ -69,7 +75,7 @@ def rope_frequencies(config) -> tuple[np.ndarray, float]:
     (long wavelengths) and keeps the high ones, then scales cos/sin by 0.1 ln(factor) + 1.
     Computed in float32 on the host, like HF's torch code.
     """
-    dim, base = config.head_dim, config.rope_theta
+    dim, base = config.rotary_dim, config.rope_theta   # rotary_dim: Dh, or the part of it Qwen3.5 turns
     pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))   # (Dh/2,)
     inv_freq = (np.float32(1.0) / pos_freqs).astype(np.float32)
     scaling = config.rope_scaling or {}
@@ -118,6 +124,10 @@ def rope_cos_sin(inv_freq, positions, scale: float, dtype):
 def apply_rope(x, cos, sin):
     """x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]: each pair (x[j], x[j + Dh/2]) turns
     by its position's angle. Qwen3 (HF) rotates split halves, not llama's interleaved (x[2j], x[2j+1])."""
+    if cos.shape[-1] < x.shape[-1]:   # partial rotary (Qwen3.5): the first cos.shape[-1] values turn, the rest pass
+        out = x.copy()
+        out[..., :cos.shape[-1]] = apply_rope(x[..., :cos.shape[-1]], cos, sin)
+        return out
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]                 # (T, n_heads, Dh/2) each
     s = sin[:, None, :half]                               # (T, 1, Dh/2): both halves of sin are equal

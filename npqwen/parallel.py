@@ -56,6 +56,10 @@ def check_split(config, n: int):
     H, K = config.num_attention_heads, config.num_key_value_heads
     if n < 1:
         raise NpqwenError(f"the tensor-parallel size must be >= 1, got {n}")
+    if n > 1 and getattr(config, "hybrid", False):
+        raise NpqwenError("tensor parallelism does not split Qwen3.5's / Qwen3-Next's linear-attention layers yet "
+                          "(their heads and per-request states would be split as attention heads are); run this "
+                          "checkpoint in one process (tensor-parallel size 1)")
     if n > 1 and getattr(config, "num_experts", 0):
         raise NpqwenError(f"tensor parallelism does not split Qwen3-MoE's experts yet ({config.num_experts} experts); "
                           f"run this checkpoint in one process (tensor-parallel size 1)")

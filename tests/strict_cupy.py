@@ -33,7 +33,7 @@ UFUNC = ("out", "casting", "dtype")   # cupy ufuncs: f(x1, x2, /, out=None, *, c
 UFUNCS = ("add", "subtract", "multiply", "divide", "true_divide", "negative", "exp", "log", "sqrt", "tanh",
           "cos", "sin", "maximum", "minimum", "isfinite", "isnan", "power", "left_shift", "right_shift", "floor_divide",
           "greater", "less", "greater_equal", "less_equal", "equal", "not_equal", "logical_and",
-          "logical_not")
+          "logical_not", "log1p")
 # every other cupy function offered: name -> the keyword arguments cupy 14.2 accepts
 KEYWORDS = {
     "asarray": ("a", "dtype", "order", "copy", "blocking"),
@@ -50,6 +50,8 @@ KEYWORDS = {
     "tile": ("A", "reps"),
     "where": ("condition", "x", "y"),
     "triu": ("m", "k"),
+    "tril": ("m", "k"),
+    "repeat": ("a", "repeats", "axis"),
     "einsum": ("dtype", "optimize"),
     "matmul": UFUNC,
     "dot": ("a", "b", "out"),

@@ -300,6 +300,9 @@ def load_model(args, chat_template: bool = False):
     share_load(args, str(model))   # tensor parallel: the other ranks load their parts with this rank
     llm = load(model, device=args.device, dtype=args.dtype, tensor_parallel=getattr(args, "comm", None) or False,
                lora=lora_paths(args))
+    if any(name.startswith("model.language_model.") for name in llm.weights):   # Qwen3.5's image-text layout
+        print(f"npqwen: {model} is a Qwen3.5 image-text checkpoint; npqwen uses it for text (its vision tower "
+              f"and multi-token-prediction head are not read)", file=sys.stderr)
     if chat_template and llm.tokenizer.chat_template is None:
         instead = {"generate": ", or use --raw for a plain completion", "chat": ""}.get(args.command,
                                                                                        ", or leave out --chat")

@@ -24,7 +24,7 @@ from ..checks import check_token_ids
 from ..embed import POOLING_MODES, InputTooLong
 from ..errors import NpqwenError
 from ..generate import StopStrings
-from ..kv_cache import Batch, KVCache
+from ..kv_cache import Batch, KVCache, LinearStates
 from ..model import check_lm_head
 from ..parallel import rank_0_leads
 from ..sampling import candidates, draw, score_rows
@@ -38,6 +38,7 @@ from .prefix_cache import PrefixCache
 from .request import Request, StepOutput
 from .scheduler import Scheduler
 from .thinking import thinking_budget
+from .state_slots import StateSlots
 
 DEFAULT_PAGE_SIZE = 256        # positions per page; see ops.paged_attention for why pages are large
 KV_MEMORY_SHARE = 0.5          # default KV pool: this share of the memory free when the engine starts
@@ -54,18 +55,24 @@ class Engine:
                             ("max_batched_tokens", max_batched_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise NpqwenError(f"{name} must be an integer >= 1, got {value!r}")
-        per_token = KVCache.bytes_per_token(self.config, self.model.dtype)
+        per_token = max(1, KVCache.bytes_per_token(self.config, self.model.dtype))   # full-attention layers only
+        hybrid = getattr(self.config, "hybrid", False)   # Qwen3.5: a state per request beside the pages
+        states = LinearStates.bytes_per_slot(self.config, self.model.dtype) * max_batch_size if hybrid else 0
         if kv_cache_tokens is None:   # a share of free memory, but no more than a full batch of full contexts
-            fits = int(free_memory_bytes(self.model.xp) * KV_MEMORY_SHARE) // per_token
+            fits = (int(free_memory_bytes(self.model.xp) * KV_MEMORY_SHARE) - states) // per_token
             kv_cache_tokens = min(fits, max_batch_size * self.config.max_position_embeddings)
         if isinstance(kv_cache_tokens, bool) or not isinstance(kv_cache_tokens, int) or kv_cache_tokens < page_size:
             raise NpqwenError(f"kv_cache_tokens must be an integer >= page_size ({page_size}), got {kv_cache_tokens!r}")
         self.page_size = page_size
         self.kv = KVCache(self.config, kv_cache_tokens // page_size, page_size, self.model.xp, self.model.dtype,
-                          getattr(self.model, "kv_heads", None))   # this rank's heads (a stand-in model: all)
+                          getattr(self.model, "kv_heads", None),   # this rank's heads (a stand-in model: all)
+                          num_slots=max_batch_size if hybrid else 1)
         self.pool = PagePool(self.kv.num_pages)
-        self.cache = PrefixCache(self.pool, page_size, enabled=prefix_cache)
-        self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens)
+        # A hybrid model's prefix hit would also need its linear layers' states at the end of the shared
+        # prefix, which npqwen does not keep yet (vLLM snapshots them at page boundaries): no prefix cache.
+        self.cache = PrefixCache(self.pool, page_size, enabled=prefix_cache and not hybrid)
+        self.states = StateSlots(max_batch_size) if hybrid else None
+        self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens, self.states)
         self.requests: dict[str, Request] = {}       # unfinished requests by id
         self.last_batch: Batch | None = None         # what the last step ran, for a reader (docs/engine.md, 3)
         self.masks = Masks(self.config.vocab_size)   # constrained rows' masks, filled beside the forward pass
@@ -182,7 +189,8 @@ class Engine:
         batch = Batch(np.array([t for req, n in plan for t in req.tokens[req.cached_len:req.cached_len + n]]),
                       starts=[req.cached_len for req, _ in plan], lengths=lengths,
                       page_tables=[np.array(req.page_table) for req, _ in plan], page_size=self.page_size,
-                      sample_rows=rows, loras=[req.lora for req, _ in plan], **prefill_only.batch_fields,
+                      sample_rows=rows, loras=[req.lora for req, _ in plan],
+                      state_slots=[req.state_slot for req, _ in plan], **prefill_only.batch_fields,
                       steering=batch_steering([(req.steering, end - n, n) for (req, n), end in zip(plan, ends)
                                                if req.steering], int(ends[-1]), self.config.hidden_size,
                                               self.model.xp, self.model.dtype))
@@ -255,6 +263,10 @@ class Engine:
         self.pool.check([r.page_table for r in self.scheduler.running] + [r.page_table for r in self.scheduler.waiting],
                         self.cache.unused)
         self.cache.check()
+        if self.states is not None:   # hybrid: one state slot per running request, none for a waiting one
+            self.states.check([r.state_slot for r in self.scheduler.running])
+            if any(r.state_slot is not None for r in self.scheduler.waiting):
+                raise NpqwenError("a waiting request holds a state slot")
         for req in self.scheduler.running + list(self.scheduler.waiting):   # a preempted one keeps its matcher
             if req.constraint is not None:
                 req.constraint.check(len(req.output_ids))
@@ -280,7 +292,8 @@ class Engine:
         a 2048-token probe runs every stream keeps getting a token per step."""
         p = req.cached_len
         batch = Batch(np.array(req.tokens[p:p + 1]), starts=[p], lengths=[1], page_tables=[np.array(req.page_table)],
-                      page_size=self.page_size, sample_rows=np.array([0]), loras=[req.lora])
+                      page_size=self.page_size, sample_rows=np.array([0]), loras=[req.lora],
+                      state_slots=[req.state_slot])
         self.model.forward_batch(batch, self.kv, req.probe)
         req.cached_len += 1
         self._remember_full_pages(req)

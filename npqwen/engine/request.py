@@ -68,6 +68,7 @@ class Request:
     prompt_cached: int | None = None     # prompt positions the prefix cache served at its first admission
     page_table: list[int] = field(default_factory=list)
     page_hashes: list[int] = field(default_factory=list)   # chain hash of each full page, in order
+    state_slot: int | None = None        # hybrid models: its linear-attention states' slot while it runs
     text: str = ""
     finish_reason: str | None = None
     stop: str | None = None              # the stop string or eos token that ended it

@@ -15,8 +15,9 @@ from .request import Request
 
 
 class Scheduler:
-    def __init__(self, cache: PrefixCache, max_batch_size: int, max_batched_tokens: int):
+    def __init__(self, cache: PrefixCache, max_batch_size: int, max_batched_tokens: int, states=None):
         self.cache, self.page_size = cache, cache.page_size
+        self.states = states                   # a hybrid model's StateSlots (state_slots.py), else None
         self.max_batch_size, self.max_batched_tokens = max_batch_size, max_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []       # in admission order: the last one is preempted first
@@ -76,6 +77,8 @@ class Scheduler:
             req.prompt_cached = req.cached_len
             req.admitted = time.perf_counter()
         self.grow(req, req.cached_len + min(req.uncomputed, budget))
+        if self.states is not None:            # hybrid: its linear layers' states, held while it runs
+            req.state_slot = self.states.take()
         return True
 
     def make_room(self, req: Request, positions: int) -> list[Request]:
@@ -115,6 +118,9 @@ class Scheduler:
         for page in reversed(req.page_table):
             self.cache.release(page)
         req.page_table, req.page_hashes, req.cached_len = [], [], 0
+        if req.state_slot is not None:         # its states go with its pages: recomputed from position 0
+            self.states.release(req.state_slot)
+            req.state_slot = None
 
     def finish(self, req: Request):
         if req in self.running:

@@ -43,6 +43,8 @@ Suites (--suites, comma-separated, or all; the default is prefill,decode):
               --moe-prefill (512) token step and a decode step of --moe-batch (32) requests, npqwen's
               beside its expert products alone and all its matrix products alone; HF with its default
               experts implementation and its eager loop.
+    hybrid    Qwen3.5 at the Qwen3.5-0.8B text shape (its own checkpoint: run it alone): decode tokens/s after
+              a 16 and a 4,096-token prompt (--hybrid-prompts), prefill tokens/s of --hybrid-prefill (1024).
     structured
               what a constraint's mask costs (npqwen): per token, for a small, a medium and a large
               JSON schema, llguidance filling the next-token mask and consuming the token (mean,
@@ -84,7 +86,7 @@ prefix run in another worker per engine, once whatever --rounds says, so their p
 #   tables(report)        tables of its own: [(column names, rows)]
 #   notes(report)         sentences printed under the tables
 # The order here is the order of the rows, tables, notes and targets, and of the runs in a worker.
-from tools.bench import batch1, decode, embed, lora, moe, prefill, prefix, serving, step, structured, tp
+from tools.bench import batch1, decode, embed, hybrid, lora, moe, prefill, prefix, serving, step, structured, tp
 
-SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe, structured, tp, embed,
-                                          lora)}
+SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe, hybrid, structured, tp,
+                                          embed, lora)}

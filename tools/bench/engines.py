@@ -13,18 +13,21 @@ PEERS = ("hf-bfloat16", "hf-float32", "hf-float16")     # npqwen's figures are r
 CACHE_DIR = Path(os.environ.get("NPQWEN_CACHE", Path.home() / ".cache" / "npqwen"))
 
 
-def default_checkpoint(moe: bool = False) -> Path:
+def default_checkpoint(moe: bool = False, hybrid: bool = False) -> Path:
     """A random-weight bf16 checkpoint of the exact Qwen3-0.6B shape (with moe: of Qwen3-30B-A3B's layers,
-    2 of them), written once by npqwen's own writer."""
+    2 of them; with hybrid: of Qwen3.5-0.8B's text model), written once by npqwen's own writer."""
     import numpy as np
 
     from npqwen.checkpoint import expected_shapes, save_safetensors
-    from npqwen.config import QWEN3_0_6B_CONFIG, QWEN3_0_6B_GENERATION_CONFIG, QWEN3_30B_A3B_CONFIG, Qwen3Config
+    from npqwen.config import (QWEN3_0_6B_CONFIG, QWEN3_0_6B_GENERATION_CONFIG, QWEN3_5_0_8B_TEXT_CONFIG,
+                               QWEN3_30B_A3B_CONFIG, Qwen3Config)
 
     name, config = "qwen3-0.6b-random", QWEN3_0_6B_CONFIG
     if moe:
         name, config = "qwen3-30b-a3b-2-layers-random", dict(QWEN3_30B_A3B_CONFIG, num_hidden_layers=2,
                                                              max_window_layers=2)
+    if hybrid:
+        name, config = "qwen3.5-0.8b-random", QWEN3_5_0_8B_TEXT_CONFIG
     path = CACHE_DIR / name
     if (path / "model.safetensors").is_file() and (path / "config.json").is_file():
         return path
@@ -119,14 +122,15 @@ class NpqwenEngine:
 class HFEngine:
     def __init__(self, args):
         import torch
-        from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+        from transformers import AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
         torch.set_num_threads(args.threads)
         self.name, self.torch = args.worker, torch
         dtype = getattr(torch, args.worker.split("-")[1])
         self.device = args.hf_device or args.device
-        moe = json.loads((Path(args.model) / "config.json").read_text()).get("model_type") == "qwen3_moe"
-        model_class = Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM
+        model_type = json.loads((Path(args.model) / "config.json").read_text()).get("model_type")
+        model_class = {"qwen3_moe": Qwen3MoeForCausalLM, "qwen3": Qwen3ForCausalLM}.get(model_type,
+                                                                                         AutoModelForCausalLM)
         self.model = model_class.from_pretrained(args.model, dtype=dtype).eval().to(self.device)
         self.vocab_size = self.model.config.vocab_size
         params = {p.data_ptr(): p for p in self.model.parameters()}.values()

@@ -30,7 +30,9 @@ def measure_matmul(weights: dict) -> float:
 
     flops, seconds = 0, 0.0
     mlp = "mlp" if "model.layers.0.mlp.gate_proj.weight" in weights else "mlp.experts.0"   # Qwen3-MoE: an expert's
-    for name in ("self_attn.q_proj", "self_attn.o_proj", f"{mlp}.gate_proj", f"{mlp}.down_proj"):
+    attn = ("self_attn.q_proj", "self_attn.o_proj") if "model.layers.0.self_attn.q_proj.weight" in weights \
+        else ("linear_attn.in_proj_qkv", "linear_attn.out_proj")                        # Qwen3.5: a linear layer
+    for name in (*attn, f"{mlp}.gate_proj", f"{mlp}.down_proj"):
         w = weights[f"model.layers.0.{name}.weight"]
         a = np.ones((1024, w.shape[1]), w.dtype)
         seconds += best_time(lambda: a @ w.T, 3)

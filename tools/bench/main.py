@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     unknown = set(engines) - set(KNOWN_ENGINES)
     if unknown:
         p.error(f"unknown engine(s) {', '.join(sorted(unknown))}")
-    suites = set(SUITES) - {"moe"} if args.suites == "all" else {s for s in args.suites.split(",") if s}
+    suites = set(SUITES) - {"moe", "hybrid"} if args.suites == "all" else {s for s in args.suites.split(",") if s}
     if suites - set(SUITES):
         p.error(f"unknown suite(s) {', '.join(sorted(suites - set(SUITES)))}; choose from {', '.join(SUITES)}")
     for name in list(suites):
@@ -64,7 +64,10 @@ def main(argv=None) -> int:
     if "moe" in suites and suites != {"moe"}:
         p.error("the moe suite runs on a Qwen3-MoE checkpoint of its own: run it alone, --suites moe")
     own = all(getattr(SUITES[s], "OWN_MODEL", False) for s in suites)   # (the embed suite alone needs no --model)
-    model = Path(args.model).resolve() if args.model else None if own else default_checkpoint(moe="moe" in suites)
+    if "hybrid" in suites and suites != {"hybrid"}:
+        p.error("the hybrid suite runs on a Qwen3.5 checkpoint of its own: run it alone, --suites hybrid")
+    model = Path(args.model).resolve() if args.model else None if own else \
+        default_checkpoint(moe="moe" in suites, hybrid="hybrid" in suites)
     if args.model in BUILTIN:   # written once as a checkpoint, which every engine loads
         model = builtin_checkpoint(args.model)
     if model is not None and not (model / "config.json").is_file():

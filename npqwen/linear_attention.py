@@ -1,0 +1,152 @@
+"""Gated DeltaNet, the linear attention of Qwen3.5 and Qwen3-Next, as small functions over arrays.
+
+A linear-attention layer keeps no keys and values. Its memory of the past is one matrix per value
+head, the state S (dk, dv): a token's query reads it (o = S^T q), and each token writes to it with
+the delta rule: the state first decays by exp(g), then what it already stores at key k (S^T k) is
+moved toward the token's value v by the write strength beta:
+
+    S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T;   o = S^T q
+
+So the state stays (dk, dv) however long the context grows. Before that, q, k and v pass through a
+short causal depthwise convolution (kernel 4) with SiLU, whose state is the last 3 inputs; q and k
+are L2-normalised and q is scaled by dk^-1/2. After it, a gated RMSNorm (by SiLU(z)) and out_proj.
+
+Two forms compute the same outputs and final state (tests/test_linear_attention.py checks it):
+`recurrent_gated_delta_rule` applies the update token by token (decode: one token per sequence, all
+sequences of a batch in one update); `chunked_gated_delta_rule` takes 64 tokens at a time with
+matrix products and one triangular solve per chunk (prefill), as HF's torch_chunk_gated_delta_rule.
+
+Shapes: T tokens, B sequences, C = 2*Hk*dk + Hv*dv convolved channels, W conv kernel, Hk key heads
+of dk, Hv value heads of dv (Hv a multiple of Hk: value head h reads key head h // (Hv/Hk)).
+Qwen3.5-0.8B: Hk=16, dk=128, Hv=16, dv=128, W=4.
+The delta rule runs in (at least) float32, as HF runs it, whatever the weights' dtype.
+"""
+import numpy as np
+
+from .backend import xp_of
+from .ops import silu
+
+CHUNK = 64   # tokens per chunk of the chunked form (HF's and flash-linear-attention's chunk_size)
+
+
+def causal_conv1d(x, weight, state):
+    """Depthwise causal convolution with SiLU over each sequence's previous W-1 inputs (its state):
+    x (B, T, C), weight (C, W), state (B, W-1, C) -> out (B, T, C), new state (B, W-1, C)."""
+    xp, T, W = xp_of(x), x.shape[1], weight.shape[1]
+    padded = xp.concatenate([state.astype(x.dtype), x], axis=1)              # (B, W-1+T, C)
+    out = padded[:, 0:T] * weight[:, 0]                                      # (B, T, C)
+    for j in range(1, W):          # out[t] = sum_j weight[:, j] * input[t - (W-1) + j]
+        out += padded[:, j:j + T] * weight[:, j]
+    return silu(out), padded[:, T:]                                          # the last W-1 inputs
+
+
+def l2norm(x, eps: float = 1e-6):
+    """x / sqrt(sum(x^2) + eps) over the last axis (flash-linear-attention's l2norm)."""
+    xp = xp_of(x)
+    return x / xp.sqrt((x * x).sum(-1, keepdims=True) + eps)
+
+
+def delta_rule_step(q, k, v, g, beta, state):
+    """One token of every sequence: q, k (B, Hv, dk), v (B, Hv, dv), g, beta (B, Hv), state (B, Hv, dk, dv)
+    -> output (B, Hv, dv), new state (B, Hv, dk, dv)."""
+    xp = xp_of(q)
+    state = state * xp.exp(g)[..., None, None]                               # decay
+    stored = xp.einsum("bhkv,bhk->bhv", state, k)                            # what the state holds at k
+    delta = (v - stored) * beta[..., None]                                   # (B, Hv, dv) the correction
+    state = state + k[..., :, None] * delta[..., None, :]                    # write it at k
+    return xp.einsum("bhkv,bhk->bhv", state, q), state                       # read by q
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+    """The delta rule token by token: q, k (B, T, Hv, dk) normalised and scaled, v (B, T, Hv, dv), g, beta
+    (B, T, Hv), state (B, Hv, dk, dv) -> outputs (B, T, Hv, dv), final state."""
+    out = xp_of(q).empty(v.shape, dtype=state.dtype)
+    for t in range(q.shape[1]):
+        out[:, t], state = delta_rule_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+    return out, state
+
+
+def solve_unit_lower(A, B):
+    """X with (I + strictly_lower(A)) X = B, by forward substitution over the rows: A (..., C, C), B (..., C, d)."""
+    xp = xp_of(A)
+    X = xp.empty_like(B)
+    X[..., 0, :] = B[..., 0, :]
+    for i in range(1, A.shape[-1]):
+        X[..., i, :] = B[..., i, :] - xp.einsum("...j,...jd->...d", A[..., i, :i], X[..., :i, :])
+    return X
+
+
+def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """The delta rule over one sequence, `chunk` tokens at a time: q, k (T, Hv, dk) normalised and scaled,
+    v (T, Hv, dv), g, beta (T, Hv), state (Hv, dk, dv) -> outputs (T, Hv, dv), final state.
+
+    Within a chunk, the token-by-token writes W_t = beta_t (v_t - S_t^T k_t) depend on each other only
+    through earlier tokens of the chunk, so all of them solve one unit lower-triangular system; the
+    state is then read and written once per chunk. Exactly HF's torch_chunk_gated_delta_rule."""
+    xp, T = xp_of(q), q.shape[0]
+    pad = -T % chunk
+    q, k, v, g, beta = (xp.concatenate([a, xp.zeros((pad, *a.shape[1:]), a.dtype)]) for a in (q, k, v, g, beta))
+    N = (T + pad) // chunk
+    # heads first, then chunks: (Hv, N, c, d)
+    q, k, v = (a.reshape(N, chunk, *a.shape[1:]).transpose(2, 0, 1, 3) for a in (q, k, v))
+    g, beta = (a.reshape(N, chunk, -1).transpose(2, 0, 1) for a in (g, beta))       # (Hv, N, c)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = xp.cumsum(g, axis=-1)                                             # (Hv, N, c) log of the decay since the chunk began
+    lower = xp.tril(xp.ones((chunk, chunk), dtype=bool))                    # token i sees tokens j <= i
+    decay = xp.exp(xp.where(lower, cum[..., :, None] - cum[..., None, :], -np.inf))   # (Hv, N, c, c)
+    # the writes of a chunk: (I + strictly_lower(beta k k^T decay)) u = beta v, and the same for the old state's reads
+    system = (k_beta @ k.transpose(0, 1, 3, 2)) * decay                         # (Hv, N, c, c)
+    u = solve_unit_lower(system, v_beta)                                    # (Hv, N, c, dv)
+    w = solve_unit_lower(system, k_beta * xp.exp(cum)[..., None])           # (Hv, N, c, dk)
+    attn = (q @ k.transpose(0, 1, 3, 2)) * decay                                # (Hv, N, c, c) causal, decayed q.k
+    q_decayed = q * xp.exp(cum)[..., None]                                  # q reads the state as it was at the chunk's start
+    k_decayed = k * xp.exp(cum[..., -1:] - cum)[..., None]                  # a write decays until the chunk's end
+    chunk_decay = xp.exp(cum[..., -1])[..., None, None]                     # (Hv, N, 1, 1)
+    out = xp.empty(v.shape, dtype=state.dtype)                              # (Hv, N, c, dv)
+    for n in range(N):
+        v_new = u[:, n] - w[:, n] @ state                                   # (Hv, c, dv) the corrections written
+        out[:, n] = q_decayed[:, n] @ state + attn[:, n] @ v_new
+        state = state * chunk_decay[:, n] + k_decayed[:, n].transpose(0, 2, 1) @ v_new   # (Hv, dk, dv)
+    return out.transpose(1, 2, 0, 3).reshape(N * chunk, -1, v.shape[-1])[:T], state
+
+
+def gated_rms_norm(x, z, weight, eps: float):
+    """RMSNorm of each head's output, times weight, times SiLU(z): x, z (..., dv), weight (dv,)."""
+    xp, f32 = xp_of(x), np.promote_types(x.dtype, np.float32)
+    xf = x.astype(f32, copy=False)
+    y = xf / xp.sqrt((xf * xf).sum(-1, keepdims=True) / x.shape[-1] + eps)
+    return (weight * y.astype(x.dtype) * silu(z.astype(f32))).astype(x.dtype)
+
+
+def decay_and_beta(a, b, A_log, dt_bias):
+    """The per-token, per-value-head decay g = -exp(A_log) softplus(a + dt_bias) (log space, <= 0) and the
+    write strength beta = sigmoid(b): a, b (T, Hv) -> g, beta (T, Hv) float32."""
+    xp, f32 = xp_of(a), np.promote_types(a.dtype, np.float32)
+    s = a.astype(f32) + dt_bias.astype(f32)
+    softplus = xp.where(s > 20, s, xp.log1p(xp.exp(xp.minimum(s, 20))))      # torch's softplus (threshold 20)
+    g = -xp.exp(A_log.astype(f32)) * softplus
+    beta = 1.0 / (1.0 + xp.exp(-b.astype(f32)))
+    return g, beta
+
+
+def queries_keys_values(mixed, Hk, dk, Hv, dv):
+    """Split the convolved (T, C) into q, k (T, Hv, dk), L2-normalised, q scaled by dk^-1/2, and v (T, Hv, dv);
+    each key head is repeated for the Hv/Hk value heads that read it."""
+    T, xp, f32 = mixed.shape[0], xp_of(mixed), np.promote_types(mixed.dtype, np.float32)
+    q = mixed[:, :Hk * dk].reshape(T, Hk, dk).astype(f32)
+    k = mixed[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk).astype(f32)
+    v = mixed[:, 2 * Hk * dk:].reshape(T, Hv, dv).astype(f32)
+    if Hv != Hk:
+        q, k = xp.repeat(q, Hv // Hk, axis=1), xp.repeat(k, Hv // Hk, axis=1)   # (T, Hv, dk): 0,0,1,1,...
+    return l2norm(q) * (dk ** -0.5), l2norm(k), v
+
+
+def ungroup_qwen3_next(qkvz, ba, Hk, dk, Hv, dv):
+    """Qwen3-Next's two projections, whose rows come grouped by key head ([q, k, v, z] and [b, a] of each), as
+    Qwen3.5's four: qkv (T, C) with every q, then every k, then every v; z (T, Hv*dv); b, a (T, Hv)."""
+    T, r = qkvz.shape[0], Hv // Hk                                          # r value heads per key head
+    g = qkvz.reshape(T, Hk, 2 * dk + 2 * r * dv)
+    q, k, v, z = g[..., :dk], g[..., dk:2 * dk], g[..., 2 * dk:2 * dk + r * dv], g[..., 2 * dk + r * dv:]
+    qkv = xp_of(qkvz).concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], axis=1)
+    ba = ba.reshape(T, Hk, 2 * r)
+    return qkv, z.reshape(T, Hv * dv), ba[..., :r].reshape(T, Hv), ba[..., r:].reshape(T, Hv)

@@ -1,0 +1,55 @@
+"""Qwen3.5 on device="cuda" without a GPU: the CuPy code path on the strict stand-in (tests/strict_cupy.py)
+gives HF's logits as on the CPU, and the engine's tokens equal the CPU's; every cupy name it uses exists."""
+import numpy as np
+import pytest
+
+import npqwen
+import strict_cupy
+from npqwen import Engine
+
+from hybrid_checkpoints import build_hybrid_checkpoint, hf_hybrid_model, hybrid_config, qwen3_next_config
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cupy():
+    with pytest.MonkeyPatch.context() as mp:
+        yield strict_cupy.install(mp)
+
+
+@pytest.mark.parametrize("build", [hybrid_config, qwen3_next_config])
+def test_logits_match_hf_on_the_stand_in(build, tmp_path):
+    path = build_hybrid_checkpoint(tmp_path, build())
+    llm, ref = npqwen.load(path, device="cuda"), hf_hybrid_model(path)
+    ids = np.random.default_rng(0).integers(0, 512, 70).tolist()
+    logits = npqwen.backend.to_numpy(llm.forward(ids))
+    with torch.no_grad():
+        want = ref(torch.tensor([ids]), use_cache=False).logits[0].numpy()
+    rel = np.abs(logits - want).max() / np.abs(want).max()
+    print(f"{build.__name__} on the CuPy stand-in: relative max |logit diff| {rel:.2e}")
+    assert rel <= 1e-4
+
+
+def test_engine_equals_cpu_on_the_stand_in(tmp_path):
+    path = build_hybrid_checkpoint(tmp_path, hybrid_config(), std=0.1)
+    prompts = [np.random.default_rng(s).integers(0, 512, n).tolist() for s, n in enumerate([3, 40, 90])]
+    tokens = {}
+    for device in ("cpu", "cuda"):
+        engine = Engine(npqwen.load(path, device=device), kv_cache_tokens=512, page_size=16, max_batched_tokens=32)
+        ids = [engine.add_request(p, max_new_tokens=6, temperature=0) for p in prompts]
+        out = {i: [] for i in ids}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += o.token_ids
+            engine.check()
+        tokens[device] = [out[i] for i in ids]
+    assert tokens["cuda"] == tokens["cpu"]
+
+
+def test_every_name_and_keyword_used_exists_in_real_cupy():
+    """What the runs above asked of cupy (the delta rule's einsum, tril, cumsum, repeat, ...) is real cupy."""
+    from test_cuda_standin import check_against, real_cupy
+
+    problems = check_against(real_cupy(), dict(strict_cupy.used))
+    assert not problems, "\n".join(problems)

@@ -1,0 +1,66 @@
+"""Qwen3.5's hub layout through the text paths: generate, chat, score, trace names, the CLI (which says the
+checkpoint is used for text) and inspect (the layers, the memory, what stays unread). With Qwen3's tokenizer:
+there are no Qwen3.5 tokenizer files here."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import npqwen
+
+from conftest import ROOT, add_qwen3_tokenizer, needs_qwen3_tokenizer
+from hybrid_checkpoints import build_hybrid_checkpoint, hybrid_config
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def hub_dir(tmp_path_factory):
+    needs_qwen3_tokenizer()
+    path = build_hybrid_checkpoint(tmp_path_factory.mktemp("hybrid_text"),
+                                   hybrid_config(vocab_size=151936, eos_token_id=151645), hub_layout=True, std=0.1)
+    return add_qwen3_tokenizer(path)
+
+
+def test_generate_chat_and_score(hub_dir):
+    llm = npqwen.load(hub_dir)
+    out = llm.generate("The capital of France is", max_new_tokens=6, temperature=0)
+    assert len(out.token_ids) == 6
+    reply = llm.chat([{"role": "user", "content": "hi"}], max_new_tokens=5, temperature=0)
+    assert reply is not None
+    scored = llm.score("one two three four")
+    assert np.isfinite(scored.perplexity)
+
+
+def test_a_recorder_sees_the_linear_layers_under_hf_names(hub_dir):
+    llm = npqwen.load(hub_dir)
+    seen = {}
+    llm.forward([1, 2, 3], recorder=lambda name, a: seen.setdefault(name, a))
+    for name in ("model.layers.0.linear_attn.in_proj_qkv", "model.layers.0.linear_attn.core_attn_out",
+                 "model.layers.0.linear_attn.norm", "model.layers.0.linear_attn.out_proj",
+                 "model.layers.3.self_attn.o_proj"):
+        assert name in seen, name
+    assert "model.language_model.layers.0.linear_attn.A_log" in llm.weights   # the stored names, as on disk
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "npqwen", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+
+
+def test_the_cli_says_it_is_used_for_text(hub_dir):
+    result = run_cli("generate", "--model", str(hub_dir), "--prompt", "hi", "-n", "3", "--temperature", "0")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Qwen3.5 image-text checkpoint; npqwen uses it for text" in result.stderr
+
+
+def test_inspect_names_the_linear_layers_and_the_costs(hub_dir):
+    result = run_cli("inspect", "--model", str(hub_dir))
+    assert result.returncode == 0, result.stderr[-2000:]
+    print(result.stdout[:2500])
+    for line in ("linear attention           3 layers: [0, 1, 2]", "full attention             1 layers: [3]",
+                 "KV cache per token         512 bytes in float32 (full-attention layers only)",
+                 "multi-token-prediction head (mtp.*) stay unread on disk",
+                 "model.layers.0.linear_attn.in_proj_qkv.weight"):
+        assert line in result.stdout, line

@@ -1,0 +1,9 @@
+"""docs/linear-attention.md: every ```python sample, in order, as one script."""
+from conftest import doc_samples, run_doc_python
+
+
+def test_linear_attention_doc_code_samples_run(tmp_path):
+    python, shell = doc_samples("linear-attention.md")
+    assert len(python) >= 4 and not shell
+    result = run_doc_python(python, tmp_path / "linear_attention_doc.py")
+    assert "read at k: [ 0.5 -1.   2. ]" in result.stdout
