@@ -588,7 +588,7 @@ def test_a_piece_made_after_ctrl_c_is_not_shown(monkeypatch, capsys):
     pressed = []
 
     class Model:   # the second piece is made by the step during which Ctrl-C arrives
-        def stream(self, prompt, params, result, steering=None):
+        def stream(self, prompt, params, result, **per_request):   # steering=, lora=
             yield "one"
             pressed.append(True)
             yield "two"

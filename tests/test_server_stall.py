@@ -15,6 +15,10 @@ from urllib.parse import urlparse
 import numpy as np
 import pytest
 
+# Timed against a 0.3 s limit, so run alone: the README's test command runs these after the two-worker
+# run (-m solo), where no other test process shares the two cores with the server they time.
+pytestmark = pytest.mark.solo
+
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
