@@ -105,6 +105,21 @@ def new_suffix(sent: str, now: str) -> str:
     return now[len(sent):]
 
 
+def completed_calls(pending: dict, delta: dict) -> list[dict]:
+    """The tool calls a streamed delta completes, whole ({"id", "function": {"name", "arguments"}}):
+    StreamParser sends a call's id and name first, then its arguments; `pending` keeps the started
+    calls by index in between."""
+    done = []
+    for call in delta.get("tool_calls", []):
+        if "id" in call:
+            pending[call["index"]] = {"id": call["id"], "function": {"name": call["function"]["name"], "arguments": ""}}
+            continue
+        whole = pending.pop(call["index"])
+        whole["function"]["arguments"] += call["function"]["arguments"]
+        done.append(whole)
+    return done
+
+
 class StreamParser:
     """Turns text pieces, split anywhere, into OpenAI streaming deltas; finish() flushes what is held.
 

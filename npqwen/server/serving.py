@@ -3,9 +3,9 @@
 Serving owns what the APIs have in common: the model (its name, GET /v1/models, /health) and the
 checks every body gets (its model, its size before tokenizing, its token ids, the room it leaves
 to generate); building engine requests (requests: one SamplingParams of the body, then
-engine_request, the one call of Engine.new_request); the one way to the engine thread (submit, with its one 429 and Retry-After);
-and reading what comes back (outputs, collect, finished; Choice, usage). The chat template and
-each API's JSON shapes stay in its subclass.
+engine_request, the one call of Engine.new_request); the one way to the engine thread (submit,
+with its one 429 and Retry-After); and reading what comes back (outputs, collect, finished;
+Choice, usage). The chat template and each API's JSON shapes stay in its subclass.
 """
 import asyncio
 import codecs

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from ..errors import NpqwenError
 from .engine_loop import EngineStopped
 from .http import EventStream
-from .parsers import StreamParser, parse_output
+from .parsers import StreamParser, completed_calls, parse_output
 from .protocol import APIError, ChatCompletionRequest, template_messages
 from .protocol_messages import CountTokensRequest, CustomTool, MediaBlock, MessagesRequest, anthropic_error
 from .serving import Choice
@@ -301,7 +301,7 @@ class ServingMessages(ServingChat):
                                                         "cache_creation_input_tokens": 0,
                                                         "cache_read_input_tokens": 0, "output_tokens": 0}})
         yield event("ping")
-        pending: dict[int, dict] = {}   # tool calls by index: a delta with the name, then one with the arguments
+        pending: dict[int, dict] = {}   # tool calls started, by index (parsers.completed_calls)
         calls = 0
         try:
             async with contextlib.aclosing(pinging(self.outputs(queue, [request], http))) as outputs:
@@ -319,13 +319,7 @@ class ServingMessages(ServingChat):
                         elif delta.get("content"):
                             for line in grow("text", delta["content"]):
                                 yield line
-                        for call in delta.get("tool_calls", []):
-                            if "id" in call:
-                                pending[call["index"]] = {"id": call["id"], "function": {
-                                    "name": call["function"]["name"], "arguments": ""}}
-                                continue
-                            whole = pending.pop(call["index"])
-                            whole["function"]["arguments"] += call["function"]["arguments"]
+                        for whole in completed_calls(pending, delta):
                             calls += 1
                             if not (one_call and calls > 1):
                                 for line in tool_use(whole):

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from ..chat_format import THINK_CLOSE
 from .engine_loop import EngineStopped
 from .http import EventStream
-from .parsers import StreamParser, finish_reason, parse_output
+from .parsers import StreamParser, completed_calls, finish_reason, parse_output
 from .protocol import APIError, ChatCompletionRequest
 from .protocol_responses import RESPONSE_FIELDS_IGNORED, FunctionToolChoice, ResponsesRequest
 from .serving import Choice, usage
@@ -327,7 +327,7 @@ class ServingResponses(ServingChat):
 
         yield event("response.created", response=base)
         yield event("response.in_progress", response=base)
-        pending: dict[int, dict] = {}   # tool calls by index: a delta with the name, then one with the arguments
+        pending: dict[int, dict] = {}   # tool calls started, by index (parsers.completed_calls)
         try:
             async with contextlib.aclosing(self.outputs(queue, [choice.request], http)) as outputs:
                 async for _, output in outputs:
@@ -338,13 +338,7 @@ class ServingResponses(ServingChat):
                         for line in (grow("reasoning", delta["reasoning_content"]) if "reasoning_content" in delta
                                      else grow("message", delta["content"]) if delta.get("content") else []):
                             yield line
-                        for call in delta.get("tool_calls", []):
-                            if "id" in call:
-                                pending[call["index"]] = {"id": call["id"], "function": {
-                                    "name": call["function"]["name"], "arguments": ""}}
-                                continue
-                            whole = pending.pop(call["index"])
-                            whole["function"]["arguments"] += call["function"]["arguments"]
+                        for whole in completed_calls(pending, delta):
                             calls += 1
                             if (body.parallel_tool_calls is False and calls > 1) or \
                                     (body.max_tool_calls and calls > body.max_tool_calls):
