@@ -335,7 +335,10 @@ def test_a_signal_to_the_launcher_ends_every_process_of_the_group(signum):
     assert not left, [open(f"/proc/{p}/cmdline").read()[:80] for p in left if os.path.exists(f"/proc/{p}")]
     port = int(url.rsplit(":", 1)[1])
     with socket.socket() as s:
-        s.bind(("127.0.0.1", port))   # free
+        # free for a new server: SO_REUSEADDR, as uvicorn binds, lets a closed connection's TIME_WAIT pass,
+        # while a process still listening on the port makes the bind fail
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
 
 
 def test_a_rank_killed_mid_stream_ends_the_server_and_the_client_hears_why():
