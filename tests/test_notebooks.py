@@ -1,0 +1,78 @@
+"""The lessons in notebooks/: each saved .ipynb holds exactly the cells its jupytext .md makes (the .md is
+the source, so the two cannot drift), each lesson runs top to bottom on a fresh kernel without an error,
+and each has a lesson's shape: MODEL = "tiny" in its first code cell, exercises with worked solutions, and
+a picture among its saved outputs. The notebook packages are in the test extra: a missing one fails the
+import below, it does not skip."""
+import re
+import time
+
+import nbformat
+import pytest
+from conftest import ROOT
+
+from tools import notebooks  # jupytext, nbclient, nbformat; ipykernel for the kernel
+
+LESSONS = notebooks.lessons()
+REGENERATE = 'run `python -m tools.notebooks` (pip install -e ".[notebooks]") to write it from the .md'
+lesson = pytest.mark.parametrize("md", LESSONS, ids=[p.stem for p in LESSONS])
+
+
+def cells(nb) -> list[tuple[str, str]]:
+    return [(cell.cell_type, cell.source) for cell in nb.cells]
+
+
+def test_the_lessons_are_there():
+    assert [p.stem for p in LESSONS][:1] == ["01-forward-pass"], f"notebooks/ holds {LESSONS}"
+    orphans = [p.name for p in sorted(notebooks.NOTEBOOKS.glob("*.ipynb")) if not p.with_suffix(".md").is_file()]
+    assert not orphans, f"notebooks without their .md source: {orphans} (the .md is the source; write it first)"
+
+
+@lesson
+def test_saved_notebook_holds_the_cells_of_its_source(md):
+    saved = md.with_suffix(".ipynb")
+    assert saved.is_file(), f"{saved.relative_to(ROOT)} is missing: {REGENERATE}"
+    want, have = cells(notebooks.read(md)), cells(nbformat.read(saved, as_version=4))
+    for i, (w, h) in enumerate(zip(want, have)):
+        assert w == h, (f"{saved.name} cell {i} differs from {md.name}: {REGENERATE}\n"
+                        f"--- in the .md ({w[0]}):\n{w[1]}\n--- in the .ipynb ({h[0]}):\n{h[1]}")
+    assert len(want) == len(have), f"{md.name} makes {len(want)} cells, {saved.name} holds {len(have)}: {REGENERATE}"
+
+
+@lesson
+def test_lesson_runs_on_a_fresh_kernel(md, tmp_path):
+    """Every cell of the .md on a new python3 kernel, in a temporary directory; the lessons' asserts check
+    each hand computation against npqwen, so a wrong one fails here. Nothing is written into the tree."""
+    before = {p: p.stat().st_mtime_ns for p in notebooks.NOTEBOOKS.iterdir()}
+    nb = notebooks.read(md)
+    start = time.perf_counter()
+    try:
+        notebooks.execute(nb, md.name, tmp_path)
+    except notebooks.NotebookError as e:
+        pytest.fail(str(e), pytrace=False)
+    print(f"{md.name}: {time.perf_counter() - start:.1f} s on a fresh kernel")
+    after = {p: p.stat().st_mtime_ns for p in notebooks.NOTEBOOKS.iterdir()}
+    assert after == before, f"running {md.name} changed notebooks/: {set(after.items()) ^ set(before.items())}"
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not errors, errors
+
+
+@lesson
+def test_lesson_has_the_shape_of_a_lesson(md):
+    nb = notebooks.read(md)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    assert code and re.search(r'^MODEL = "tiny"', code[0], re.MULTILINE), \
+        f'{md.name}: the first code cell must set MODEL = "tiny" (and say how to switch):\n{code[:1]}'
+    heading = [i for i, c in enumerate(nb.cells) if c.cell_type == "markdown"
+               and re.search(r"^## Exercises\s*$", c.source, re.MULTILINE)]   # jupytext keeps a heading in its text's cell
+    assert heading, f"{md.name} has no '## Exercises' section"
+    after = nb.cells[heading[0]:]
+    solutions = [i for i, c in enumerate(after[:-1]) if c.cell_type == "markdown"
+                 and re.search(r"^### Solution", c.source, re.MULTILINE) and after[i + 1].cell_type == "code"]
+    assert len(solutions) >= 2, f"{md.name}: {len(solutions)} '### Solution' sections followed by code (want 2+)"
+    saved = md.with_suffix(".ipynb")
+    assert saved.is_file(), f"{saved.name} is missing: {REGENERATE}"
+    stored = nbformat.read(saved, as_version=4)
+    unrun = [i for i, c in enumerate(stored.cells) if c.cell_type == "code" and c.execution_count is None]
+    assert not unrun, f"{saved.name} was saved without running cells {unrun}: {REGENERATE}"
+    pictures = [o for c in stored.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert pictures, f"{saved.name} holds no picture (image/png output): {REGENERATE}"
