@@ -4,6 +4,8 @@ and each has a lesson's shape: MODEL = "tiny" in its first code cell, exercises 
 a picture among its saved outputs. The notebook packages are in the test extra: a missing one fails the
 import below, it does not skip."""
 import re
+import subprocess
+import sys
 import time
 
 import nbformat
@@ -25,6 +27,31 @@ def test_the_lessons_are_there():
     assert [p.stem for p in LESSONS][:1] == ["01-forward-pass"], f"notebooks/ holds {LESSONS}"
     orphans = [p.name for p in sorted(notebooks.NOTEBOOKS.glob("*.ipynb")) if not p.with_suffix(".md").is_file()]
     assert not orphans, f"notebooks without their .md source: {orphans} (the .md is the source; write it first)"
+    index = (notebooks.NOTEBOOKS / "README.md").read_text(encoding="utf-8")
+    unlisted = [p.stem for p in LESSONS if p.stem not in index]
+    assert not unlisted, f"notebooks/README.md does not list {unlisted}"
+
+
+def test_the_documented_command_writes_a_lesson_with_its_outputs(tmp_path):
+    """`python -m tools.notebooks PATH`, as notebooks/README.md shows it, on a copy of the first lesson: it
+    prints the run time, writes the .ipynb beside the .md with its cells, outputs and pictures, and a second
+    run writes the same bytes (no timing or random ids in the file)."""
+    md = tmp_path / LESSONS[0].name
+    md.write_text(LESSONS[0].read_text(encoding="utf-8"), encoding="utf-8")
+    saved = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-m", "tools.notebooks", str(md)], cwd=ROOT, capture_output=True,
+                             text=True, timeout=600, check=False)
+        assert run.returncode == 0 and re.search(r": [\d.]+ s -> ", run.stdout), run.stdout + run.stderr
+        saved.append(md.with_suffix(".ipynb").read_bytes())
+    nb = nbformat.reads(saved[0].decode(), as_version=4)
+    assert cells(nb) == cells(notebooks.read(LESSONS[0]))
+    assert any("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
+    assert saved[0] == saved[1], "two runs of the same lesson wrote different files"
+    bad = subprocess.run([sys.executable, "-m", "tools.notebooks", str(tmp_path / "nothing.md")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and "not a lesson's .md file" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr, bad.stderr
 
 
 @lesson
@@ -47,8 +74,11 @@ def test_lesson_runs_on_a_fresh_kernel(md, tmp_path):
     start = time.perf_counter()
     try:
         notebooks.execute(nb, md.name, tmp_path)
+        failure = None
     except notebooks.NotebookError as e:
-        pytest.fail(str(e), pytrace=False)
+        failure = str(e)
+    if failure:   # the cell and its traceback, once (not chained to the NotebookError)
+        pytest.fail(failure, pytrace=False)
     print(f"{md.name}: {time.perf_counter() - start:.1f} s on a fresh kernel")
     after = {p: p.stat().st_mtime_ns for p in notebooks.NOTEBOOKS.iterdir()}
     assert after == before, f"running {md.name} changed notebooks/: {set(after.items()) ^ set(before.items())}"
@@ -62,8 +92,9 @@ def test_lesson_has_the_shape_of_a_lesson(md):
     code = [c.source for c in nb.cells if c.cell_type == "code"]
     assert code and re.search(r'^MODEL = "tiny"', code[0], re.MULTILINE), \
         f'{md.name}: the first code cell must set MODEL = "tiny" (and say how to switch):\n{code[:1]}'
+    # jupytext keeps a heading in one cell with the text around it: look for it line by line
     heading = [i for i, c in enumerate(nb.cells) if c.cell_type == "markdown"
-               and re.search(r"^## Exercises\s*$", c.source, re.MULTILINE)]   # jupytext keeps a heading in its text's cell
+               and re.search(r"^## Exercises\s*$", c.source, re.MULTILINE)]
     assert heading, f"{md.name} has no '## Exercises' section"
     after = nb.cells[heading[0]:]
     solutions = [i for i, c in enumerate(after[:-1]) if c.cell_type == "markdown"
