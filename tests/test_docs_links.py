@@ -1,14 +1,15 @@
-"""The docs hold together: every relative link in README.md and docs/*.md resolves (files, and #anchors
-against the target's headings by GitHub's rules), docs/README.md lists every page, every page's runnable
-samples have a test, every block shown without running says why here, and each sample in README.md is
-an excerpt of a tested one in docs/."""
+"""The docs hold together: every relative link in README.md, docs/*.md and notebooks/*.md (the lessons'
+sources) resolves (files, and #anchors against the target's headings by GitHub's rules), docs/README.md
+lists every page, every page's runnable samples have a test, every block shown without running says why
+here, and each sample in README.md is an excerpt of a tested one in docs/."""
 import re
 from pathlib import Path
 
 from conftest import ROOT, doc_blocks
 
 PAGES = sorted((ROOT / "docs").glob("*.md"))
-FILES = [ROOT / "README.md", *PAGES]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.md"))   # the lessons' sources and their README link to docs/
+FILES = [ROOT / "README.md", *PAGES, *NOTEBOOKS]
 
 # What a block shown and not run (```console, or no kind) may hold, and why it is not run.
 NOT_RUN = {
