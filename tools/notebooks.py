@@ -48,8 +48,10 @@ def read(md: Path) -> nbformat.NotebookNode:
 
 def kernel_env() -> dict:
     """The kernel's environment: this one, with this checkout first on PYTHONPATH (an installed npqwen
-    may be another checkout's) and one BLAS thread unless the caller chose."""
+    may be another checkout's), one BLAS thread unless the caller chose, and no MPLBACKEND (a backend such
+    as Agg set for scripts would keep the pictures out of the notebook; the kernel's own is inline)."""
     env = dict(os.environ)
+    env.pop("MPLBACKEND", None)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
     return env
