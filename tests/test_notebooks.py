@@ -1,8 +1,8 @@
 """The lessons in notebooks/: each saved .ipynb holds exactly the cells its jupytext .md makes (the .md is
 the source, so the two cannot drift), each lesson runs top to bottom on a fresh kernel without an error,
-and each has a lesson's shape: MODEL = "tiny" in its first code cell, exercises with worked solutions, and
-a picture among its saved outputs. The notebook packages are in the test extra: a missing one fails the
-import below, it does not skip."""
+and each has a lesson's shape: MODEL = "tiny" (or a built-in twin, "tiny-moe") in its first code cell,
+exercises with worked solutions, and a picture among its saved outputs. The notebook packages are in the
+test extra: a missing one fails the import below, it does not skip."""
 import re
 import subprocess
 import sys
@@ -90,8 +90,8 @@ def test_lesson_runs_on_a_fresh_kernel(md, tmp_path):
 def test_lesson_has_the_shape_of_a_lesson(md):
     nb = notebooks.read(md)
     code = [c.source for c in nb.cells if c.cell_type == "code"]
-    assert code and re.search(r'^MODEL = "tiny"', code[0], re.MULTILINE), \
-        f'{md.name}: the first code cell must set MODEL = "tiny" (and say how to switch):\n{code[:1]}'
+    assert code and re.search(r'^MODEL = "tiny(-[a-z]+)?"', code[0], re.MULTILINE), \
+        f'{md.name}: the first code cell must set MODEL = "tiny" (or "tiny-moe"), and say how to switch:\n{code[:1]}'
     # jupytext keeps a heading in one cell with the text around it: look for it line by line
     heading = [i for i, c in enumerate(nb.cells) if c.cell_type == "markdown"
                and re.search(r"^## Exercises\s*$", c.source, re.MULTILINE)]
