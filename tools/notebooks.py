@@ -18,14 +18,19 @@ import tempfile
 import time
 from pathlib import Path
 
-import jupytext
-import nbformat
-from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
+try:
+    import jupytext
+    import nbformat
+    from jupyter_client.kernelspec import NoSuchKernel
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+except ImportError as e:   # the test extra has them too: tests/test_notebooks.py fails here rather than skip
+    raise ImportError(f"{e.name} is missing: the notebooks need jupytext, nbclient, nbformat and ipykernel "
+                      '(pip install -e ".[notebooks]")') from e
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
-CELL_TIMEOUT = 300   # seconds for one cell; a lesson runs in about a minute on the tiny model
+CELL_TIMEOUT = 300   # seconds for one cell; a whole lesson takes seconds on the tiny model, a minute at most
 
 
 class NotebookError(Exception):
@@ -71,6 +76,8 @@ def execute(nb: nbformat.NotebookNode, name: str, cwd: Path, timeout: int = CELL
         raise NotebookError(f"{name}: a cell failed\n{text}") from None
     except TimeoutError as e:
         raise NotebookError(f"{name}: a cell ran past {timeout} s (--timeout)\n{e}") from None
+    except NoSuchKernel:
+        raise NotebookError(f'{name}: no python3 kernel: pip install ipykernel (or -e ".[notebooks]")') from None
     return time.perf_counter() - start
 
 
