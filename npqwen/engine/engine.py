@@ -37,9 +37,9 @@ from .prefill_only import PrefillRows
 from .prefix_cache import PrefixCache
 from .request import Request, StepOutput
 from .scheduler import Scheduler
+from .state_slots import StateSlots
 from .step_log import scheduled
 from .thinking import thinking_budget
-from .state_slots import StateSlots
 
 DEFAULT_PAGE_SIZE = 256        # positions per page; see ops.paged_attention for why pages are large
 KV_MEMORY_SHARE = 0.5          # default KV pool: this share of the memory free when the engine starts
