@@ -6,6 +6,7 @@
     scheduler.py     who runs in the next step, with how many tokens, preemption (Scheduler)
     prefill_only.py  requests that only read their prompt: embeddings and rerank scores (PrefillRows)
     engine.py        add_request / step / abort: one packed forward pass per step (Engine)
+    step_log.py      what each step ran, kept when asked (Engine(record_steps=True)): the notebook's timeline
     run.py           the one loop that drives it for a caller: a set of requests, stepped to their end (run)
 """
 from .engine import Engine

@@ -37,8 +37,9 @@ from .prefill_only import PrefillRows
 from .prefix_cache import PrefixCache
 from .request import Request, StepOutput
 from .scheduler import Scheduler
-from .thinking import thinking_budget
 from .state_slots import StateSlots
+from .step_log import scheduled
+from .thinking import thinking_budget
 
 DEFAULT_PAGE_SIZE = 256        # positions per page; see ops.paged_attention for why pages are large
 KV_MEMORY_SHARE = 0.5          # default KV pool: this share of the memory free when the engine starts
@@ -49,7 +50,8 @@ class Engine:
     # each @rank_0_leads method runs rank 0's forward passes, then returns rank 0's result.
     @rank_0_leads
     def __init__(self, llm, kv_cache_tokens: int | None = None, page_size: int = DEFAULT_PAGE_SIZE,
-                 max_batch_size: int = 64, max_batched_tokens: int = 512, prefix_cache: bool = True):
+                 max_batch_size: int = 64, max_batched_tokens: int = 512, prefix_cache: bool = True,
+                 record_steps: bool = False):
         self.llm, self.model, self.config = llm, llm.model, llm.config
         for name, value in (("page_size", page_size), ("max_batch_size", max_batch_size),
                             ("max_batched_tokens", max_batched_tokens)):
@@ -75,6 +77,7 @@ class Engine:
         self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens, self.states)
         self.requests: dict[str, Request] = {}       # unfinished requests by id
         self.last_batch: Batch | None = None         # what the last step ran, for a reader (docs/engine.md, 3)
+        self.step_log: list | None = [] if record_steps else None   # per step, who ran with how many tokens
         self.masks = Masks(self.config.vocab_size)   # constrained rows' masks, filled beside the forward pass
         self._ids = itertools.count()
 
@@ -175,6 +178,8 @@ class Engine:
         in the step's Batch (self.last_batch), then one per probe that ended (its last token ran alone,
         Engine._probe_pass)."""
         plan = self.scheduler.schedule()
+        if self.step_log is not None:   # record_steps: the plan as rows (step_log.py); nothing else changes
+            self.step_log.append(scheduled(plan))
         plan, probes = hold_back_probes(plan)   # a probe's last token runs alone, after the batch
         if not plan:
             return [self._probe_pass(req) for req in probes]
