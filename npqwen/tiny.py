@@ -5,7 +5,10 @@ D=16, H=4, K=2, Dh=8, F=48, 2 layers. Its tokenizer is byte-level (one token per
 byte) plus Qwen3's special tokens, and it uses Qwen3's chat template. Its weights are
 random, so the text it generates is meaningless: it is for stepping through the code.
 `--model tiny-moe` is the same with Qwen3-MoE's sparse MLP in both layers: E=8 experts of
-width I=24, k=2 per token, renormalised.
+width I=24, k=2 per token, renormalised. `--model tiny-qwen3.5` is a Qwen3.5 hybrid: 4 layers, the first
+three Gated DeltaNet linear attention (Hk=2 key heads of dk=8, Hv=4 value heads of dv=8, kernel W=4),
+the fourth full attention with its output gate (H=4, K=2, Dh=16, 4 of 16 rotated); its norms scale by
+1 + weight, so their random weights lie around 0.
 
 Two twins of `tiny` run the embedding and reranking paths offline, as Qwen3-Embedding and
 Qwen3-Reranker do (their weights random too, so their vectors and scores are meaningless):
@@ -13,7 +16,7 @@ Qwen3-Reranker do (their weights random too, so their vectors and scores are mea
 normalised, a "query" prompt) and its tokenizer appends <|endoftext|>; `tiny-reranker` is a
 CrossEncoder whose tokenizer has the "yes" and "no" tokens the reranker's question is answered with.
 Which command takes which: embed `tiny-embedding` (any of them embeds), rerank `tiny-reranker`,
-every other command `tiny` or `tiny-moe`.
+every other command `tiny`, `tiny-moe` or `tiny-qwen3.5` (which, as Qwen3.5 models, parallel and --lora refuse).
 """
 from importlib import resources
 
@@ -39,11 +42,15 @@ TINY_CONFIG = dict(model_type="qwen3", hidden_size=16, intermediate_size=48, num
                    tie_word_embeddings=True, bos_token_id=ENDOFTEXT, eos_token_id=IM_END)
 TINY_MOE_CONFIG = dict(TINY_CONFIG, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
                        moe_intermediate_size=24, norm_topk_prob=True)
+# Qwen3.5 (qwen3_5_text) at the tiny size: layer_types defaults to every fourth layer full attention
+TINY_QWEN3_5_CONFIG = dict(TINY_CONFIG, model_type="qwen3_5_text", num_hidden_layers=4, head_dim=16,
+                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                           linear_value_head_dim=8, linear_conv_kernel_dim=4, partial_rotary_factor=0.25)
 # the reranker's answers: whole-word tokens after the special ones (Qwen3's vocabulary has both)
 ANSWER_TOKENS = ["yes", "no"]
 TINY_RERANKER_CONFIG = dict(TINY_CONFIG, vocab_size=TINY_CONFIG["vocab_size"] + len(ANSWER_TOKENS))
 BUILTIN = {"tiny": TINY_CONFIG, "tiny-moe": TINY_MOE_CONFIG,   # --model NAME
-           "tiny-embedding": TINY_CONFIG, "tiny-reranker": TINY_RERANKER_CONFIG}
+           "tiny-embedding": TINY_CONFIG, "tiny-reranker": TINY_RERANKER_CONFIG, "tiny-qwen3.5": TINY_QWEN3_5_CONFIG}
 # What Qwen3-Embedding's modules.json, 1_Pooling/config.json (pooling_mode_lasttoken), the Normalize
 # module and config_sentence_transformers.json ("prompts") say, as npqwen/embed.py reads them.
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
@@ -89,16 +96,29 @@ def tiny_embedding_config(name: str):
     return EmbeddingConfig(model_type="CrossEncoder") if name == "tiny-reranker" else EmbeddingConfig()
 
 
+def random_value(name: str, noise: np.ndarray, config: Qwen3Config) -> np.ndarray:
+    """A weight from its standard normal noise: std 0.3; a norm's scale 1 + 0.1 noise (Qwen3.5's norms store
+    it less 1, except the gated norm); Qwen3.5's decay rates A = exp(A_log) from slow (0.01) to fast (16),
+    one per value head (HF's init draws A from (0, 16)), and dt_bias 1, HF's initial value."""
+    if name.endswith("A_log"):
+        return np.log(np.geomspace(0.01, 16, noise.size))
+    if name.endswith("dt_bias"):
+        return np.ones(noise.shape)
+    if name.endswith("norm.weight"):
+        one = 0.0 if config.hybrid and not name.endswith("linear_attn.norm.weight") else 1.0
+        return one + 0.1 * noise
+    return 0.3 * noise
+
+
 def tiny_model(device: str = "cpu", dtype: str = "float32", name: str = "tiny", comm=None) -> Qwen3:
-    """The tiny Qwen3 (or Qwen3-MoE, name "tiny-moe") with its seeded random weights (std 0.3; norm
-    weights 1 + 0.1 noise); with a tensor-parallel communicator, this rank's part of them."""
+    """The tiny Qwen3 (or Qwen3-MoE "tiny-moe", Qwen3.5 "tiny-qwen3.5") with its seeded random weights
+    (`random_value`); with a tensor-parallel communicator, this rank's part of them."""
     xp = array_module(device)
     config = Qwen3Config.from_dict(BUILTIN[name], source=f"{name} model")
     weights, fused = allocate_weights(config, xp, np.dtype(dtype))
     rng = np.random.default_rng(SEED)
     for name, array in weights.items():   # checkpoint order, so the values never depend on the device
-        noise = rng.standard_normal(array.shape)
-        array[...] = xp.asarray(1 + 0.1 * noise if name.endswith("norm.weight") else 0.3 * noise)
+        array[...] = xp.asarray(random_value(name, rng.standard_normal(array.shape), config))
     if comm is not None and comm.size > 1:   # made whole, then cut: it is tiny
         check_split(config, comm.size)
         shapes = expected_shapes(config)

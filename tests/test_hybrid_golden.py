@@ -114,3 +114,26 @@ def test_qwen3_5_35b_a3b_layer_shape(tmp_path):
     ids = np.random.default_rng(3).integers(0, 4096, 40).tolist()
     print("Qwen3.5-35B-A3B layer shape, 2 layers:", end=" ")
     compare(llm, ref, ids)
+
+
+def test_built_in_tiny_qwen3_5_equals_hf(tmp_path):
+    """The built-in `tiny-qwen3.5` (npqwen/tiny.py), saved by llm.save and read by transformers: the same logits,
+    over a prompt of two chunks; its layers are 3 linear + 1 full attention, and its norms' weights lie around 0."""
+    llm = npqwen.load("tiny-qwen3.5")
+    assert llm.config.layer_types == (L, L, L, F) and abs(llm.weights["model.norm.weight"].mean()) < 0.1
+    ids = llm.tokenizer.encode("A built-in hybrid reads a prompt longer than one chunk of 64 tokens. " * 2)
+    assert len(ids) > 64
+    print("tiny-qwen3.5:", end=" ")
+    compare(llm, hf_hybrid_model(llm.save(tmp_path)), ids)
+
+
+def test_built_in_tiny_qwen3_5_on_the_command_line():
+    """`--model tiny-qwen3.5` is listed in --help, and generate and trace run it."""
+    from test_cli import run
+
+    code, out, err = run("generate", "--help")
+    assert code == 0 and "'tiny-qwen3.5'" in " ".join(out.split()), out
+    code, out, err = run("generate", "--model", "tiny-qwen3.5", "--raw", "--prompt", "Hi", "-t", "0", "-n", "6")
+    assert code == 0 and "generation: 6 tokens" in err, err
+    code, out, err = run("trace", "--model", "tiny-qwen3.5", "--prompt", "Hybrid", "--layers", "0")
+    assert code == 0 and "model.layers.0.linear_attn.core_attn_out" in out, out + err
