@@ -201,26 +201,28 @@ def paged_decode_attention(q, keys, values, page_tables, lengths, want_probs: bo
 
     q: (B, H, Dh), sequence b's token at position lengths[b] - 1, which sees positions
     0 .. lengths[b] - 1 (nothing after it exists, so there is no causal mask, only the empty
-    tail of each last page). The products go one page at a time, keys as the left operand
-    ((K, P, Dh) @ (K, Dh, G)), which OpenBLAS streams ~1.5x faster than the other way round
-    for so few query rows; the scores of all B sequences sit in one (B, pages, K, P, G) array,
-    so the softmax runs once per layer instead of once per sequence. Returns the output (B, H*Dh),
-    and with want_probs the probabilities (B, H, S) too, S = max(lengths) (zero past a sequence's length).
+    tail of each last page). The products go one page at a time, straight from the store:
+    each key/value head's G query rows against the page's keys ((K, G, Dh) @ (K, Dh, w)), written
+    into the page's columns of one (B, K, G, pages * P) score array, so the softmax runs once per
+    layer over a contiguous last axis; then the weighted values page by page ((K, G, w) @ (K, w, Dh)).
+    (Measured on one core with 4,096 cached positions: the keys' product this way round streams
+    them 1.1-1.4x faster than with the keys as the left operand, most at Qwen3.5's 2 heads of 256.)
+    Returns the output (B, H*Dh), and with want_probs the probabilities (B, H, S) too,
+    S = max(lengths) (zero past a sequence's length).
     """
     xp = xp_of(q)
     B, H, Dh = q.shape
     K, P = keys.shape[1], keys.shape[2]
     G = H // K
-    q_t = (q * (1.0 / math.sqrt(Dh))).reshape(B, K, G, Dh).transpose(0, 1, 3, 2)   # (B, K, Dh, G), scaled once
+    q = (q * (1.0 / math.sqrt(Dh))).reshape(B, K, G, Dh)                       # (B, K, G, Dh), scaled once
     n_pages = [-(-S // P) for S in lengths]
-    scores = xp.full((B, max(n_pages), K, P, G), -np.inf, dtype=q.dtype)          # -inf: positions a sequence lacks
+    M = max(n_pages)
+    scores = xp.full((B, K, G, M * P), -np.inf, dtype=q.dtype)                   # -inf: positions a sequence lacks
     for b, (table, S) in enumerate(zip(page_tables, lengths)):
         for j in range(n_pages[b]):
             w = min(P, S - j * P)
-            xp.matmul(keys[int(table[j]), :, :w], q_t[b], out=scores[b, j, :, :w])   # (K, w, Dh) @ (K, Dh, G)
-    # one copy to (B, K, G, pages * P): the softmax then reduces over a contiguous last axis
-    M = max(n_pages)
-    scores = scores.transpose(0, 2, 4, 1, 3).reshape(B, K, G, M * P)
+            page_keys = keys[int(table[j]), :, :w].transpose(0, 2, 1)                # (K, Dh, w)
+            xp.matmul(q[b], page_keys, out=scores[b, :, :, j * P:j * P + w])         # (K, G, Dh) @ (K, Dh, w)
     scores = scores.astype(np.promote_types(q.dtype, np.float32), copy=False)        # softmax in float32
     scores -= scores.max(axis=-1, keepdims=True)
     e = xp.exp(scores, out=scores)                                                   # unnormalised weights
