@@ -64,3 +64,22 @@ def test_inspect_names_the_linear_layers_and_the_costs(hub_dir):
                  "multi-token-prediction head (mtp.*) stay unread on disk",
                  "model.layers.0.linear_attn.in_proj_qkv.weight"):
         assert line in result.stdout, line
+
+
+def test_the_cli_prefix_cache_keeps_state_snapshots(hub_dir, tmp_path):
+    """Prompts sharing a long start, one after another: the third hits the snapshot the second left where
+    the shared start ends (docs/linear-attention.md, section 4); --state-snapshots 0 turns that off, and
+    the answers are the same either way."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"Answer in one short sentence, as plainly as you can: why is the {x} blue?\n"
+                               for x in ("sky", "sea", "ice", "jay")))
+    runs = {}
+    for flags in ((), ("--state-snapshots", "0")):
+        result = run_cli("generate", "--model", str(hub_dir), "--prompts-file", str(prompts), "-t", "0", "-n", "4",
+                         "--page-size", "4", "--max-batch-size", "1", *flags)
+        assert result.returncode == 0, result.stderr[-2000:]
+        summary = next(line for line in result.stderr.splitlines() if "from the prefix cache" in line)
+        print(flags, summary)
+        runs[flags] = (result.stdout, int(summary.split("(")[1].split()[0]))
+    (texts, hits), (texts_off, hits_off) = runs[()], runs[("--state-snapshots", "0")]
+    assert hits > 0 and hits_off == 0 and texts == texts_off
