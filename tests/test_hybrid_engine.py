@@ -7,7 +7,7 @@ import pytest
 import npqwen
 from npqwen import Engine
 
-from hybrid_checkpoints import build_hybrid_checkpoint, hybrid_config
+from hybrid_checkpoints import QWEN3_5_0_8B_TEXT, build_hybrid_checkpoint, hybrid_config
 from test_engine import alone, compare, prompts, run
 
 pytest.importorskip("transformers")
@@ -254,6 +254,26 @@ def test_prefill_only_requests_hit_the_prefix_cache_and_equal_a_miss(hybrid64):
         err = float(np.abs(a - b).max() / np.abs(b).max())
         print(f"{name}: max |hit - miss| / max |miss| {err:.2e}")
         assert err <= 1e-6          # the outputs are float32 (mean: a float32 running sum, chunked differently)
+
+
+def test_prefix_hit_equals_miss_qwen3_5_0_8b_shape(tmp_path):
+    """Qwen3.5-0.8B's text shape (its first 4 layers: 3 linear, 1 full), float32: a second request sharing
+    3 pages of 64 resumes from the first one's snapshot (3.2 MiB for these 3 linear layers; 19.3 MiB for 18)."""
+    config = {"model_type": "qwen3_5_text", **QWEN3_5_0_8B_TEXT, "num_hidden_layers": 4}
+    llm = npqwen.load(build_hybrid_checkpoint(tmp_path, config, save_dtype="bfloat16", std=0.02))
+    P = 64
+    shared = prompts([3 * P], seed=80, vocab=248044)[0]
+    first, second = shared + prompts([10], seed=81, vocab=248044)[0], shared + prompts([30], seed=82, vocab=248044)[0]
+    kw = dict(max_new_tokens=6, temperature=0)
+    engine = Engine(llm, kv_cache_tokens=16 * P, page_size=P, max_batch_size=2)
+    run(engine, [(first, kw)])
+    (hit, hit_logits, _), = run(engine, [(second, kw)], spy=True)
+    cold = Engine(llm, kv_cache_tokens=16 * P, page_size=P, max_batch_size=2, prefix_cache=False)
+    (miss, miss_logits, _), = run(cold, [(second, kw)], spy=True)
+    snapshot = engine.cache.snapshots.store.nbytes // engine.cache.snapshots.num_slots
+    print("0.8B shape: prefix hit tokens", hits(engine), "snapshot bytes", snapshot)
+    assert hits(engine) == 3 * P and snapshot == 3 * 1_122_304 == 3 * 20_201_472 // 18
+    assert compare("0.8B shape, prefix hit vs miss", hit, hit_logits, miss, miss_logits) <= 1e-4
 
 
 def test_snapshot_bookkeeping_errors_name_what_broke(hybrid64):
