@@ -270,7 +270,8 @@ class Engine:
 
     @rank_0_leads
     def check(self):
-        """The page bookkeeping invariants (see PagePool.check); the tests call it after every step."""
+        """The page bookkeeping invariants (see PagePool.check), the prefix cache's (with a hybrid model's state
+        snapshots) and the state slots'; the tests call it after every step."""
         self.pool.check([r.page_table for r in self.scheduler.running] + [r.page_table for r in self.scheduler.waiting],
                         self.cache.unused)
         self.cache.check()
