@@ -540,6 +540,7 @@ def test_bad_prompts_file_is_one_line_before_generation(tmp_path, case):
     (["--prompts-file", "."], "npqwen: error: .: cannot read it"),
     (["--prompts-file", "FILE", "-t", "-1"], "npqwen: error: temperature must be"),   # the command line's: no line
     (["--prompts-file", "FILE", "--max-batch-size", "0"], "npqwen: error: max_batch_size must be"),
+    (["--prompts-file", "FILE", "--state-snapshots", "-1"], "npqwen: error: state_snapshots must be"),
     (["--prompts-file", "FILE", "--output", "/no/such/dir/out.jsonl"], "npqwen: error: /no/such/dir/out.jsonl: "),
     (["--prompt", "hi", "--output", "out.jsonl"], "npqwen: error: --output goes with --prompts-file"),
     (["--prompt", "hi", "--max-batch-size", "2"], "npqwen: error: --max-batch-size goes with --prompts-file"),

@@ -32,18 +32,26 @@ def test_logits_match_hf_on_the_stand_in(build, tmp_path):
 
 
 def test_engine_equals_cpu_on_the_stand_in(tmp_path):
+    """Three prompts together, then one that shares the third's first 80 tokens (its last full page, where
+    it left a snapshot): a prefix hit, the linear layers' states restored from the snapshot
+    (engine/state_snapshots.py), on the stand-in as on the CPU."""
     path = build_hybrid_checkpoint(tmp_path, hybrid_config(), std=0.1)
     prompts = [np.random.default_rng(s).integers(0, 512, n).tolist() for s, n in enumerate([3, 40, 90])]
+    rounds = [prompts, [prompts[2][:80] + [5, 6, 7]]]
     tokens = {}
     for device in ("cpu", "cuda"):
         engine = Engine(npqwen.load(path, device=device), kv_cache_tokens=512, page_size=16, max_batched_tokens=32)
-        ids = [engine.add_request(p, max_new_tokens=6, temperature=0) for p in prompts]
-        out = {i: [] for i in ids}
-        while engine.has_unfinished():
-            for o in engine.step():
-                out[o.request_id] += o.token_ids
-            engine.check()
-        tokens[device] = [out[i] for i in ids]
+        tokens[device] = []
+        for batch in rounds:
+            ids = [engine.add_request(p, max_new_tokens=6, temperature=0) for p in batch]
+            out = {i: [] for i in ids}
+            while engine.has_unfinished():
+                for o in engine.step():
+                    out[o.request_id] += o.token_ids
+                engine.check()
+            tokens[device] += [out[i] for i in ids]
+        print(device, "prefix hit tokens:", engine.stats["prefix_cache_hit_tokens"])
+        assert engine.stats["prefix_cache_hit_tokens"] == 80
     assert tokens["cuda"] == tokens["cpu"]
 
 

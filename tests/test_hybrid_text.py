@@ -64,3 +64,49 @@ def test_inspect_names_the_linear_layers_and_the_costs(hub_dir):
                  "multi-token-prediction head (mtp.*) stay unread on disk",
                  "model.layers.0.linear_attn.in_proj_qkv.weight"):
         assert line in result.stdout, line
+
+
+def test_the_cli_prefix_cache_keeps_state_snapshots(hub_dir, tmp_path):
+    """Prompts sharing a long start, one after another: the third hits the snapshot the second left where
+    the shared start ends (docs/linear-attention.md, section 4); --state-snapshots 0 turns that off, and
+    the answers are the same either way."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"Answer in one short sentence, as plainly as you can: why is the {x} blue?\n"
+                               for x in ("sky", "sea", "ice", "jay")))
+    runs = {}
+    for flags in ((), ("--state-snapshots", "0")):
+        result = run_cli("generate", "--model", str(hub_dir), "--prompts-file", str(prompts), "-t", "0", "-n", "4",
+                         "--page-size", "4", "--max-batch-size", "1", *flags)
+        assert result.returncode == 0, result.stderr[-2000:]
+        summary = next(line for line in result.stderr.splitlines() if "from the prefix cache" in line)
+        print(flags, summary)
+        runs[flags] = (result.stdout, int(summary.split("(")[1].split()[0]))
+    (texts, hits), (texts_off, hits_off) = runs[()], runs[("--state-snapshots", "0")]
+    assert hits > 0 and hits_off == 0 and texts == texts_off
+
+
+def test_the_next_turn_of_a_chat_resumes_from_the_last_turns_snapshot(hub_dir):
+    """Turn 2's prompt (the chat template over the history) starts with turn 1's prompt, so it resumes from
+    the snapshot turn 1 left at its last full page, and answers as an engine without the prefix cache does."""
+    from npqwen import Engine
+
+    llm = npqwen.load(hub_dir)
+    tokenizer = llm.tokenizer
+    system = {"role": "system", "content": "You are a careful assistant who answers in one sentence. " * 4}
+    history = [system, {"role": "user", "content": "Why is the sky blue?"}]
+    engines = {cache: Engine(llm, kv_cache_tokens=64 * 16, page_size=16, prefix_cache=cache) for cache in (True, False)}
+    answers = {True: [], False: []}
+    for turn in range(2):
+        prompt = tokenizer.apply_chat_template(history)
+        for cache, engine in engines.items():
+            rid = engine.add_request(prompt, max_new_tokens=6, temperature=0)
+            while engine.has_unfinished():
+                for o in engine.step():
+                    if o.finished and o.request_id == rid:
+                        answers[cache].append(o.result.text)
+                engine.check()
+        history += [{"role": "assistant", "content": answers[True][-1]}, {"role": "user", "content": "And the sea?"}]
+    first = len(tokenizer.encode(tokenizer.apply_chat_template(history[:2])))
+    hit = engines[True].stats["prefix_cache_hit_tokens"]
+    print(f"turn 1: {first} prompt tokens; turn 2 resumed after {hit}")
+    assert hit == (first - 1) // 16 * 16 and answers[True] == answers[False]

@@ -222,7 +222,8 @@ def read_text_file(path: str, option: str, instead: str | None) -> str:
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                    "presence_penalty", "seed", "stop", "frequency_penalty")
-ENGINE_SIZES = ("max_batch_size", "max_batched_tokens", "kv_cache_tokens", "page_size")   # npqwen.Engine's
+ENGINE_SIZES = ("max_batch_size", "max_batched_tokens", "kv_cache_tokens", "page_size",
+                "state_snapshots")   # npqwen.Engine's
 
 
 def add_engine_sizes(group):
@@ -231,6 +232,8 @@ def add_engine_sizes(group):
     group.add_argument("--kv-cache-tokens", type=int,
                        help="KV-cache positions (default: the engine's, half the free memory)")
     group.add_argument("--page-size", type=int, help="positions per KV-cache page (default: the engine's, 256)")
+    group.add_argument("--state-snapshots", type=int, help="hybrid models (Qwen3.5): linear-attention states kept "
+                       "at the end of cached prefixes, for prefix hits (default: the engine's, 16)")
     group.add_argument("--no-prefix-cache", action="store_true", help="do not reuse pages of shared prefixes "
                        "(default: reuse them)")
 

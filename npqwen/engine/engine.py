@@ -38,10 +38,12 @@ from .prefix_cache import PrefixCache
 from .request import Request, StepOutput
 from .scheduler import Scheduler
 from .state_slots import StateSlots
+from .state_snapshots import StateSnapshots
 from .step_log import scheduled
 from .thinking import thinking_budget
 
 DEFAULT_PAGE_SIZE = 256        # positions per page; see ops.paged_attention for why pages are large
+DEFAULT_STATE_SNAPSHOTS = 16   # hybrid models: snapshots of the linear layers' states kept for prefix hits
 KV_MEMORY_SHARE = 0.5          # default KV pool: this share of the memory free when the engine starts
 
 
@@ -51,15 +53,19 @@ class Engine:
     @rank_0_leads
     def __init__(self, llm, kv_cache_tokens: int | None = None, page_size: int = DEFAULT_PAGE_SIZE,
                  max_batch_size: int = 64, max_batched_tokens: int = 512, prefix_cache: bool = True,
-                 record_steps: bool = False):
+                 state_snapshots: int = DEFAULT_STATE_SNAPSHOTS, record_steps: bool = False):
         self.llm, self.model, self.config = llm, llm.model, llm.config
-        for name, value in (("page_size", page_size), ("max_batch_size", max_batch_size),
-                            ("max_batched_tokens", max_batched_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise NpqwenError(f"{name} must be an integer >= 1, got {value!r}")
+        for name, value, least in (("page_size", page_size, 1), ("max_batch_size", max_batch_size, 1),
+                                   ("max_batched_tokens", max_batched_tokens, 1),
+                                   ("state_snapshots", state_snapshots, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise NpqwenError(f"{name} must be an integer >= {least}, got {value!r}")
         per_token = max(1, KVCache.bytes_per_token(self.config, self.model.dtype))   # full-attention layers only
         hybrid = getattr(self.config, "hybrid", False)   # Qwen3.5: a state per request beside the pages
-        states = LinearStates.bytes_per_slot(self.config, self.model.dtype) * max_batch_size if hybrid else 0
+        # and, for its prefix cache, snapshots of those states at the end of cached prefixes (state_snapshots.py)
+        snapshots = state_snapshots if hybrid and prefix_cache else 0
+        states = LinearStates.bytes_per_slot(self.config, self.model.dtype) * (max_batch_size + snapshots) \
+            if hybrid else 0
         if kv_cache_tokens is None:   # a share of free memory, but no more than a full batch of full contexts
             fits = (int(free_memory_bytes(self.model.xp) * KV_MEMORY_SHARE) - states) // per_token
             kv_cache_tokens = min(fits, max_batch_size * self.config.max_position_embeddings)
@@ -70,9 +76,12 @@ class Engine:
                           getattr(self.model, "kv_heads", None),   # this rank's heads (a stand-in model: all)
                           num_slots=max_batch_size if hybrid else 1)
         self.pool = PagePool(self.kv.num_pages)
-        # A hybrid model's prefix hit would also need its linear layers' states at the end of the shared
-        # prefix, which npqwen does not keep yet (vLLM snapshots them at page boundaries): no prefix cache.
-        self.cache = PrefixCache(self.pool, page_size, enabled=prefix_cache and not hybrid)
+        # A hybrid model's prefix hit also needs its linear layers' states at the end of the shared prefix:
+        # without snapshots of them (state_snapshots=0) it has no prefix cache.
+        snapshot_pool = StateSnapshots(self.kv.states, LinearStates(self.config, snapshots, self.model.xp,
+                                                                     self.model.dtype)) if snapshots else None
+        self.cache = PrefixCache(self.pool, page_size, enabled=prefix_cache and (snapshots > 0 or not hybrid),
+                                 snapshots=snapshot_pool)
         self.states = StateSlots(max_batch_size) if hybrid else None
         self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens, self.states)
         self.requests: dict[str, Request] = {}       # unfinished requests by id
@@ -260,11 +269,13 @@ class Engine:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_pages_total": self.pool.num_pages, "kv_pages_free": len(self.pool.free),
                 "kv_pages_cached": self.cache.cached_pages, "page_size": self.page_size,
-                "prefix_cache_hit_tokens": self.cache.hit_tokens, "preemptions": self.scheduler.preemptions}
+                "prefix_cache_hit_tokens": self.cache.hit_tokens, "preemptions": self.scheduler.preemptions,
+                "state_snapshots": len(self.cache.snapshots.by_hash) if self.cache.snapshots is not None else 0}
 
     @rank_0_leads
     def check(self):
-        """The page bookkeeping invariants (see PagePool.check); the tests call it after every step."""
+        """The page bookkeeping invariants (see PagePool.check), the prefix cache's (with a hybrid model's state
+        snapshots) and the state slots'; the tests call it after every step."""
         self.pool.check([r.page_table for r in self.scheduler.running] + [r.page_table for r in self.scheduler.waiting],
                         self.cache.unused)
         self.cache.check()
@@ -307,12 +318,16 @@ class Engine:
         return StepOutput(req.request_id, [], "", True, "stop", req.result())
 
     def _remember_full_pages(self, req: Request):
-        """Pages filled by this step become known to the prefix cache (chain hash of the tokens up to their end)."""
+        """Pages filled by this step become known to the prefix cache (chain hash of the tokens up to their end);
+        a hybrid model's request whose chunk ended at one of its snapshot points leaves a copy of its states
+        there, under the hash of the page it filled last."""
         P = self.page_size
         while len(req.page_hashes) < req.cached_len // P:
             j = len(req.page_hashes)
             parent = req.page_hashes[-1] if req.page_hashes else req.cache_root
             req.page_hashes.append(self.cache.register(req.page_table[j], parent, req.tokens[j * P:(j + 1) * P]))
+        if req.cached_len in req.snapshot_points:
+            self.cache.snapshots.save(req.page_hashes[req.cached_len // P - 1], req.state_slot)
 
     def _finish_if(self, out: StepOutput) -> StepOutput:
         if out.finished:

@@ -6,16 +6,22 @@ hash names the whole prefix up to the end of that page (nano-vllm's scheme). A l
 the tokens too, so a hash collision can never hand out the wrong keys. Pages whose last user
 left (ref_count 0) wait in an LRU queue and are evicted, oldest first, only when the pool has
 no free page left.
+
+A hybrid model (Qwen3.5) can resume its linear-attention layers only where their states were kept
+(state_snapshots.py): its hit is the longest cached prefix whose last page has a snapshot, and a page
+evicted takes its snapshot with it.
 """
 from collections import OrderedDict
 
 from ..errors import NpqwenError
 from .pages import PagePool
+from .state_snapshots import StateSnapshots
 
 
 class PrefixCache:
-    def __init__(self, pool: PagePool, page_size: int, enabled: bool = True):
+    def __init__(self, pool: PagePool, page_size: int, enabled: bool = True, snapshots: StateSnapshots | None = None):
         self.pool, self.page_size, self.enabled = pool, page_size, enabled
+        self.snapshots = snapshots                          # a hybrid model's state snapshots, else None
         self.by_hash: dict[int, int] = {}                   # chain hash -> page
         self.contents: dict[int, tuple] = {}                # page -> (parent hash, its tokens, hash)
         self.unused: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, oldest first
@@ -28,23 +34,32 @@ class PrefixCache:
         """The cached pages (and their chain hashes) that hold the longest prefix of `tokens`,
         at most max_pages of them; each page returned gains a reference. `root` is the first page's
         parent (Request.cache_root): None for the base model, else its LoRA adapter's and steering's
-        key, so a prefix cached under one is never reused under another."""
-        pages, hashes, parent, P = [], [], root, self.page_size
+        key, so a prefix cached under one is never reused under another. A hybrid model's prefix
+        ends at the last page that has a state snapshot: its linear layers resume from there."""
+        found = self.lookup(tokens, max_pages, root)
+        if self.snapshots is not None:
+            found = found[:max((j + 1 for j, (_, h) in enumerate(found) if h in self.snapshots), default=0)]
+        for page, _ in found:
+            if self.pool.ref_count[page] == 0:
+                del self.unused[page]
+            self.pool.share(page)
+        return [page for page, _ in found], [h for _, h in found]
+
+    def lookup(self, tokens, max_pages: int, root=None) -> list[tuple[int, int]]:
+        """(page, chain hash) of each cached page of the longest prefix of `tokens` (at most max_pages),
+        whatever their snapshots; no reference is taken."""
+        found, parent, P = [], root, self.page_size
         if not self.enabled:
-            return pages, hashes
+            return found
         for j in range(max_pages):
             chunk = tuple(tokens[j * P:(j + 1) * P])
             h = self.page_hash(parent, chunk)
             page = self.by_hash.get(h)
             if page is None or self.contents[page][:2] != (parent, chunk):
                 break
-            if self.pool.ref_count[page] == 0:
-                del self.unused[page]
-            self.pool.share(page)
-            pages.append(page)
-            hashes.append(h)
+            found.append((page, h))
             parent = h
-        return pages, hashes
+        return found
 
     def register(self, page: int, parent: int | None, tokens) -> int:
         """Remember what a just-filled page holds; its chain hash (for the next page's parent)."""
@@ -60,7 +75,10 @@ class PrefixCache:
         page = self.pool.take()
         if page is None and self.unused:
             page, _ = self.unused.popitem(last=False)
-            del self.by_hash[self.contents.pop(page)[2]]
+            h = self.contents.pop(page)[2]
+            del self.by_hash[h]
+            if self.snapshots is not None:   # the states after this page are no use without its keys/values
+                self.snapshots.drop(h)
             self.pool.ref_count[page] = 1
         return page
 
@@ -86,3 +104,5 @@ class PrefixCache:
         for page in self.unused:
             if self.pool.ref_count[page] != 0 or page not in self.contents:
                 raise NpqwenError(f"prefix cache: unused page {page} is referenced or unknown")
+        if self.snapshots is not None:
+            self.snapshots.check(self.by_hash)

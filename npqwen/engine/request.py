@@ -69,6 +69,8 @@ class Request:
     page_table: list[int] = field(default_factory=list)
     page_hashes: list[int] = field(default_factory=list)   # chain hash of each full page, in order
     state_slot: int | None = None        # hybrid models: its linear-attention states' slot while it runs
+    snapshot_points: list[int] = field(default_factory=list)   # hybrid: positions (page ends) after which a
+                                         # copy of its states is kept for prefix hits (Scheduler.snapshot_points)
     text: str = ""
     finish_reason: str | None = None
     stop: str | None = None              # the stop string or eos token that ended it

@@ -6,6 +6,9 @@ their prompt get the next chunk of it; then waiting requests are admitted, oldes
 budget, batch room (`max_batch_size`) and pages last. So a long prompt that arrives is read a
 chunk per step *beside* everyone's decode tokens (chunked prefill, as vLLM v1 and Sarathi-Serve
 do) instead of freezing them.
+
+For a hybrid model (Qwen3.5) a chunk also ends at each of the request's snapshot points, so that its
+linear layers' states at a page boundary can be kept for a later prefix hit (state_snapshots.py).
 """
 import time
 from collections import deque
@@ -38,7 +41,7 @@ class Scheduler:
                 break
             if req not in self.running:          # preempted a moment ago to make room for an older one
                 continue
-            n = min(req.uncomputed, budget)
+            n = self.chunk(req, budget)
             victims = self.make_room(req, req.cached_len + n)
             preempted |= bool(victims)
             plan = [(r, k) for r, k in plan if r not in victims]
@@ -55,7 +58,7 @@ class Scheduler:
                 break                            # wait for pages; a newcomer never preempts anyone
             self.waiting.popleft()
             self.running.append(req)
-            n = min(req.uncomputed, budget)
+            n = self.chunk(req, budget)
             plan.append((req, n))
             budget -= n
         return plan
@@ -66,9 +69,11 @@ class Scheduler:
         # a fully cached prompt still computes its last token: that is where its logits come from
         pages, hashes = self.cache.match(req.tokens, req.reusable // P, req.cache_root)
         req.page_table, req.page_hashes, req.cached_len = pages, hashes, len(pages) * P
+        if self.cache.snapshots is not None:
+            req.snapshot_points = self.snapshot_points(req)
         # Count before taking: a page taken from the cached ones forgets its prefix, so taking
         # pages for a request that then does not fit would wipe the prefix cache for nothing.
-        need = -(-(req.cached_len + min(req.uncomputed, budget)) // P) - len(pages)
+        need = -(-(req.cached_len + self.chunk(req, budget)) // P) - len(pages)
         if need > len(self.cache.pool.free) + self.cache.cached_pages:
             self.free_pages(req)
             return False
@@ -76,10 +81,30 @@ class Scheduler:
         if req.prompt_cached is None:   # readmitted after a preemption, it found its own pages: not counted
             req.prompt_cached = req.cached_len
             req.admitted = time.perf_counter()
-        self.grow(req, req.cached_len + min(req.uncomputed, budget))
+        self.grow(req, req.cached_len + self.chunk(req, budget))
         if self.states is not None:            # hybrid: its linear layers' states, held while it runs
             req.state_slot = self.states.take()
+            if req.cached_len:                 # a prefix hit: its states after the prefix, from the snapshot
+                self.cache.snapshots.restore(hashes[-1], req.state_slot)
         return True
+
+    def chunk(self, req: Request, budget: int) -> int:
+        """How many of req's tokens the next step computes: as many as the budget allows, but never past
+        its next snapshot point (a hybrid model's states can only be copied where a chunk ends)."""
+        n = min(req.uncomputed, budget)
+        stop = next((p for p in req.snapshot_points if p > req.cached_len), None)
+        return n if stop is None else min(n, stop - req.cached_len)
+
+    def snapshot_points(self, req: Request) -> list[int]:
+        """Page boundaries past its hit where a hybrid model's request leaves a snapshot of its states
+        (Engine._remember_full_pages): the end of its prompt's last full page before its last token
+        (a later prompt that repeats or extends this one resumes there), and the end of the cached
+        prefix it shares with an earlier request, when that prefix had no snapshot (a shared system
+        prompt: the next request that shares it gets a hit). Two copies of the states at most."""
+        P = self.page_size
+        shared = len(self.cache.lookup(req.tokens, (len(req.tokens) - 1) // P, req.cache_root)) * P
+        last = (len(req.prompt_ids) - 1) // P * P
+        return sorted({p for p in (shared, last) if p > req.cached_len})
 
     def make_room(self, req: Request, positions: int) -> list[Request]:
         """Pages for req's first `positions` positions. When the pool is full, the most recently

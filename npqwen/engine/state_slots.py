@@ -4,7 +4,8 @@ A Gated DeltaNet layer keeps one fixed-size state per sequence (kv_cache.LinearS
 convolution's last inputs and its delta-rule matrices. The engine holds max_batch_size slots of
 them beside the KV pages; a running request holds exactly one, from admission until it finishes,
 is preempted or aborted. A slot is reused as it is: the model starts a sequence's states from
-zero when it computes position 0 (model.forward_batch), so nothing is cleared here.
+zero when it computes position 0 (model.forward_batch), and a prefix hit fills the slot from a
+snapshot (state_snapshots.py), so nothing is cleared here.
 """
 from ..errors import NpqwenError
 
