@@ -151,3 +151,15 @@ def test_npqwen_chat_shows_the_opened_tag_and_keeps_only_the_answer(qwen3_5_dir)
     second = first + [{"role": "assistant", "content": content}, {"role": "user", "content": "second question"}]
     counts = [int(n) for n in re.findall(r"prompt: (\d+) tokens", result.stderr)]
     assert counts == [len(llm.tokenizer.encode(llm.chat_prompt(m))) for m in (first, second)], counts
+
+
+def test_a_thinking_budget_counts_from_the_opened_tag(qwen3_5_dir):
+    """The random model reasons from the prompt's "<think>"; after 3 tokens the engine writes the close for it."""
+    from npqwen.engine.thinking import FORCED_CLOSE
+
+    llm = npqwen.load(qwen3_5_dir)
+    r = llm.chat("Does the state grow?", max_new_tokens=12, temperature=0, thinking_budget=3)
+    close = llm.tokenizer.encode(FORCED_CLOSE)
+    print(repr(r.text), r.token_ids)
+    assert r.token_ids[3:3 + len(close)] == close
+    assert r.reasoning == llm.tokenizer.decode(r.token_ids[:3]).strip("\n") and r.content
