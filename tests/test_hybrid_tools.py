@@ -135,3 +135,16 @@ def test_inspect_says_which_layers_are_linear_and_what_a_request_holds(checkpoin
         assert line in text, line
     assert len(linear) == 3 and recurrent == [cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                               cfg.linear_value_head_dim]
+
+
+def test_trace_lists_the_linear_steps_and_draws_only_full_attention(checkpoints, tmp_path):
+    path = checkpoints("qwen3_next")
+    result = run_cli("trace", "--model", str(path), "--prompt", "hi there", "--plot-attention",
+                     str(tmp_path / "a.png"), "--layer", "3")
+    assert result.returncode == 0 and (tmp_path / "a.png").is_file(), result.stderr[-2000:]
+    assert "model.layers.0.linear_attn.in_proj_qkvz" in result.stdout and "linear_attn.in_proj_qkv " not in result.stdout
+    result = run_cli("trace", "--model", str(path), "--prompt", "hi there", "--plot-attention",
+                     str(tmp_path / "b.png"), "--layer", "1")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "layer 1 is a Gated DeltaNet linear-attention layer" in result.stderr and "layer: [3]" in result.stderr
+    assert not (tmp_path / "b.png").exists()
