@@ -142,9 +142,45 @@ def test_trace_lists_the_linear_steps_and_draws_only_full_attention(checkpoints,
     result = run_cli("trace", "--model", str(path), "--prompt", "hi there", "--plot-attention",
                      str(tmp_path / "a.png"), "--layer", "3")
     assert result.returncode == 0 and (tmp_path / "a.png").is_file(), result.stderr[-2000:]
-    assert "model.layers.0.linear_attn.in_proj_qkvz" in result.stdout and "linear_attn.in_proj_qkv " not in result.stdout
+    assert "layers.0.linear_attn.in_proj_qkvz" in result.stdout and "linear_attn.in_proj_qkv " not in result.stdout
     result = run_cli("trace", "--model", str(path), "--prompt", "hi there", "--plot-attention",
                      str(tmp_path / "b.png"), "--layer", "1")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "layer 1 is a Gated DeltaNet linear-attention layer" in result.stderr and "layer: [3]" in result.stderr
     assert not (tmp_path / "b.png").exists()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_logit_lens_equals_hf_hidden_states_through_its_norm_and_head(checkpoints, kind):
+    """Each layer's lens against HF's: its hidden states through HF's own final norm (1 + weight) and lm_head."""
+    path = checkpoints(kind)
+    llm = npqwen.load(path)
+    ids = llm.tokenizer.encode(TEXT)[:20]
+    lens = llm.logit_lens(ids, top_k=3)
+    hf = hf_model(path)
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), output_hidden_states=True)
+        hidden = [*out.hidden_states[1:-1], None]        # HF's last entry is after the final norm: use its logits
+        worst = 0.0
+        for i, h in enumerate(hidden):
+            logits = out.logits[0] if h is None else hf.lm_head(hf.model.norm(h))[0]
+            probs = torch.softmax(logits.double(), -1).numpy()
+            want = probs[np.arange(len(ids) - 1), ids[1:]]
+            worst = max(worst, np.abs(lens.next_probs[i] - want).max() / want.max())
+            assert np.array_equal(lens.top_ids[i], np.argsort(-probs, -1, kind="stable")[:, :3]), i
+    print(f"{kind}: largest relative difference of a layer's next-token probability {worst:.2e}")
+    assert worst <= 1e-4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("contrast", [None, 9])
+def test_attribution_shares_add_up_to_the_logit(checkpoints, kind, contrast):
+    llm = npqwen.load(checkpoints(kind))
+    ids = llm.tokenizer.encode(TEXT)[:20]
+    a = llm.logit_attribution(ids, 7, contrast=contrast)
+    total = a.embed + a.attn.sum() + a.mlp.sum()
+    print(f"{kind}: logit {a.logit:.6f}, sum of the shares {total:.6f}; heads {a.heads.shape}")
+    assert abs(total - a.logit) < 1e-4 * max(1.0, abs(a.logit))
+    assert np.allclose(a.heads.sum(axis=1), a.attn, atol=1e-5)
+    cfg = llm.config
+    assert a.heads.shape == (cfg.num_hidden_layers, max(cfg.num_attention_heads, cfg.linear_num_value_heads))
