@@ -1,8 +1,9 @@
 """Qwen3.5's thinking format on a hybrid checkpoint whose tokenizer_config.json carries a Qwen3.5-style chat
 template: its generation prompt opens the reasoning ("<|im_start|>assistant\\n<think>\\n"), or with thinking off
-closes an empty block ("<think>\\n\\n</think>\\n\\n"), so the answer starts inside the reasoning. llm.chat, the
-server's reasoning_content (whole and streamed) and `npqwen chat` split it; the prompt equals transformers'.
-With Qwen3's tokenizer files (there are no Qwen3.5 ones here) and a model whose answers are scripted."""
+closes an empty block ("<think>\\n\\n</think>\\n\\n"), so the answer starts inside the reasoning. llm.chat,
+the server's reasoning_content (whole and streamed; Messages' thinking block) and `npqwen chat` split it; the
+prompt equals transformers'. With Qwen3's tokenizer files (there are no Qwen3.5 ones here) and a model whose
+answers are scripted."""
 import json
 import re
 import subprocess
@@ -15,7 +16,7 @@ from npqwen import Engine
 
 from conftest import ROOT, add_qwen3_tokenizer, needs_qwen3_tokenizer
 from hybrid_checkpoints import build_hybrid_checkpoint, hybrid_config
-from serving import LiveServer, ScriptedModel
+from serving import LiveServer, ScriptedModel, http_json
 
 pytest.importorskip("transformers")
 
@@ -126,6 +127,12 @@ def test_the_server_splits_reasoning_the_template_opened(qwen3_5_dir):
                                              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         assert (getattr(off.choices[0].message, "reasoning_content", None), off.choices[0].message.content) == \
             (None, "It does not grow.")
+        status, message = http_json("POST", server.url + "/v1/messages", {   # Anthropic's Messages, run as a chat
+            "model": "test-model", "max_tokens": 80, "thinking": {"type": "enabled", "budget_tokens": 40},
+            "messages": [{"role": "user", "content": "Q-ON: does the state grow?"}]})
+        assert status == 200, message
+        assert [(b["type"], b.get("thinking", b.get("text"))) for b in message["content"]] == \
+            [("thinking", "The state is a matrix of dk x dv."), ("text", "It does not grow.")]
         server.wait_idle()
         assert [e.getMessage() for e in server.errors] == []
     finally:
