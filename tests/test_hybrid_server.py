@@ -149,3 +149,18 @@ def test_the_page_offers_the_full_attention_layers(browser, server, reference, s
     assert np.abs(shown - want).max() < TOL, (shown[:5], want[:5])
     screenshot("hybrid-attention.png", WIDE)
     assert console_errors(browser) == []
+
+
+def test_an_all_linear_model_has_no_attention_to_show(tmp_path):
+    path = add_qwen3_tokenizer(build_hybrid_checkpoint(tmp_path, hybrid_moe_config(
+        vocab_size=151936, num_hidden_layers=2, layer_types=["linear_attention"] * 2), std=0.1))
+    llm = npqwen.load(path)
+    live = LiveServer(llm, engine=Engine(llm, kv_cache_tokens=256, page_size=16))
+    try:
+        for body in ({"tokens": [1, 2, 3]}, {"tokens": [1, 2, 3], "layer": 1}):
+            status, error = http_json("POST", live.url + "/v1/npqwen/attention", body)
+            assert status == 400 and error["error"]["param"] == "layer", error
+            assert "Gated DeltaNet linear attention" in error["error"]["message"], error
+        assert live.errors == []
+    finally:
+        live.close()

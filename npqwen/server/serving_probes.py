@@ -28,8 +28,11 @@ class ServingProbes(Serving):
         ids, layers, heads = body.tokens, self.config.num_hidden_layers, self.config.num_attention_heads
         p = self.position(body)
         full = [i for i in range(layers) if not self.config.is_linear_layer(i)]   # Qwen3: all of them
-        layer = full[0] if body.layer is None and full else body.layer
-        if layer is None or not 0 <= layer < layers:
+        if not full:
+            raise APIError(400, "every layer of this model is Gated DeltaNet linear attention: it reads a fixed-size "
+                                "state, not the positions, so there are no attention weights to show", "layer")
+        layer = full[0] if body.layer is None else body.layer
+        if not 0 <= layer < layers:
             raise APIError(400, f"layer {layer} does not exist: the model has layers 0 .. {layers - 1}", "layer")
         if self.config.is_linear_layer(layer):   # Qwen3.5 / Qwen3-Next: a state matrix, no weights over positions
             raise APIError(400, f"layer {layer} is a Gated DeltaNet linear-attention layer: it reads a fixed-size "
