@@ -164,3 +164,18 @@ def test_an_all_linear_model_has_no_attention_to_show(tmp_path):
         assert live.errors == []
     finally:
         live.close()
+
+
+def test_npqwen_serve_on_a_hybrid_checkpoint(hybrid_dir, reference):
+    from test_server_cli import start, stop
+
+    proc, url = start("--model", str(hybrid_dir))   # the last --model wins
+    try:
+        status, got = http_json("POST", url + "/v1/completions", {"prompt": "The state", "max_tokens": 5,
+                                                                  "temperature": 0, "return_token_ids": True})
+        assert status == 200, got
+        want = reference.generate("The state", max_new_tokens=5, temperature=0).token_ids
+        assert got["choices"][0]["token_ids"] == want, (got["choices"][0]["token_ids"], want)
+    finally:
+        code, err = stop(proc)
+    assert code == 0, err[-2000:]
