@@ -6,6 +6,8 @@ recorder; each step's max |difference| is reported, and the first one past the t
 (relative to the size of HF's values, at least 1) is the place to look.
 """
 import contextlib
+import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -19,7 +21,7 @@ def require_torch():
     """Fail early, before the model loads, when torch or transformers is missing."""
     try:
         import torch  # noqa: F401
-        from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM  # noqa: F401
+        import transformers  # noqa: F401
     except ImportError as e:
         # A bare `pip install torch` can pull a multi-GB CUDA build: pin the version the tests use.
         raise NpqwenError(f"npqwen compare needs torch and transformers: pip install torch==2.13.0 transformers "
@@ -41,17 +43,39 @@ def no_progress_bars():
             logging.enable_progress_bar()
 
 
+# config.json's model_type -> the transformers class that reads the checkpoint
+HF_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+              "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+              "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3_next": "Qwen3NextForCausalLM"}
+
+
+def hf_model(path: Path):
+    """transformers' model of the checkpoint at `path`, in float32 with eager attention (its probabilities)."""
+    import torch
+    import transformers
+
+    model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type", "qwen3")
+    model_class = getattr(transformers, HF_CLASSES.get(model_type, "Qwen3ForCausalLM"), None)
+    if model_class is None:
+        raise NpqwenError(f"this transformers ({transformers.__version__}) has no {HF_CLASSES[model_type]} for "
+                          f"model_type {model_type!r}: npqwen compare needs a transformers that has it "
+                          f"(pip install -U transformers)")
+    return model_class.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def rows(pick):
+    """A pick for a module HF runs on (T, ...) rows without the batch axis: the batch axis added back."""
+    return lambda a, k, o: pick(a, k, o)[None]
+
+
 def hf_reference(llm, ids) -> dict:
     """HF transformers' intermediate arrays for `ids`, under npqwen's trace names."""
     require_torch()
     import torch
-    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
-    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
-    model_class = Qwen3MoeForCausalLM if llm.config.num_experts else Qwen3ForCausalLM
     with tempfile.TemporaryDirectory() as tmp, no_progress_bars():
         path = llm.path if llm.path is not None else llm.save(Path(tmp) / "model")
-        hf = model_class.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+        hf = hf_model(path)
     refs, hooks = {}, []
 
     def keep(name, pick):
@@ -62,10 +86,13 @@ def hf_reference(llm, ids) -> dict:
     def out(args, kwargs, output):
         return output[0] if isinstance(output, tuple) else output
 
+    def arg(args, kwargs, output):
+        return args[0]
+
     def on(module, name, pick=out):
         hooks.append(module.register_forward_hook(keep(name, pick), with_kwargs=True))
 
-    m = hf.model
+    m = getattr(hf.model, "language_model", hf.model)   # Qwen3.5's hub layout: the text model inside
     on(m.embed_tokens, "model.embed_tokens")
     on(m.rotary_emb, "model.rotary_emb.cos", lambda a, k, o: o[0])
     on(m.rotary_emb, "model.rotary_emb.sin", lambda a, k, o: o[1])
@@ -74,32 +101,53 @@ def hf_reference(llm, ids) -> dict:
         on(layer, f"{p}.input", lambda a, k, o: a[0] if a else k["hidden_states"])
         on(layer, p)
         on(layer.input_layernorm, f"{p}.input_layernorm")
-        attn = layer.self_attn
-        for part in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "o_proj"):
-            on(getattr(attn, part), f"{p}.self_attn.{part}")
-        on(attn.o_proj, f"{p}.self_attn.attn_output", lambda a, k, o: a[0])
-        on(attn, f"{p}.self_attn", lambda a, k, o: o[0])
-        on(attn, f"{p}.self_attn.attn_probs", lambda a, k, o: o[1])
+        if hasattr(layer, "linear_attn"):   # Qwen3.5 / Qwen3-Next: Gated DeltaNet, its modules by their HF names
+            attn = layer.linear_attn
+            for part, module in attn.named_children():
+                if isinstance(module, torch.nn.Linear):
+                    on(module, f"{p}.linear_attn.{part}")
+            on(attn.norm, f"{p}.linear_attn.core_attn_out", rows(arg))   # the delta rule's output, (T*Hv, dv)
+            on(attn.norm, f"{p}.linear_attn.norm", rows(out))
+            on(attn, f"{p}.mixer")
+        else:
+            attn = layer.self_attn
+            for part in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "o_proj"):
+                on(getattr(attn, part), f"{p}.self_attn.{part}")
+            on(attn.o_proj, f"{p}.self_attn.attn_output", arg)
+            on(attn, f"{p}.mixer", lambda a, k, o: o[0])
+            on(attn, f"{p}.self_attn.attn_probs", lambda a, k, o: o[1])
         on(layer.post_attention_layernorm, f"{p}.post_attention_layernorm")
-        if hasattr(layer.mlp, "experts"):   # Qwen3-MoE's sparse layer, on (T, D) rows: a batch axis added back
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):   # the sparse layer, on (T, D) rows: a batch axis added back
             for j, name in enumerate(("gate", "gate.top_k_weights", "gate.top_k_index")):   # (logits, weights, index)
-                on(layer.mlp.gate, f"{p}.mlp.{name}", lambda a, k, o, j=j: o[j][None])
-            on(layer.mlp.experts, f"{p}.mlp.experts", lambda a, k, o: o[None])
+                on(mlp.gate, f"{p}.mlp.{name}", lambda a, k, o, j=j: o[j][None])
+            on(mlp.experts, f"{p}.mlp.experts", rows(out))
+            if hasattr(mlp, "shared_expert"):   # Qwen3.5-MoE / Qwen3-Next: a shared expert and its gate
+                on(mlp.shared_expert_gate, f"{p}.mlp.shared_expert_gate", rows(out))
+                for part in ("gate_proj", "up_proj", "act_fn", "down_proj"):
+                    on(getattr(mlp.shared_expert, part), f"{p}.mlp.shared_expert.{part}", rows(out))
             continue
         for part in ("gate_proj", "up_proj", "act_fn", "down_proj"):
-            on(getattr(layer.mlp, part), f"{p}.mlp.{part}")
+            on(getattr(mlp, part), f"{p}.mlp.{part}")
     on(m.norm, "model.norm")
     on(hf.lm_head, "lm_head")
     with torch.no_grad():
         hf(torch.tensor([list(ids)]))
-        for i in range(len(m.layers)):
+        for i, layer in enumerate(m.layers):
             p = f"model.layers.{i}"
+            refs[f"{p}.attn_residual"] = refs.pop(f"{p}.input") + refs.pop(f"{p}.mixer")
+            if not hasattr(layer, "self_attn"):
+                continue
             # Steps HF has no module for, computed from what the hooks saw with HF's own functions.
-            q, k = apply_rotary_pos_emb(refs[f"{p}.self_attn.q_norm"].transpose(1, 2),
-                                        refs[f"{p}.self_attn.k_norm"].transpose(1, 2),
-                                        refs["model.rotary_emb.cos"], refs["model.rotary_emb.sin"])
+            rope = sys.modules[type(layer.self_attn).__module__].apply_rotary_pos_emb   # (Qwen3.5's: partial)
+            q, k = rope(refs[f"{p}.self_attn.q_norm"].transpose(1, 2), refs[f"{p}.self_attn.k_norm"].transpose(1, 2),
+                        refs["model.rotary_emb.cos"], refs["model.rotary_emb.sin"])
             refs[f"{p}.self_attn.q_rope"], refs[f"{p}.self_attn.k_rope"] = q.transpose(1, 2), k.transpose(1, 2)
-            refs[f"{p}.attn_residual"] = refs.pop(f"{p}.input") + refs.pop(f"{p}.self_attn")
+            if llm.config.hybrid:   # o_proj reads the output after Qwen3.5's gate; npqwen's attn_output is before it
+                probs, v = refs[f"{p}.self_attn.attn_probs"], refs[f"{p}.self_attn.v_proj"]     # (1, H, T, T)
+                v = v.view(1, len(ids), -1, llm.config.head_dim).transpose(1, 2)                # (1, K, T, Dh)
+                v = v.repeat_interleave(probs.shape[1] // v.shape[1], dim=1)                    # (1, H, T, Dh)
+                refs[f"{p}.self_attn.attn_output"] = (probs @ v).transpose(1, 2).reshape(1, len(ids), -1)
     for h in hooks:
         h.remove()
     return {name: t[0].detach().numpy() if t.dim() > 1 else t.detach().numpy() for name, t in refs.items()}

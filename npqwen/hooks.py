@@ -32,8 +32,9 @@ def step_names(config) -> list[str]:
         attn = [f"{p}.self_attn.{s}" for s in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "q_rope", "k_rope",
                                                 "attn_probs", "attn_output", "o_proj")]
         if config.is_linear_layer(i):   # Qwen3.5 / Qwen3-Next: Gated DeltaNet (model.linear_attn)
-            attn = [f"{p}.linear_attn.{s}" for s in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
-                                                      "core_attn_out", "norm", "out_proj")]
+            projections = ("in_proj_qkvz", "in_proj_ba") if config.qwen3_next else \
+                ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")   # HF's modules: two in Qwen3-Next, four in 3.5
+            attn = [f"{p}.linear_attn.{s}" for s in (*projections, "core_attn_out", "norm", "out_proj")]
         mlp = ["gate", "gate.top_k_index", "gate.top_k_weights", "experts"] if config.is_moe_layer(i) else \
             ["gate_proj", "up_proj", "act_fn", "down_proj"]
         if config.is_moe_layer(i) and config.shared_expert_intermediate_size:   # Qwen3.5-MoE's shared expert

@@ -41,7 +41,7 @@ def lens_logits(llm, block_output):
     check_lm_head(llm.model)
     W, cfg = llm.weights, llm.config
     head = W["lm_head.weight"]                                                              # (V, D)
-    x = ops.rms_norm(xp_of(head).asarray(block_output), W["model.norm.weight"], cfg.rms_norm_eps)
+    x = ops.rms_norm(xp_of(head).asarray(block_output), W["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
     return to_numpy(ops.linear(x, head))
 
 
@@ -83,8 +83,9 @@ class Attribution:
     logit: float             # the run's own logit of target (minus contrast's)
     embed: float             # the embedding's share
     attn: np.ndarray         # (L,) each layer's attention
-    mlp: np.ndarray          # (L,) each layer's MLP (Qwen3-MoE: its experts)
-    heads: np.ndarray        # (L, H) each head's share of its layer's attention
+    mlp: np.ndarray          # (L,) each layer's MLP (Qwen3-MoE: its experts; Qwen3.5-MoE: and its shared expert)
+    heads: np.ndarray        # (L, H) each head's share of its layer's attention; in a hybrid model a linear
+    #                          layer's row holds its Hv value heads, and rows end in zeros past a layer's heads
 
 
 def token_id(llm, token) -> int:
@@ -97,17 +98,50 @@ def token_id(llm, token) -> int:
     return int(llm.prompt_ids([token])[0])
 
 
+def block_names(cfg, i: int) -> list[str]:
+    """What layer i's shares are computed from: its attention's output and per-head input, its MLP's parts."""
+    p = f"model.layers.{i}"
+    if cfg.is_linear_layer(i):   # Gated DeltaNet: out_proj reads the gated norm's Hv value heads
+        attn = [f"{p}.linear_attn.norm", attention_output(cfg, i)]
+    else:                        # Qwen3.5 also: q_proj, whose rows hold each head's output gate
+        attn = [f"{p}.self_attn.attn_output", attention_output(cfg, i)]
+        attn += [f"{p}.self_attn.q_proj"] if cfg.hybrid else []
+    if not cfg.is_moe_layer(i):
+        return attn + [f"{p}.mlp.down_proj"]
+    shared = [f"{p}.mlp.shared_expert_gate", f"{p}.mlp.shared_expert.down_proj"] \
+        if cfg.shared_expert_intermediate_size else []                   # Qwen3.5-MoE / Qwen3-Next
+    return attn + [f"{p}.mlp.experts"] + shared
+
+
+def attention_output(cfg, i: int) -> str:
+    """The step that is layer i's attention output: o_proj, or a Gated DeltaNet layer's out_proj."""
+    return f"model.layers.{i}." + ("linear_attn.out_proj" if cfg.is_linear_layer(i) else "self_attn.o_proj")
+
+
+def head_shares(llm, row, i: int, direction) -> np.ndarray:
+    """Each head's share of layer i's attention along `direction` (D,): its slice of the output projection's
+    input times that slice of the weight. A full-attention layer has H query heads (Qwen3.5: each scaled by its
+    output gate first), a Gated DeltaNet layer Hv value heads."""
+    cfg, W, p = llm.config, llm.model.weights, f"model.layers.{i}"
+    if cfg.is_linear_layer(i):
+        out, w = row(f"{p}.linear_attn.norm"), W[f"{p}.linear_attn.out_proj.weight"]             # (Hv, dv)
+    else:
+        H, Dh = llm.model.heads, cfg.head_dim
+        out, w = row(f"{p}.self_attn.attn_output").reshape(H, Dh), W[f"{p}.self_attn.o_proj.weight"]   # (H, Dh)
+        if cfg.hybrid:   # the gate: the second Dh of each head's 2*Dh q_proj values
+            out = out / (1.0 + np.exp(-row(f"{p}.self_attn.q_proj").reshape(H, 2 * Dh)[:, Dh:]))
+    wo = to_numpy(w).astype(np.float64).reshape(-1, *out.shape)                                   # (D, heads, d)
+    return np.einsum("hd,ehd,e->h", out, wo, direction)
+
+
 def logit_attribution(llm, prompt, target, contrast=None, position: int = -1) -> Attribution:
     """Direct logit attribution of `target` (minus `contrast`) at `position` of `prompt`, the final norm's
     scale taken from the run."""
     cfg, W, L = llm.config, llm.model.weights, llm.config.num_hidden_layers
     t = token_id(llm, target)
-    mlp_name = [("experts" if cfg.is_moe_layer(i) else "down_proj") for i in range(L)]
-    names = ["model.embed_tokens", f"model.layers.{L - 1}"] + \
-        [f"model.layers.{i}.{s}" for i in range(L) for s in ("self_attn.attn_output", "self_attn.o_proj")] + \
-        [f"model.layers.{i}.mlp.{mlp_name[i]}" for i in range(L)]
+    names = ["model.embed_tokens", f"model.layers.{L - 1}"] + [n for i in range(L) for n in block_names(cfg, i)]
     logits, cache = llm.run_with_cache(prompt, names=names)
-    f64 = lambda name: cache[name][position].astype(np.float64)   # noqa: E731   (D,) at that position
+    row = lambda name: cache[name][position].astype(np.float64)   # noqa: E731   that step's row at that position
     U = to_numpy(llm.model.lm_head_weight())                          # (V, D)
     u = U[t].astype(np.float64)
     logit = float(to_numpy(logits)[position, t])
@@ -115,15 +149,25 @@ def logit_attribution(llm, prompt, target, contrast=None, position: int = -1) ->
         c = token_id(llm, contrast)
         u = u - U[c].astype(np.float64)
         logit -= float(to_numpy(logits)[position, c])
-    x = f64(f"model.layers.{L - 1}")                                  # (D,) the final residual stream
+    x = row(f"model.layers.{L - 1}")                                  # (D,) the final residual stream
     scale = 1.0 / np.sqrt(np.mean(x * x) + cfg.rms_norm_eps)          # the final norm's, from this run
-    direction = scale * to_numpy(W["model.norm.weight"]).astype(np.float64) * u   # (D,)
-    H, Dh = llm.model.heads, cfg.head_dim
-    heads = np.zeros((L, H))
-    for i in range(L):
-        out = f64(f"model.layers.{i}.self_attn.attn_output").reshape(H, Dh)             # (H, Dh)
-        wo = to_numpy(W[f"model.layers.{i}.self_attn.o_proj.weight"]).astype(np.float64).reshape(-1, H, Dh)  # (D, H, Dh)
-        heads[i] = np.einsum("hd,ehd,e->h", out, wo, direction)
-    return Attribution(logit, float(f64("model.embed_tokens") @ direction),
-                       np.array([f64(f"model.layers.{i}.self_attn.o_proj") @ direction for i in range(L)]),
-                       np.array([f64(f"model.layers.{i}.mlp.{mlp_name[i]}") @ direction for i in range(L)]), heads)
+    weight = cfg.norm_offset + to_numpy(W["model.norm.weight"]).astype(np.float64)   # Qwen3.5: 1 + weight
+    direction = scale * weight * u                                    # (D,)
+    shares = [head_shares(llm, row, i, direction) for i in range(L)]
+    heads = np.zeros((L, max(len(h) for h in shares)))                # a row's heads, then zeros
+    for i, h in enumerate(shares):
+        heads[i, :len(h)] = h
+    return Attribution(logit, float(row("model.embed_tokens") @ direction),
+                       np.array([row(attention_output(cfg, i)) @ direction for i in range(L)]),
+                       np.array([mlp_output(cfg, row, i) @ direction for i in range(L)]), heads)
+
+
+def mlp_output(cfg, row, i: int):
+    """Layer i's MLP output (D,) at the position: down_proj's, or the experts' plus the gated shared expert's."""
+    p = f"model.layers.{i}.mlp"
+    if not cfg.is_moe_layer(i):
+        return row(f"{p}.down_proj")
+    if not cfg.shared_expert_intermediate_size:
+        return row(f"{p}.experts")
+    gate = 1.0 / (1.0 + np.exp(-row(f"{p}.shared_expert_gate")))    # (1,) the shared expert's sigmoid gate
+    return row(f"{p}.experts") + gate * row(f"{p}.shared_expert.down_proj")

@@ -248,15 +248,15 @@ class Qwen3:
         conv, state = kv.states.conv[cfg.cache_index(i)], kv.states.recurrent[cfg.cache_index(i)]   # (S, ...)
         # the four input projections: q, k, v (convolved together), the output gate z, beta and the decay
         if cfg.qwen3_next:   # the same four, from two matrices whose rows are grouped by key head
-            mixed, z, b, a = la.ungroup_qwen3_next(ops.linear(x, W[f"{p}.in_proj_qkvz.weight"]),
-                                                   ops.linear(x, W[f"{p}.in_proj_ba.weight"]), *heads)
+            qkvz = recorder(f"{p}.in_proj_qkvz", ops.linear(x, W[f"{p}.in_proj_qkvz.weight"]))   # (T, C + Hv*dv)
+            ba = recorder(f"{p}.in_proj_ba", ops.linear(x, W[f"{p}.in_proj_ba.weight"]))         # (T, 2Hv)
+            mixed, z, b, a = la.ungroup_qwen3_next(qkvz, ba, *heads)
         else:
-            mixed = ops.linear(x, W[f"{p}.in_proj_qkv.weight"])                 # (T, C)
-            z = ops.linear(x, W[f"{p}.in_proj_z.weight"])                       # (T, Hv*dv)
-            b, a = ops.linear(x, W[f"{p}.in_proj_b.weight"]), ops.linear(x, W[f"{p}.in_proj_a.weight"])   # (T, Hv)
+            mixed = recorder(f"{p}.in_proj_qkv", ops.linear(x, W[f"{p}.in_proj_qkv.weight"]))    # (T, C)
+            z = recorder(f"{p}.in_proj_z", ops.linear(x, W[f"{p}.in_proj_z.weight"]))            # (T, Hv*dv)
+            b = recorder(f"{p}.in_proj_b", ops.linear(x, W[f"{p}.in_proj_b.weight"]))            # (T, Hv)
+            a = recorder(f"{p}.in_proj_a", ops.linear(x, W[f"{p}.in_proj_a.weight"]))            # (T, Hv)
         z = z.reshape(T, Hv, dv)
-        mixed, z = recorder(f"{p}.in_proj_qkv", mixed), recorder(f"{p}.in_proj_z", z)
-        b, a = recorder(f"{p}.in_proj_b", b), recorder(f"{p}.in_proj_a", a)
         g, beta = la.decay_and_beta(a, b, W[f"{p}.A_log"], W[f"{p}.dt_bias"])   # (T, Hv) each, float32
         kernel = W[f"{p}.conv1d.weight"][:, 0]                                  # (C, W)
         out = xp.empty((T, Hv, dv), dtype=state.dtype)                          # float32 (float64 for float64)
@@ -323,9 +323,9 @@ class Qwen3:
                           self.fused[f"{p}.experts.down_proj"])                  # (T, D)
         out = recorder(f"{p}.experts", out)
         if cfg.shared_expert_intermediate_size:   # Qwen3.5-MoE: a shared expert every token runs, sigmoid-gated
-            gate = ops.sigmoid(ops.linear(x, self.weights[f"{p}.shared_expert_gate.weight"]))   # (T, 1)
+            gate = ops.linear(x, self.weights[f"{p}.shared_expert_gate.weight"])   # (T, 1), before its sigmoid
             gate = recorder(f"{p}.shared_expert_gate", gate)
-            out = out + gate * self.mlp(i, x, recorder, name="mlp.shared_expert")
+            out = out + ops.sigmoid(gate) * self.mlp(i, x, recorder, name="mlp.shared_expert")
         return out
 
     def _check_ids(self, token_ids, cache) -> np.ndarray:

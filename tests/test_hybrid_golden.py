@@ -102,18 +102,82 @@ def test_qwen3_5_0_8b_text_shape(tmp_path):
     compare(llm, ref, ids)
 
 
-@pytest.mark.skipif(free_memory_bytes(np) < 24 * 2**30, reason="the 35B-A3B layer shape needs ~24 GiB free "
-                    "(2 layers of 256 experts: 1.6 billion parameters, in HF and in npqwen)")
+A3B_IDS = np.random.default_rng(3).integers(0, 4096, 40).tolist()
+A3B_NEW_TOKENS = 6
+
+
+def write_35b_a3b_checkpoint_and_hf_answers(path):
+    """Run in a process of its own by test_qwen3_5_35b_a3b_layer_shape: transformers writes a random 2-layer
+    checkpoint of Qwen3.5-35B-A3B's layer shape (bf16, 3.3 GB) and, in float32, its logits, hidden states and
+    greedy tokens for A3B_IDS into hf_answers.npz. The process then exits, so HF's 6.6 GB go back to the OS
+    before npqwen loads its own."""
+    from pathlib import Path
+
+    from transformers.initialization import no_init_weights
+
+    from hybrid_checkpoints import hf_hybrid_classes, randomize
+
+    path = Path(path)
+    cfg = {k: v for k, v in QWEN3_5_35B_A3B_TEXT.items()}
+    cfg.update(num_hidden_layers=2, vocab_size=4096, layer_types=[L, F])
+    config_class, model_class = hf_hybrid_classes("qwen3_5_moe_text")
+    torch.set_default_dtype(torch.bfloat16)   # made in bf16, as saved: half the memory
+    with no_init_weights():                    # random weights below; HF's own initialisation would double the time
+        model = model_class(config_class(**cfg))
+    torch.set_default_dtype(torch.float32)
+    with torch.no_grad():                      # no_init_weights left the decay's parameters empty: HF's initial values
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p, dtype=torch.float32).uniform_(1, 16).log())
+            elif name.endswith("dt_bias"):
+                p.fill_(1.0)
+    randomize(model, seed=0, std=0.02)
+    model.save_pretrained(path)
+    ref = model.float().eval()   # bf16 -> float32 is exact: the float32 model HF loads from these files
+    with torch.no_grad():
+        out = ref(torch.tensor([A3B_IDS]), output_hidden_states=True, use_cache=False)
+        greedy = ref.generate(torch.tensor([A3B_IDS]), max_new_tokens=A3B_NEW_TOKENS, do_sample=False,
+                              min_new_tokens=A3B_NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+    np.savez(path / "hf_answers.npz", logits=out.logits[0].numpy(), greedy=greedy[0, len(A3B_IDS):].numpy(),
+             **{f"hidden.{i}": h[0].numpy() for i, h in enumerate(out.hidden_states)})
+
+
+@pytest.mark.skipif(free_memory_bytes(np) < 14 * 2**30, reason="the 35B-A3B layer shape needs ~14 GiB free "
+                    "(2 layers of 256 experts: 1.6 billion parameters, in HF's process, then in npqwen)")
 def test_qwen3_5_35b_a3b_layer_shape(tmp_path):
     """Qwen3.5-35B-A3B's layers exactly (hidden 2048, 16/2 heads of 256, 16/32 linear heads of 128, 256 experts of
-    512, 8 per token, a shared expert of 512), two of them (linear, full); its vocabulary cut to 4,096."""
-    config = {"model_type": "qwen3_5_moe_text", **QWEN3_5_35B_A3B_TEXT, "num_hidden_layers": 2, "vocab_size": 4096,
-              "layer_types": [L, F]}
-    path = build_hybrid_checkpoint(tmp_path, config, save_dtype="bfloat16", std=0.02)
-    llm, ref = npqwen.load(path), hf_hybrid_model(path)
-    ids = np.random.default_rng(3).integers(0, 4096, 40).tolist()
-    print("Qwen3.5-35B-A3B layer shape, 2 layers:", end=" ")
-    compare(llm, ref, ids)
+    512, 8 per token, a shared expert of 512), two of them (linear, full); its vocabulary cut to 4,096. HF runs in a
+    subprocess that exits before npqwen loads, so the two never hold their 6.6 GB at once."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    here, started = Path(__file__).parent, time.perf_counter()
+    code = (f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; import test_hybrid_golden; "
+            f"test_hybrid_golden.write_35b_a3b_checkpoint_and_hf_answers(sys.argv[1])")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    answers = dict(np.load(tmp_path / "hf_answers.npz"))
+    hf_seconds = time.perf_counter() - started
+    llm = npqwen.load(tmp_path)
+    assert llm.config.num_experts == 256 and llm.config.layer_types == (L, F)
+    recorded = {}
+    logits = llm.forward(A3B_IDS, recorder=lambda name, a: recorded.__setitem__(name, np.array(a)))
+    want = answers["logits"]
+    rel = np.abs(logits - want).max() / np.abs(want).max()
+    mismatch = np.flatnonzero(logits.argmax(-1) != want.argmax(-1))
+    print(f"Qwen3.5-35B-A3B layer shape, 2 layers: max |logit diff| {np.abs(logits - want).max():.3e}, relative "
+          f"{rel:.3e}, argmax mismatches {mismatch[:10].tolist()} of {len(A3B_IDS)}")
+    for i, name in enumerate(["model.embed_tokens", "model.layers.0"]):
+        h = answers[f"hidden.{i}"]
+        err = np.abs(recorded[name] - h).max() / max(1.0, np.abs(h).max())
+        assert err <= REL_TOL, f"{name}: relative max |diff| {err:.3e} vs HF"
+    assert rel <= REL_TOL and mismatch.size == 0
+    got = llm.generate(A3B_IDS, max_new_tokens=A3B_NEW_TOKENS, temperature=0).token_ids
+    print(f"greedy: npqwen {got}, HF {answers['greedy'].tolist()}; HF's process {hf_seconds:.0f} s, in all "
+          f"{time.perf_counter() - started:.0f} s")
+    assert got == answers["greedy"].tolist()
 
 
 def test_built_in_tiny_qwen3_5_equals_hf(tmp_path):

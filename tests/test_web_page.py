@@ -161,7 +161,6 @@ def test_attention_endpoint_equals_trace_and_runs_on_the_engine_thread(tiny_serv
     ({"tokens": [65, 100000], "layer": 0}, "tokens", "token id 100000"),
     ({"tokens": [65, -3], "layer": 0}, "tokens", "token id -3"),
     ({"tokens": ["A"], "layer": 0}, "tokens[0]", ""),
-    ({"tokens": [65]}, "layer", "required"),
     ({"tokens": [65], "layer": 0, "heads": [1]}, "heads", "unsupported field"),
     ({"tokens": [65], "layer": 0, "model": "other"}, "model", "does not exist"),
 ])

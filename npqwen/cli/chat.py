@@ -3,12 +3,12 @@ import contextlib
 import signal
 import sys
 
-from ..chat_format import opens_reasoning, split_reasoning
+from ..chat_format import THINK_OPEN, opens_reasoning, split_reasoning
 from ..comm import GroupFailed
 from ..errors import NpqwenError
 from .common import (OutputError, checked_text, chosen_lora, command_line_params, constraint_options, load_model,
                      lora_options, model_options, print_stats, sampling_options, steering_options, stream_to_stdout,
-                     system_messages)
+                     system_messages, write_out)
 from .common import command_line_steering
 from .parallel import add_option
 
@@ -76,6 +76,8 @@ def cmd_chat(args) -> int:
             messages = history + [{"role": "user", "content": line}]
             with ctrl_c_sets_a_flag() as pressed:   # from Enter to the answer's end: Ctrl-C stops the answer
                 prompt, ids = chat_ids(llm, messages, args, earlier_turns=len(history) > len(system))
+                if not args.no_think and opens_reasoning(prompt):   # Qwen3.5's template opened it: show the tag
+                    write_out(prompt[prompt.rindex(THINK_OPEN):])
                 result = stream_to_stdout(llm, ids, params, stop_requested=pressed, steering=steering,
                                           lora=lora)
         except (OutputError, GroupFailed):   # stdout is gone, or a rank of the model: nothing more can be done

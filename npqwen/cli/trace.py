@@ -40,6 +40,11 @@ def cmd_trace(args) -> int:
     if args.plot_attention:
         if not 0 <= args.layer < L:
             raise NpqwenError(f"--plot-attention needs --layer between 0 and {L - 1}")
+        if llm.config.is_linear_layer(args.layer):   # Qwen3.5 / Qwen3-Next: a state matrix, no weights to draw
+            full = [i for i in range(L) if not llm.config.is_linear_layer(i)]
+            raise NpqwenError(f"layer {args.layer} is a Gated DeltaNet linear-attention layer: it reads a fixed-size "
+                              f"state, not the positions, so it has no attention weights to draw; choose a "
+                              f"full-attention layer: {full}")
         if args.head is not None and not 0 <= args.head < llm.config.num_attention_heads:
             raise NpqwenError(f"--head must be between 0 and {llm.config.num_attention_heads - 1}")
     ids = prompt_ids(llm, args, prompt)

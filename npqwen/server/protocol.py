@@ -308,7 +308,7 @@ class AttentionRequest(Strict):
     model: str | None = None
     tokens: TokenIds                                     # 1 .. MAX_ATTENTION_TOKENS ids (checked by the server)
     position: Whole | None = None                           # default: the last token
-    layer: Whole
+    layer: Whole | None = None                              # default: the first full-attention layer (0 in Qwen3)
 
 
 IGNORED = ("store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "verbosity", "user")

@@ -22,14 +22,23 @@ class ServingProbes(Serving):
     """POST /v1/npqwen/attention, /v1/npqwen/experts and /v1/npqwen/layers."""
 
     async def attention(self, body: AttentionRequest, http: HTTPRequest) -> dict:
-        """The attention row of `position` over positions 0 .. position in every head of `layer`, and
-        their mean: a probe over tokens[:position + 1] (see probe)."""
+        """The attention row of `position` over positions 0 .. position in every head of `layer` (default: the
+        first full-attention layer), and their mean: a probe over tokens[:position + 1] (see probe)."""
         self.check_model(body.model, adapters=False)
         ids, layers, heads = body.tokens, self.config.num_hidden_layers, self.config.num_attention_heads
         p = self.position(body)
-        if not 0 <= body.layer < layers:
-            raise APIError(400, f"layer {body.layer} does not exist: the model has layers 0 .. {layers - 1}", "layer")
-        name, kept = f"model.layers.{body.layer}.self_attn.attn_probs", {}
+        full = [i for i in range(layers) if not self.config.is_linear_layer(i)]   # Qwen3: all of them
+        if not full:
+            raise APIError(400, "every layer of this model is Gated DeltaNet linear attention: it reads a fixed-size "
+                                "state, not the positions, so there are no attention weights to show", "layer")
+        layer = full[0] if body.layer is None else body.layer
+        if not 0 <= layer < layers:
+            raise APIError(400, f"layer {layer} does not exist: the model has layers 0 .. {layers - 1}", "layer")
+        if self.config.is_linear_layer(layer):   # Qwen3.5 / Qwen3-Next: a state matrix, no weights over positions
+            raise APIError(400, f"layer {layer} is a Gated DeltaNet linear-attention layer: it reads a fixed-size "
+                                f"state, not the positions, so it has no attention weights to show; the "
+                                f"full-attention layers are {full}", "layer")
+        name, kept = f"model.layers.{layer}.self_attn.attn_probs", {}
 
         def keep(step, array):   # the probe's last token: (H, 1, p + 1) -> (H, p + 1)
             if step == name:
@@ -39,8 +48,9 @@ class ServingProbes(Serving):
             return Response(status_code=499)
         rows = kept["rows"].astype("float64")                                          # (H, p + 1)
         decode = self.tokenizer.decode
-        return {"object": "npqwen.attention", "model": self.model_name, "layer": body.layer, "position": p,
-                "num_layers": layers, "num_heads": heads, "tokens": [decode([t]) for t in ids[:p + 1]],
+        return {"object": "npqwen.attention", "model": self.model_name, "layer": layer, "position": p,
+                "num_layers": layers, "num_heads": heads, "attention_layers": full,
+                "tokens": [decode([t]) for t in ids[:p + 1]],
                 "token_bytes": [list(self.tokenizer.token_bytes(t)) for t in ids[:p + 1]],   # as logprobs' "bytes"
                 "heads": rows.tolist(), "mean": rows.mean(axis=0).tolist()}
 

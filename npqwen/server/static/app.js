@@ -415,7 +415,9 @@ function drawAlternatives(token) {
 async function loadAttention() {
   const { answer, index } = state.inspected;
   const ids = answer.promptIds.concat(answer.generated.slice(0, index).map((t) => t.id));
-  const layer = $("layer").value === "" ? 0 : Number($("layer").value);
+  // the first call leaves the layer to the server (the first full-attention layer: a hybrid model's
+  // linear-attention layers have no attention weights), whose answer then fills the layer choices
+  const layer = $("layer").value === "" ? undefined : Number($("layer").value);
   const heatmap = $("heatmap");
   heatmap.dataset.state = "loading";
   $("attention-note").textContent = "Loading…";
@@ -429,12 +431,12 @@ async function loadAttention() {
     return;
   }
   if (!isInspected(answer, index)) return;   // another token was clicked meanwhile
-  if (state.layers === null) fillSelects(attention.num_layers, attention.num_heads);
+  if (state.layers === null) fillSelects(attention.attention_layers, attention.num_heads);
   state.attention = attention;
   drawHeatmap();
 }
 
-function fillSelects(layers, heads) {
+function fillSelects(layers, heads) {   // layers: the ones with attention weights (all of a Qwen3)
   state.layers = layers;
   state.heads = heads;
   const option = (value, text) => {
@@ -443,7 +445,7 @@ function fillSelects(layers, heads) {
     o.textContent = text;
     return o;
   };
-  $("layer").replaceChildren(...Array.from({ length: layers }, (_, l) => option(l, String(l))));
+  $("layer").replaceChildren(...layers.map((l) => option(l, String(l))));
   const headOptions = Array.from({ length: heads }, (_, h) => option(h, String(h)));
   $("head").replaceChildren(option("mean", "mean of heads"), ...headOptions);
 }
