@@ -1,12 +1,15 @@
-"""The lessons in notebooks/: each saved .ipynb holds exactly the cells its jupytext .md makes (the .md is
-the source, so the two cannot drift), each lesson runs top to bottom on a fresh kernel without an error,
-and each has a lesson's shape: MODEL = "tiny" (or a built-in twin, "tiny-moe") in its first code cell,
-exercises with worked solutions, and a picture among its saved outputs. The notebook packages are in the
-test extra: a missing one fails the import below, it does not skip."""
+"""The lessons in notebooks/: each saved .ipynb holds exactly the cells jupytext makes from its one source
+(notebooks/NN-name.md, or the docs page tools.notebooks.SOURCES names: lesson 01's is docs/walkthrough.md),
+so the two cannot drift; only the source's ```python blocks are code cells; each lesson runs top to bottom
+on a fresh kernel without an error, and each has a lesson's shape: MODEL = "tiny" (or a built-in twin,
+"tiny-moe") in its first code cell, exercises with worked solutions, and a picture among its saved outputs.
+The notebook packages are in the test extra: a missing one fails the import below, it does not skip."""
+import os
 import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -14,9 +17,10 @@ from conftest import ROOT
 
 from tools import notebooks  # jupytext, nbclient, nbformat; ipykernel for the kernel
 
-LESSONS = notebooks.lessons()
-REGENERATE = 'run `python -m tools.notebooks` (pip install -e ".[notebooks]") to write it from the .md'
-lesson = pytest.mark.parametrize("md", LESSONS, ids=[p.stem for p in LESSONS])
+LESSONS = notebooks.lessons()   # name -> source
+SOURCES = list(LESSONS.values())
+REGENERATE = 'run `python -m tools.notebooks` (pip install -e ".[notebooks]") to write it from its source'
+lesson = pytest.mark.parametrize("md", SOURCES, ids=list(LESSONS))
 
 
 def cells(nb) -> list[tuple[str, str]]:
@@ -24,20 +28,40 @@ def cells(nb) -> list[tuple[str, str]]:
 
 
 def test_the_lessons_are_there():
-    assert [p.stem for p in LESSONS][:1] == ["01-forward-pass"], f"notebooks/ holds {LESSONS}"
-    orphans = [p.name for p in sorted(notebooks.NOTEBOOKS.glob("*.ipynb")) if not p.with_suffix(".md").is_file()]
-    assert not orphans, f"notebooks without their .md source: {orphans} (the .md is the source; write it first)"
+    assert list(LESSONS)[:1] == ["01-forward-pass"], f"the lessons: {LESSONS}"
+    assert LESSONS["01-forward-pass"] == ROOT / "docs" / "walkthrough.md"
+    orphans = [p.name for p in sorted(notebooks.NOTEBOOKS.glob("*.ipynb")) if p.stem not in LESSONS]
+    assert not orphans, f"notebooks without a source: {orphans} (the .md is the source; write it first)"
+    second = [f"notebooks/{name}.md" for name in notebooks.SOURCES if (notebooks.NOTEBOOKS / f"{name}.md").exists()]
+    assert not second, f"{second}: a second source of a lesson whose source is {notebooks.SOURCES} (one source)"
     index = (notebooks.NOTEBOOKS / "README.md").read_text(encoding="utf-8")
-    unlisted = [p.stem for p in LESSONS if p.stem not in index]
-    assert not unlisted, f"notebooks/README.md does not list {unlisted}"
+    for name, source in LESSONS.items():   # its row links the notebook and says which file is its source
+        row = next((line for line in index.splitlines() if line.startswith(f"| [{name}]")), "")
+        source = Path(os.path.relpath(source, notebooks.NOTEBOOKS)).as_posix()
+        assert f"]({name}.ipynb)" in row and f"]({source})" in row, \
+            f"notebooks/README.md: no row '| [{name}]({name}.ipynb) | ... ([source]({source})) |'"
+
+
+def test_only_python_blocks_become_code_cells(tmp_path):
+    """A page's ```bash, ```console, ```text and plain blocks stay in the prose (jupytext alone makes a
+    ```bash block a %%bash cell), and a source without a jupytext header gets the python3 kernel."""
+    shell = "```bash\nnpqwen inspect --model tiny\n```"
+    shown = "```console\n$ npqwen\n```\n\n```text\nhi\n```\n\n```\nh = x + a\n```"
+    page = tmp_path / "page.md"
+    page.write_text(f"# A page\n\n```python\nx = 1\n```\n\n{shell}\n\nBetween.\n\n{shown}\n\n## Next\n\n"
+                    "```python\ny = 2\n```\n", encoding="utf-8")
+    nb = notebooks.read(page)
+    assert cells(nb) == [("markdown", "# A page"), ("code", "x = 1"),
+                         ("markdown", f"{shell}\n\nBetween.\n\n{shown}\n\n## Next"), ("code", "y = 2")], cells(nb)
+    assert nb.metadata.kernelspec.name == "python3"
 
 
 def test_the_documented_command_writes_a_lesson_with_its_outputs(tmp_path):
     """`python -m tools.notebooks PATH`, as notebooks/README.md shows it, on a copy of the first lesson: it
     prints the run time, writes the .ipynb beside the .md with its cells, outputs and pictures, and a second
     run writes the same bytes (no timing or random ids in the file)."""
-    md = tmp_path / LESSONS[0].name
-    md.write_text(LESSONS[0].read_text(encoding="utf-8"), encoding="utf-8")
+    md = tmp_path / SOURCES[0].name
+    md.write_text(SOURCES[0].read_text(encoding="utf-8"), encoding="utf-8")
     saved = []
     for _ in range(2):
         run = subprocess.run([sys.executable, "-m", "tools.notebooks", str(md)], cwd=ROOT, capture_output=True,
@@ -45,18 +69,19 @@ def test_the_documented_command_writes_a_lesson_with_its_outputs(tmp_path):
         assert run.returncode == 0 and re.search(r": [\d.]+ s -> ", run.stdout), run.stdout + run.stderr
         saved.append(md.with_suffix(".ipynb").read_bytes())
     nb = nbformat.reads(saved[0].decode(), as_version=4)
-    assert cells(nb) == cells(notebooks.read(LESSONS[0]))
+    assert cells(nb) == cells(notebooks.read(SOURCES[0]))
     assert any("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
     assert saved[0] == saved[1], "two runs of the same lesson wrote different files"
-    bad = subprocess.run([sys.executable, "-m", "tools.notebooks", str(tmp_path / "nothing.md")], cwd=ROOT,
+    bad = subprocess.run([sys.executable, "-m", "tools.notebooks", "notebooks/01-forward-pass.md"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "not a lesson's .md file" in bad.stderr, bad.stderr
+    assert "01-forward-pass's source is docs/walkthrough.md" in bad.stderr, bad.stderr
     assert "Traceback" not in bad.stderr, bad.stderr
 
 
 @lesson
 def test_saved_notebook_holds_the_cells_of_its_source(md):
-    saved = md.with_suffix(".ipynb")
+    saved = notebooks.notebook(md)
     assert saved.is_file(), f"{saved.relative_to(ROOT)} is missing: {REGENERATE}"
     want, have = cells(notebooks.read(md)), cells(nbformat.read(saved, as_version=4))
     for i, (w, h) in enumerate(zip(want, have)):
@@ -90,6 +115,8 @@ def test_lesson_runs_on_a_fresh_kernel(md, tmp_path):
 def test_lesson_has_the_shape_of_a_lesson(md):
     nb = notebooks.read(md)
     code = [c.source for c in nb.cells if c.cell_type == "code"]
+    fences = re.findall(r"^```python\s*$", md.read_text(encoding="utf-8"), re.MULTILINE)
+    assert len(code) == len(fences), f"{md.name}: {len(code)} code cells from {len(fences)} ```python blocks"
     assert code and re.search(r'^MODEL = "tiny(-[\w.]+)?"', code[0], re.MULTILINE), \
         f'{md.name}: the first code cell must set MODEL = "tiny" (or "tiny-moe"), and say how to switch:\n{code[:1]}'
     # jupytext keeps a heading in one cell with the text around it: look for it line by line
@@ -103,9 +130,10 @@ def test_lesson_has_the_shape_of_a_lesson(md):
         elif c.cell_type == "code" and under:
             solutions.append(c.source)
     assert len(solutions) >= 2, f"{md.name}: {len(solutions)} code cells under '### Solution' headings (want 2+)"
-    saved = md.with_suffix(".ipynb")
+    saved = notebooks.notebook(md)
     assert saved.is_file(), f"{saved.name} is missing: {REGENERATE}"
     stored = nbformat.read(saved, as_version=4)
+    assert stored.metadata.kernelspec.name == "python3", stored.metadata.get("kernelspec")
     unrun = [i for i, c in enumerate(stored.cells) if c.cell_type == "code" and c.execution_count is None]
     assert not unrun, f"{saved.name} was saved without running cells {unrun}: {REGENERATE}"
     pictures = [o for c in stored.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]

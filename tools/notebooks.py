@@ -1,14 +1,17 @@
 """Run the lessons in notebooks/ and save them with their outputs:
 
-    python -m tools.notebooks                          # every notebooks/NN-name.md
-    python -m tools.notebooks notebooks/01-forward-pass.md [--timeout 300]
+    python -m tools.notebooks                          # every lesson
+    python -m tools.notebooks notebooks/02-generation.md [--timeout 300]
+    python -m tools.notebooks docs/walkthrough.md      # lesson 01, whose source is a docs page
 
-The source of a lesson is its jupytext Markdown, notebooks/NN-name.md. This reads it, executes it on a
-fresh python3 kernel (nbclient) in a temporary directory, with this checkout's npqwen first on the
-kernel's path, and writes notebooks/NN-name.ipynb beside it with every output, pictures included.
-The saved file is stable across re-runs: cell ids are numbered, timing metadata is dropped. A cell that
-fails stops that notebook with the cell and its error, and nothing is written for it.
-tests/test_notebooks.py checks that each .ipynb holds the cells its .md makes, and runs every lesson.
+The source of a lesson is one Markdown file that jupytext reads: notebooks/NN-name.md, or the docs page
+that SOURCES names for it, where the page and the lesson teach the same thing (one source, so that the
+two cannot drift apart). Its ```python blocks are the code cells; every other block stays in the prose.
+This reads it, executes it on a fresh python3 kernel (nbclient) in a temporary directory, with this
+checkout's npqwen first on the kernel's path, and writes notebooks/NN-name.ipynb with every output,
+pictures included. The saved file is stable across re-runs: cell ids are numbered, timing metadata is
+dropped. A cell that fails stops that notebook with the cell and its error, and nothing is written for it.
+tests/test_notebooks.py checks that each .ipynb holds the cells its source makes, and runs every lesson.
 """
 import argparse
 import os
@@ -22,6 +25,7 @@ try:
     import jupytext
     import nbformat
     from jupyter_client.kernelspec import NoSuchKernel
+    from jupytext.languages import _JUPYTER_LANGUAGES
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 except ImportError as e:   # the test extra has them too: tests/test_notebooks.py fails here rather than skip
@@ -31,21 +35,53 @@ except ImportError as e:   # the test extra has them too: tests/test_notebooks.p
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 CELL_TIMEOUT = 300   # seconds for one cell; a whole lesson takes seconds on the tiny model, a minute at most
+# Lessons whose source is a docs page rather than notebooks/NN-name.md: the page is the lesson.
+SOURCES = {"01-forward-pass": ROOT / "docs" / "walkthrough.md"}
+# The kernel of a source without a jupytext header (a docs page needs none: GitHub would show it as a table).
+KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
 
 
 class NotebookError(Exception):
     """A cell of a lesson failed: the message names the lesson, the cell and the error."""
 
 
-def lessons() -> list[Path]:
-    """The lessons' sources, notebooks/NN-name.md, in order (notebooks/README.md is not one)."""
-    return sorted(NOTEBOOKS.glob("[0-9][0-9]-*.md"))
+def lessons() -> dict[str, Path]:
+    """Each lesson's name and source, in order: notebooks/NN-name.md (notebooks/README.md is not one), or
+    the docs page in SOURCES."""
+    names = {p.stem for p in NOTEBOOKS.glob("[0-9][0-9]-*.md")} | set(SOURCES)
+    return {name: SOURCES.get(name, NOTEBOOKS / f"{name}.md") for name in sorted(names)}
 
 
-def read(md: Path) -> nbformat.NotebookNode:
-    """The notebook jupytext makes from a lesson's Markdown, with cell ids numbered (jupytext draws
-    random ones) so that the saved file does not change when the lesson does not."""
-    nb = jupytext.read(md)
+def notebook(source: Path) -> Path:
+    """Where the lesson made from `source` is saved: notebooks/NN-name.ipynb for a docs page in SOURCES,
+    else beside the source."""
+    name = next((n for n, s in SOURCES.items() if s.resolve() == source.resolve()), None)
+    return NOTEBOOKS / f"{name}.ipynb" if name else source.with_suffix(".ipynb")
+
+
+def shown_only(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Only ```python blocks are code cells: jupytext makes a ```bash block (any Jupyter language) a %%bash
+    cell, which here goes back into the prose as the block it was, joined to the Markdown around it."""
+    cells = []
+    for cell in nb.cells:
+        magic, _, body = cell.source.partition("\n")
+        language = magic[2:].strip() if cell.cell_type == "code" and magic.startswith("%%") else ""
+        if language in _JUPYTER_LANGUAGES and language != "python":
+            cell = nbformat.v4.new_markdown_cell(f"```{language}\n{body}\n```")
+        if cells and cell.cell_type == cells[-1].cell_type == "markdown":
+            cells[-1].source += "\n\n" + cell.source
+        else:
+            cells.append(cell)
+    nb.cells = cells
+    return nb
+
+
+def read(source: Path) -> nbformat.NotebookNode:
+    """The notebook jupytext makes from a lesson's Markdown, its ```python blocks the only code cells, the
+    python3 kernel if the source names none, and cell ids numbered (jupytext draws random ones) so that the
+    saved file does not change when the lesson does not."""
+    nb = shown_only(jupytext.read(source))
+    nb.metadata.setdefault("kernelspec", nbformat.from_dict(KERNELSPEC))
     for i, cell in enumerate(nb.cells):
         cell["id"] = f"cell-{i}"
     return nb
@@ -88,34 +124,39 @@ def stable(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     return nb
 
 
-def run(md: Path, timeout: int = CELL_TIMEOUT) -> float:
-    """Execute one lesson and write its .ipynb beside it; the seconds it took."""
-    nb = read(md)
+def run(source: Path, timeout: int = CELL_TIMEOUT) -> float:
+    """Execute one lesson and write its .ipynb (`notebook(source)`); the seconds it took."""
+    nb = read(source)
     with tempfile.TemporaryDirectory(prefix="npqwen-notebook-") as cwd:
-        seconds = execute(nb, md.name, Path(cwd), timeout)
-    nbformat.write(stable(nb), md.with_suffix(".ipynb"))
+        seconds = execute(nb, source.name, Path(cwd), timeout)
+    nbformat.write(stable(nb), notebook(source))
     return seconds
+
+
+def shown(path: Path) -> Path:
+    """A path as the user knows it: from the repository root when it is inside."""
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.notebooks", description=__doc__.split("\n\n")[0])
-    parser.add_argument("paths", nargs="*", type=Path, help="lessons' .md files (default: every notebooks/NN-*.md)")
+    parser.add_argument("paths", nargs="*", type=Path, help="lessons' sources (default: every lesson's)")
     parser.add_argument("--timeout", type=int, default=CELL_TIMEOUT, help="seconds one cell may run")
     args = parser.parse_args(argv)
-    paths = [p.resolve() for p in args.paths] or lessons()
+    paths = [p.resolve() for p in args.paths] or list(lessons().values())
     bad = [str(p) for p in paths if p.suffix != ".md" or not p.is_file()]
     if bad:
-        parser.error(f"not a lesson's .md file: {', '.join(bad)} (the source is notebooks/NN-name.md)")
+        moved = "".join(f"; {name}'s source is {shown(s)}" for name, s in SOURCES.items())
+        parser.error(f"not a lesson's .md file: {', '.join(bad)} (the source is notebooks/NN-name.md{moved})")
     failed = 0
-    for md in paths:
+    for source in paths:
         try:
-            seconds = run(md, args.timeout)
+            seconds = run(source, args.timeout)
         except NotebookError as e:
             print(e, file=sys.stderr)
             failed += 1
             continue
-        print(f"{md.relative_to(ROOT) if md.is_relative_to(ROOT) else md}: {seconds:.1f} s -> "
-              f"{md.with_suffix('.ipynb').name}", flush=True)
+        print(f"{shown(source)}: {seconds:.1f} s -> {shown(notebook(source))}", flush=True)
     return 1 if failed else 0
 
 
