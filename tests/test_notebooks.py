@@ -1,9 +1,10 @@
 """The lessons in notebooks/: each saved .ipynb holds exactly the cells jupytext makes from its one source
-(notebooks/NN-name.md, or the docs page tools.notebooks.SOURCES names: lesson 01's is docs/walkthrough.md),
-so the two cannot drift; only the source's ```python blocks are code cells; each lesson runs top to bottom
-on a fresh kernel without an error, and each has a lesson's shape: MODEL = "tiny" (or a built-in twin,
-"tiny-moe") in its first code cell, exercises with worked solutions, and a picture among its saved outputs.
-The notebook packages are in the test extra: a missing one fails the import below, it does not skip."""
+(notebooks/NN-name.md, or the docs page tools.notebooks.SOURCES names: lesson 01's is docs/walkthrough.md,
+lesson 04's docs/moe.md), so the two cannot drift; only the source's ```python blocks are code cells; each
+lesson runs top to bottom on a fresh kernel without an error, and each has a lesson's shape: MODEL = "tiny"
+(or a built-in twin, "tiny-moe") in its first code cell, exercises with worked solutions, and a picture
+among its saved outputs. The notebook packages are in the test extra: a missing one fails the import below,
+it does not skip."""
 import os
 import re
 import subprocess
@@ -30,6 +31,7 @@ def cells(nb) -> list[tuple[str, str]]:
 def test_the_lessons_are_there():
     assert list(LESSONS)[:1] == ["01-forward-pass"], f"the lessons: {LESSONS}"
     assert LESSONS["01-forward-pass"] == ROOT / "docs" / "walkthrough.md"
+    assert LESSONS["04-moe"] == ROOT / "docs" / "moe.md"
     orphans = [p.name for p in sorted(notebooks.NOTEBOOKS.glob("*.ipynb")) if p.stem not in LESSONS]
     assert not orphans, f"notebooks without a source: {orphans} (the .md is the source; write it first)"
     second = [f"notebooks/{name}.md" for name in notebooks.SOURCES if (notebooks.NOTEBOOKS / f"{name}.md").exists()]

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 CELL_TIMEOUT = 300   # seconds for one cell; a whole lesson takes seconds on the tiny model, a minute at most
 # Lessons whose source is a docs page rather than notebooks/NN-name.md: the page is the lesson.
-SOURCES = {"01-forward-pass": ROOT / "docs" / "walkthrough.md"}
+SOURCES = {"01-forward-pass": ROOT / "docs" / "walkthrough.md", "04-moe": ROOT / "docs" / "moe.md"}
 # The kernel of a source without a jupytext header (a docs page needs none: GitHub would show it as a table).
 KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
 
