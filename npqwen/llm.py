@@ -86,10 +86,6 @@ class LLM:
         if self.comm.size > 1:
             raise NpqwenError("LoRA adapters are not applied under tensor parallelism; merge the adapter into the "
                               "base (npqwen merge-lora) and load the result")
-        if self.config.hybrid:
-            raise NpqwenError("LoRA adapters are applied to Qwen3 and Qwen3-MoE; this is a hybrid model (Qwen3.5 or "
-                              "Qwen3-Next), whose linear-attention layers an adapter does not reach here: merge the "
-                              "adapter into the base with PEFT's merge_and_unload and load the result")
         self._loras[name] = read_adapter(path, name, self.model)   # checked whole before it is added
         return self
 

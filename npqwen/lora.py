@@ -10,8 +10,10 @@ once; `merge` folds one adapter into W instead (`npqwen merge-lora`).
 PEFT's files: `adapter_config.json` (r, lora_alpha, target_modules, use_rslora, rank_pattern,
 alpha_pattern) and `adapter_model.safetensors`, whose names are the base model's module names under
 `base_model.model.` with `.lora_A.weight` (r, in) or `.lora_B.weight` (out, r). npqwen applies
-adapters on the seven linear layers of a Qwen3 decoder layer; whatever else a file holds (DoRA,
-modules_to_save, embedding or lm_head adapters, Qwen3-MoE experts) is refused, with why.
+adapters on the linear layers of a decoder layer (`layer_modules`): Qwen3's seven; in a hybrid model
+(Qwen3.5, Qwen3-Next) a linear-attention layer's Gated DeltaNet projections in place of self_attn's;
+in a MoE layer the shared expert's (Qwen3.5-MoE, Qwen3-Next) in place of one MLP. Whatever else a
+file holds (DoRA, modules_to_save, embedding or lm_head adapters, MoE experts) is refused, with why.
 
 Shapes: T rows of a batch, n of them one adapter's, r rank, in / out a projection's widths.
 """
@@ -30,8 +32,11 @@ from .errors import NpqwenError
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTENTION + MLP                                  # every linear layer of a Qwen3 decoder layer
+LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")   # Qwen3.5's Gated DeltaNet
+LINEAR_ATTENTION_NEXT = ("in_proj_qkvz", "in_proj_ba", "out_proj")                     # Qwen3-Next's (grouped rows)
+LINEAR = TARGETS + LINEAR_ATTENTION + ("in_proj_qkvz", "in_proj_ba", "shared_expert_gate")   # every name adapted
 WEIGHT = re.compile(r"^base_model\.model\.(.+)\.(lora_A|lora_B)\.weight$")
-MODULE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
+MODULE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")        # model.layers.3.linear_attn.in_proj_qkv
 _loads = itertools.count()                                 # each load its own prefix-cache key
 
 
@@ -86,9 +91,35 @@ def merge(weights: dict, adapter: LoraAdapter):
             weights[f"{d.module}.weight"] += d.scale * (d.B @ d.A)          # (out, r) @ (r, in) -> (out, in)
 
 
+def layer_modules(config, i: int) -> list[str]:
+    """The linear layers of decoder layer i an adapter reaches, named under model.layers.{i}: self_attn's four, or
+    in a hybrid's linear-attention layer its Gated DeltaNet's; the MLP's three, or in a MoE layer its shared
+    expert's and the shared expert's gate (Qwen3.5-MoE, Qwen3-Next; Qwen3-MoE has none: its experts are refused)."""
+    if config.is_linear_layer(i):
+        attn = [f"linear_attn.{t}" for t in (LINEAR_ATTENTION_NEXT if config.qwen3_next else LINEAR_ATTENTION)]
+    else:
+        attn = [f"self_attn.{t}" for t in ATTENTION]
+    if not config.is_moe_layer(i):
+        return attn + [f"mlp.{t}" for t in MLP]
+    if config.shared_expert_intermediate_size:
+        return attn + [f"mlp.shared_expert.{t}" for t in MLP] + ["mlp.shared_expert_gate"]
+    return attn
+
+
+def describe(config, i: int) -> str:
+    """What decoder layer i is, in words, for an error."""
+    kind = "a linear-attention (Gated DeltaNet) layer" if config.is_linear_layer(i) else "a full-attention layer"
+    return kind + (" whose MLP is a mixture of experts" if config.is_moe_layer(i) else "")
+
+
+def text_model(name: str) -> str:
+    """A module name of Qwen3.5's hub layout (model.language_model.layers...) as npqwen names it (model.layers...)."""
+    return name.replace("model.language_model.", "model.", 1) if name.startswith("model.language_model.") else name
+
+
 def fused_columns(model, layer: int, kind: str, name: str) -> tuple[str, slice]:
     """The model matrix a PEFT module's output is part of, and its columns there (npqwen fuses q, k, v
-    into qkv_proj and gate, up into gate_up_proj; o_proj and down_proj stand alone)."""
+    into qkv_proj and gate, up into gate_up_proj; o_proj, down_proj and the linear-attention ones stand alone)."""
     W = model.weights
     p = f"model.layers.{layer}.{kind}"
     if name in ("q_proj", "k_proj", "v_proj"):
@@ -115,7 +146,7 @@ def names(spec, module: str) -> bool:
     """Whether a PEFT module list names this module: a list of names (the end of the module's name),
     "all-linear", or a regular expression over the whole name."""
     if spec == "all-linear":
-        return module.rsplit(".", 1)[-1] in TARGETS
+        return module.rsplit(".", 1)[-1] in LINEAR
     if isinstance(spec, str):
         return re.fullmatch(spec, module) is not None
     return any(module == t or module.endswith("." + t) for t in spec or ())
@@ -149,7 +180,9 @@ def read_config(path: Path) -> dict:
                ("modules_to_save", "it replaces whole modules (modules_to_save), which an adapter added to some rows "
                                    "of a batch cannot do; merge it with PEFT and load the result"),
                ("trainable_token_indices", "it trains rows of the embedding, which npqwen does not apply"),
-               ("target_parameters", "it adapts parameters (Qwen3-MoE experts), which npqwen does not apply"),
+               ("target_parameters", "it adapts parameters (MoE experts, a router: PEFT's all-linear does so on "
+                                     "Qwen3-Next), which npqwen does not apply; name the linear layers in "
+                                     "target_modules instead"),
                ("lora_bias", "it adds a bias to lora_B, which npqwen does not apply"),
                ("fan_in_fan_out", "its weights are stored transposed (Conv1D), which a Qwen3 never has")]
     for key, why in refused:
@@ -168,11 +201,11 @@ def read_config(path: Path) -> dict:
         raise NpqwenError(f"{file}: target_modules must be a list of module names or a regular expression, "
                           f"got {targets!r}")
     for t in targets if isinstance(targets, list) else []:
-        if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in TARGETS:
+        if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in LINEAR:
             why = ("embedding and lm_head adapters are not applied" if t in ("embed_tokens", "lm_head")
-                   else "it is not a linear layer of a Qwen3 decoder layer")
+                   else "it is not a linear layer of a decoder layer")
             raise NpqwenError(f"{file}: target_modules names {t!r}: {why}; npqwen applies adapters on "
-                              f"{', '.join(TARGETS)}")
+                              f"{', '.join(LINEAR)}")
     return config
 
 
@@ -187,12 +220,21 @@ def refusal(name: str) -> str:
     if "lm_head" in name:
         return "it adapts lm_head, which npqwen does not apply"
     if ".experts." in name:
-        return "it adapts a Qwen3-MoE expert, which npqwen does not apply (attention adapters of a MoE model are)"
-    return f"it is not a LoRA weight of {', '.join(TARGETS)}"
+        return ("it adapts a Qwen3-MoE expert, which npqwen does not apply (attention adapters of a MoE model are, "
+                "and its shared expert's)")
+    if ".visual." in name:
+        return "it adapts the vision tower, which npqwen does not run (it reads the text model only)"
+    return f"it is not a LoRA weight of a decoder layer's linear layers ({', '.join(LINEAR)})"
+
+
+def order(config, module: str) -> tuple[int, int]:
+    """A module's place in the forward pass: (layer, its place among the layer's linear layers)."""
+    i, where = MODULE.match(module).groups()
+    return int(i), layer_modules(config, int(i)).index(where)
 
 
 def read_adapter(path, name: str, model) -> LoraAdapter:
-    """Read and check a PEFT LoRA adapter directory for `model` (a Qwen3): arrays in the model's dtype."""
+    """Read and check a PEFT LoRA adapter directory for `model` (any npqwen model): arrays in the model's dtype."""
     path = Path(path)
     if not path.is_dir():
         raise NpqwenError(f"LoRA adapter {name!r}: {path} is not a directory")
@@ -207,39 +249,41 @@ def read_adapter(path, name: str, model) -> LoraAdapter:
         infos = read_safetensors_header(file)
     except OSError as e:
         raise NpqwenError(f"{file}: cannot read it ({e})") from None
-    # 1. every tensor is a lora_A or lora_B of one of the seven linear layers of a layer this model has
-    found = {}
+    # 1. every tensor is a lora_A or lora_B of a linear layer this model's layer has (layer_modules)
+    cfg, found = model.config, {}
     for key in infos:
         m = WEIGHT.match(key)
-        module = MODULE.match(m.group(1)) if m else None
-        if m is None or module is None or module.group(3) not in TARGETS or \
-                module.group(2) != ("self_attn" if module.group(3) in ATTENTION else "mlp"):
+        module = text_model(m.group(1)) if m else ""
+        layer = MODULE.match(module)
+        if layer is None or module.rsplit(".", 1)[-1] not in LINEAR or ".experts." in module:
             raise NpqwenError(f"{file}: {key}: {refusal(key)}")
-        if int(module.group(1)) >= model.config.num_hidden_layers:
-            raise NpqwenError(f"{file}: {key}: the base model has {model.config.num_hidden_layers} layers; this "
+        i, where = int(layer.group(1)), layer.group(2)
+        if i >= cfg.num_hidden_layers:
+            raise NpqwenError(f"{file}: {key}: the base model has {cfg.num_hidden_layers} layers; this "
                               f"adapter was made for another base model")
-        found.setdefault(m.group(1), {})[m.group(2)] = infos[key]
+        if where not in layer_modules(cfg, i):   # e.g. a q_proj on a linear-attention layer
+            raise NpqwenError(f"{file}: {key}: layer {i} of this base model is {describe(cfg, i)}, which has no "
+                              f"{where} (its linear layers: {', '.join(layer_modules(cfg, i))}); this adapter was "
+                              f"made for another base model")
+        found.setdefault(module, {})[m.group(2)] = infos[key]
     # 2. every module the config targets has its weights
     targets = config["target_modules"]
-    for i in range(model.config.num_hidden_layers):
-        for t in TARGETS:
-            module = f"model.layers.{i}.{'self_attn' if t in ATTENTION else 'mlp'}.{t}"
-            if targeted(config, i, module) and module not in found and not (
-                    t in MLP and model.config.is_moe_layer(i)):
-                raise NpqwenError(f"{file}: the config targets {t} (target_modules {targets!r}) but the file has no "
-                                  f"weights for {module}; the file is incomplete or belongs to another config")
+    for i in range(cfg.num_hidden_layers):
+        for where in layer_modules(cfg, i):
+            module = f"model.layers.{i}.{where}"
+            if targeted(config, i, module) and module not in found:
+                raise NpqwenError(f"{file}: the config targets {where.rsplit('.', 1)[-1]} (target_modules "
+                                  f"{targets!r}) but the file has no weights for {module}; the file is incomplete "
+                                  f"or belongs to another config")
     # 3. shapes: A (r, in), B (out, r) against the base weight (out, in) and the rank the config gives
     adapter = LoraAdapter(name, path, config["r"], key=f"{name}#{next(_loads)}")
-    order = sorted(found, key=lambda mod: (int(MODULE.match(mod).group(1)), TARGETS.index(mod.rsplit(".", 1)[1])))
-    for module in order:
+    for module in sorted(found, key=lambda mod: order(cfg, mod)):
         parts = found[module]
         for part in ("lora_A", "lora_B"):
             if part not in parts:
                 raise NpqwenError(f"{file}: {module} has no {part}.weight; the file is incomplete")
-        i, kind, t = MODULE.match(module).groups()
-        if int(i) < model.config.num_hidden_layers and t in MLP and model.config.is_moe_layer(int(i)):
-            raise NpqwenError(f"{file}: {module}: layer {i} of this Qwen3-MoE has experts, not one MLP; this adapter "
-                              f"was made for another base model")
+        i, where = MODULE.match(module).groups()
+        kind, t = where.rsplit(".", 1)                     # linear_attn, in_proj_qkv; mlp.shared_expert, up_proj
         out, in_ = model.weights[f"{module}.weight"].shape
         r = pattern_value(config.get("rank_pattern") or {}, module, config["r"])
         A, B = parts["lora_A"], parts["lora_B"]

@@ -240,22 +240,26 @@ class Qwen3:
     def linear_attn(self, i: int, x, cos, sin, batch: Batch, kv: KVCache, slots, recorder=no_recorder, loras=()):
         """Gated DeltaNet (npqwen/linear_attention.py) of layer i: each sequence continues from its states in
         kv.states; a prompt's tokens run the chunked form, decoding sequences one batched recurrent step.
-        Takes the arguments self_attn takes; `loras` is always empty here (llm.load_lora refuses hybrid models)."""
+        Takes the arguments self_attn takes; each adapter adds to its rows after each projection, as in self_attn."""
         cfg, W, p, xp = self.config, self.weights, f"model.layers.{i}.linear_attn", self.xp
         T, heads = x.shape[0], (cfg.linear_num_key_heads, cfg.linear_key_head_dim,
                                 cfg.linear_num_value_heads, cfg.linear_value_head_dim)
         Hv, dv = heads[2:]
         conv, state = kv.states.conv[cfg.cache_index(i)], kv.states.recurrent[cfg.cache_index(i)]   # (S, ...)
         # the four input projections: q, k, v (convolved together), the output gate z, beta and the decay
+        # (each `lora.add` is + scale * B A x on each adapter's rows, as after self_attn's projections)
         if cfg.qwen3_next:   # the same four, from two matrices whose rows are grouped by key head
-            qkvz = recorder(f"{p}.in_proj_qkvz", ops.linear(x, W[f"{p}.in_proj_qkvz.weight"]))   # (T, C + Hv*dv)
-            ba = recorder(f"{p}.in_proj_ba", ops.linear(x, W[f"{p}.in_proj_ba.weight"]))         # (T, 2Hv)
+            qkvz = lora.add(ops.linear(x, W[f"{p}.in_proj_qkvz.weight"]), x, loras, f"{p}.in_proj_qkvz")  # (T, C+Hv*dv)
+            ba = lora.add(ops.linear(x, W[f"{p}.in_proj_ba.weight"]), x, loras, f"{p}.in_proj_ba")        # (T, 2Hv)
+            qkvz, ba = recorder(f"{p}.in_proj_qkvz", qkvz), recorder(f"{p}.in_proj_ba", ba)
             mixed, z, b, a = la.ungroup_qwen3_next(qkvz, ba, *heads)
         else:
-            mixed = recorder(f"{p}.in_proj_qkv", ops.linear(x, W[f"{p}.in_proj_qkv.weight"]))    # (T, C)
-            z = recorder(f"{p}.in_proj_z", ops.linear(x, W[f"{p}.in_proj_z.weight"]))            # (T, Hv*dv)
-            b = recorder(f"{p}.in_proj_b", ops.linear(x, W[f"{p}.in_proj_b.weight"]))            # (T, Hv)
-            a = recorder(f"{p}.in_proj_a", ops.linear(x, W[f"{p}.in_proj_a.weight"]))            # (T, Hv)
+            mixed = lora.add(ops.linear(x, W[f"{p}.in_proj_qkv.weight"]), x, loras, f"{p}.in_proj_qkv")  # (T, C)
+            z = lora.add(ops.linear(x, W[f"{p}.in_proj_z.weight"]), x, loras, f"{p}.in_proj_z")          # (T, Hv*dv)
+            b = lora.add(ops.linear(x, W[f"{p}.in_proj_b.weight"]), x, loras, f"{p}.in_proj_b")          # (T, Hv)
+            a = lora.add(ops.linear(x, W[f"{p}.in_proj_a.weight"]), x, loras, f"{p}.in_proj_a")          # (T, Hv)
+            mixed, z = recorder(f"{p}.in_proj_qkv", mixed), recorder(f"{p}.in_proj_z", z)
+            b, a = recorder(f"{p}.in_proj_b", b), recorder(f"{p}.in_proj_a", a)
         z = z.reshape(T, Hv, dv)
         g, beta = la.decay_and_beta(a, b, W[f"{p}.A_log"], W[f"{p}.dt_bias"])   # (T, Hv) each, float32
         kernel = W[f"{p}.conv1d.weight"][:, 0]                                  # (C, W)
@@ -275,7 +279,9 @@ class Qwen3:
         out = recorder(f"{p}.core_attn_out", out)
         out = la.gated_rms_norm(out.astype(x.dtype), z, W[f"{p}.norm.weight"], cfg.rms_norm_eps)   # (T, Hv, dv)
         out = recorder(f"{p}.norm", out)
-        out = ops.linear(out.reshape(T, Hv * dv), W[f"{p}.out_proj.weight"])    # (T, D)
+        h = out.reshape(T, Hv * dv)                                             # (T, Hv*dv): the heads side by side
+        out = ops.linear(h, W[f"{p}.out_proj.weight"])                          # (T, Hv*dv) -> (T, D)
+        out = lora.add(out, h, loras, f"{p}.out_proj")                          # + scale * B A x, each adapter's rows
         return recorder(f"{p}.out_proj", out)
 
     def attention(self, q, keys, values, batch: Batch, want_probs: bool = False):
@@ -324,8 +330,9 @@ class Qwen3:
         out = recorder(f"{p}.experts", out)
         if cfg.shared_expert_intermediate_size:   # Qwen3.5-MoE: a shared expert every token runs, sigmoid-gated
             gate = ops.linear(x, self.weights[f"{p}.shared_expert_gate.weight"])   # (T, 1), before its sigmoid
+            gate = lora.add(gate, x, loras, f"{p}.shared_expert_gate")            # + scale * B A x, each adapter's rows
             gate = recorder(f"{p}.shared_expert_gate", gate)
-            out = out + ops.sigmoid(gate) * self.mlp(i, x, recorder, name="mlp.shared_expert")
+            out = out + ops.sigmoid(gate) * self.mlp(i, x, recorder, loras, name="mlp.shared_expert")
         return out
 
     def _check_ids(self, token_ids, cache) -> np.ndarray:

@@ -10,5 +10,9 @@ def test_lora_doc_code_samples_run(tmp_path):
     assert len(python) >= 6
     result = run_doc_python(python, tmp_path / "lora_doc.py")
     assert "['poet', None, 'poet']" in result.stdout and "max |npqwen - PEFT| = " in result.stdout
+    assert "['linear_attn.in_proj_qkv', 'linear_attn.in_proj_z', 'linear_attn.in_proj_b', 'linear_attn.in_proj_a', " \
+           "'linear_attn.out_proj', 'mlp.gate_proj', 'mlp.up_proj', 'mlp.down_proj']" in result.stdout
+    relative = float(result.stdout.split("hybrid: max |npqwen - PEFT| = ")[1].split("relative ")[1].split()[0])
+    assert relative < 1e-4, result.stdout   # the hybrid adapter equals PEFT's
     outputs = [run_doc_line(line).stdout for line in shell]
     assert outputs[0] == outputs[2] and outputs[0].strip()   # the adapter kept apart, and merged
