@@ -76,8 +76,20 @@ def test_a_gated_q_proj_of_the_wrong_size_names_the_field(checkpoint, tmp_path):
         npqwen.load(path)
 
 
-def test_tensor_parallelism_refuses_hybrid_models_and_says_why():
+def test_tensor_parallelism_refuses_sizes_that_do_not_split_the_linear_heads_and_says_why():
+    """2 ranks split Hk=2 key heads and Hv=4 value heads; 4 ranks do not (the key heads), and the hybrid
+    mixtures of experts (Qwen3.5-MoE, Qwen3-Next) are refused with the reason."""
+    from hybrid_checkpoints import hybrid_moe_config, qwen3_next_config
+
     from npqwen.parallel import check_split
 
-    with pytest.raises(NpqwenError, match=r"does not split Qwen3.5's / Qwen3-Next's linear-attention layers yet"):
-        check_split(Qwen3Config.from_dict(config()), 2)
+    check_split(Qwen3Config.from_dict(config()), 2)
+    with pytest.raises(NpqwenError, match=r"a tensor-parallel size of 4 does not split the model's 2 linear-attention "
+                                          r"key heads \(linear_num_key_heads\) evenly; use a size that divides both "
+                                          r"linear_num_key_heads \(2\) and linear_num_value_heads \(4\)"):
+        check_split(Qwen3Config.from_dict(config()), 4)
+    for raw in (hybrid_moe_config(), qwen3_next_config()):
+        raw.pop("rope_parameters")
+        with pytest.raises(NpqwenError, match=r"does not split the experts of a mixture-of-experts model yet "
+                                              r"\(8 experts: the sparse MLP has no all-reduce"):
+            check_split(Qwen3Config.from_dict(raw), 2)
