@@ -511,7 +511,7 @@ def allocate_weights(config: Qwen3Config, xp, dtype, shapes: dict | None = None)
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
         if config.is_moe_layer(i):
-            views.update(allocate_experts(config, p, xp, dtype, fused))
+            views.update(allocate_experts(config, p, xp, dtype, fused, shapes))
         mlp = () if config.is_moe_layer(i) else ((f"{p}.mlp.gate_up_proj.weight", ("gate_proj", "up_proj")),)
         if config.is_moe_layer(i) and config.shared_expert_intermediate_size:   # Qwen3.5-MoE: the shared expert
             mlp = ((f"{p}.mlp.shared_expert.gate_up_proj.weight", ("gate_proj", "up_proj")),)
@@ -528,11 +528,12 @@ def allocate_weights(config: Qwen3Config, xp, dtype, shapes: dict | None = None)
     return weights, fused
 
 
-def allocate_experts(config: Qwen3Config, p: str, xp, dtype, fused: dict) -> dict:
+def allocate_experts(config: Qwen3Config, p: str, xp, dtype, fused: dict, shapes: dict) -> dict:
     """Layer p's experts as two arrays in `fused` (transformers' in-memory names and layout):
     p.mlp.experts.gate_up_proj (E, 2I, D), gate_proj rows then up_proj rows of each expert, and
-    p.mlp.experts.down_proj (E, D, I). Returns each expert's HF-named views into them."""
-    E, I, D = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    p.mlp.experts.down_proj (E, D, I). Returns each expert's HF-named views into them. I is `shapes`' (a
+    tensor-parallel rank's I/N)."""
+    E, I, D = config.num_experts, shapes[f"{p}.mlp.experts.0.gate_proj.weight"][0], config.hidden_size
     gate_up = fused[f"{p}.mlp.experts.gate_up_proj"] = xp.empty((E, 2 * I, D), dtype=dtype)
     down = fused[f"{p}.mlp.experts.down_proj"] = xp.empty((E, D, I), dtype=dtype)
     views = {}

@@ -28,8 +28,8 @@ continuing a `SequenceCache`) is the same pass for a batch of one sequence.
 
 The ranks meet in five places, each one line that does nothing in one process (`self.comm` is
 then comm.SingleProcess): rank 0 shares the batch; the embedding's and each layer's o_proj (out_proj in a
-linear-attention layer) and down_proj outputs are all-reduced (each rank holds a part of the sum); the
-logits are all-gathered.
+linear-attention layer) and down_proj (the experts' sum in a sparse layer) outputs are all-reduced (each
+rank holds a part of the sum); the logits are all-gathered.
 (A recorder that asks for attention probabilities gets every rank's heads, gathered: a sixth.)
 
 `recorder`, when given, is called as recorder(name, array) with every intermediate result
@@ -338,6 +338,7 @@ class Qwen3:
         chosen, weights = recorder(f"{p}.gate.top_k_index", chosen), recorder(f"{p}.gate.top_k_weights", weights)
         out = moe.experts(x, chosen, weights, self.fused[f"{p}.experts.gate_up_proj"],
                           self.fused[f"{p}.experts.down_proj"])                  # (T, D)
+        out = self.comm.all_reduce(out)                                         # the sum of every rank's width
         out = recorder(f"{p}.experts", out)
         if cfg.shared_expert_intermediate_size:   # Qwen3.5-MoE: a shared expert every token runs, sigmoid-gated
             gate = ops.linear(x, self.weights[f"{p}.shared_expert_gate.weight"])   # (T, 1), before its sigmoid

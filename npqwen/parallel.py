@@ -17,6 +17,7 @@ A Qwen3.5 model splits its two kinds of layer by heads as well:
                              (a key head's Hv/Hk value heads stay with it); conv1d's channels the same way
     in_proj_z, in_proj_b, in_proj_a, A_log, dt_bias   the rows of its value heads
     out_proj                 row-parallel: the columns of its value heads; one all-reduce
+    in_proj_qkvz, in_proj_ba Qwen3-Next's, whose rows come grouped by key head: its key heads' groups
 and each rank's state slots hold only its own heads' states (kv_cache.LinearStates).
 So a decoder layer costs two all-reduces of (T, D); why the parts add up to the whole product is in
 docs/parallel.md. The rule goes by the name's ending and the tensor's own shape, so a Qwen3-MoE
@@ -64,10 +65,6 @@ def check_split(config, n: int):
     H, K = config.num_attention_heads, config.num_key_value_heads
     if n < 1:
         raise NpqwenError(f"the tensor-parallel size must be >= 1, got {n}")
-    if n > 1 and getattr(config, "num_experts", 0):   # Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next
-        raise NpqwenError(f"tensor parallelism does not split the experts of a mixture-of-experts model yet "
-                          f"({config.num_experts} experts: the sparse MLP has no all-reduce after its sum over "
-                          f"experts); run this checkpoint in one process (tensor-parallel size 1)")
     if getattr(config, "hybrid", False):
         check_linear_split(config, n)
     if H % n:
@@ -83,10 +80,6 @@ def check_split(config, n: int):
 def check_linear_split(config, n: int):
     """A Gated DeltaNet layer splits by whole heads: Hk and Hv multiples of N (a key head's Hv/Hk value heads
     then stay on its rank)."""
-    if n > 1 and getattr(config, "qwen3_next", False):
-        raise NpqwenError("tensor parallelism does not split Qwen3-Next's linear-attention layers yet (their "
-                          "in_proj_qkvz / in_proj_ba rows are grouped by key head); run this checkpoint in one "
-                          "process (tensor-parallel size 1)")
     for field in ("linear_num_key_heads", "linear_num_value_heads"):
         heads = getattr(config, field)
         if heads % n:
@@ -129,8 +122,9 @@ def shards(config, shapes: dict, n: int, r: int) -> dict[str, tuple[slice, ...]]
     q, kv = heads_of(config, n, r)
     Q = Dh * (2 if getattr(config, "hybrid", False) else 1)   # rows per query head: Qwen3.5's also hold its gate
     if getattr(config, "hybrid", False):
-        values = linear_heads_of(config, n, r)[1]
+        keys, values = linear_heads_of(config, n, r)
         qkv, dv = linear_qkv_rows(config, n, r), config.linear_value_head_dim
+        group = 2 * config.linear_key_head_dim + 2 * dv * len(values) // len(keys)   # Qwen3-Next: rows per key head
 
     def of(r_: range) -> slice:
         return slice(r_.start, r_.stop)
@@ -149,6 +143,11 @@ def shards(config, shapes: dict, n: int, r: int) -> dict[str, tuple[slice, ...]]
             parts[name] = (every, of(split_range(shape[1], n, r)))                    # the same slice, as columns
         elif name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
             parts[name] = (qkv, every)                                                # its heads' q, k, v rows
+        elif name.endswith("in_proj_qkvz.weight"):   # Qwen3-Next: [q, k, v, z] of each key head, in turn
+            parts[name] = (slice(keys.start * group, keys.stop * group), every)       # its key heads' groups
+        elif name.endswith("in_proj_ba.weight"):     # ... and [b, a] of each key head (2 Hv/Hk rows)
+            rows = 2 * len(values) // len(keys)
+            parts[name] = (slice(keys.start * rows, keys.stop * rows), every)
         elif name.endswith("in_proj_z.weight"):
             parts[name] = (slice(values.start * dv, values.stop * dv), every)         # its value heads' rows
         elif name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):

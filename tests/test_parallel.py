@@ -259,19 +259,26 @@ def test_a_hybrid_model_splits_whole_linear_heads_and_its_states():
 
 
 @pytest.fixture(scope="module")
-def hybrid_uneven_dir(tmp_path_factory):
-    """A random Qwen3.5 saved by transformers: Hk=2, Hv=4, an untied lm_head and a vocabulary 2 does not divide."""
+def hybrid_dirs(tmp_path_factory):
+    """Random Qwen3.5, Qwen3.5-MoE and Qwen3-Next saved by transformers, each made when first asked for:
+    Hk=2, Hv=4, an untied lm_head and a vocabulary 2 does not divide (the mixtures: 8 experts of width 16,
+    a shared expert of 24)."""
     pytest.importorskip("transformers")
-    from hybrid_checkpoints import build_hybrid_checkpoint, hybrid_config
-    return build_hybrid_checkpoint(tmp_path_factory.mktemp("tp_hybrid") / "model",
-                                   hybrid_config(tie_word_embeddings=False, vocab_size=509))
+    from hybrid_checkpoints import build_hybrid_checkpoint, hybrid_config, hybrid_moe_config, qwen3_next_config
+
+    made = {}
+
+    def get(which):
+        if which not in made:
+            config = {"qwen3.5": hybrid_config, "qwen3.5-moe": hybrid_moe_config, "qwen3-next": qwen3_next_config}
+            made[which] = build_hybrid_checkpoint(tmp_path_factory.mktemp(which) / "model",
+                                                  config[which](tie_word_embeddings=False, vocab_size=509))
+        return made[which]
+    return get
 
 
-@pytest.mark.parametrize("which", ["tiny-qwen3.5", "hf-untied-uneven"])
-def test_hybrid_two_ranks_compute_what_one_process_does(which, request, tmp_path):
-    """Logits, greedy and seeded tokens, the batched engine (state slots, chunked prefill, preemption), prefix
-    hits that restore state snapshots, streams, an explicit cache, a recorder: 2 ranks as one process."""
-    model = which if which == "tiny-qwen3.5" else request.getfixturevalue("hybrid_uneven_dir")
+def two_ranks_as_one(model, tmp_path) -> list[dict]:
+    """The probe in one process and on 2 ranks: logits within 1e-5 relative, everything else as assert_same."""
     one = probe(model, tmp_path / "one")[0]
     ranks = probe(model, tmp_path / "tp", 2)
     for key in (k for k in one if k.startswith("logits_")):
@@ -279,17 +286,39 @@ def test_hybrid_two_ranks_compute_what_one_process_does(which, request, tmp_path
         print(f"{key}: relative max |diff| {relative:.2e}")
         assert relative <= 1e-5, (key, relative)
     assert_same(one, ranks, 1e-4)
+    return ranks
+
+
+@pytest.mark.parametrize("which", ["tiny-qwen3.5", "qwen3.5", "qwen3.5-moe", "qwen3-next"])
+def test_hybrid_two_ranks_compute_what_one_process_does(which, hybrid_dirs, tmp_path):
+    """Logits, greedy and seeded tokens, the batched engine (state slots, chunked prefill, preemption), prefix
+    hits that restore state snapshots, streams, an explicit cache, a recorder: 2 ranks as one process."""
+    model = which if which == "tiny-qwen3.5" else hybrid_dirs(which)
+    ranks = two_ranks_as_one(model, tmp_path)
     shapes = [json.loads(str(r["shapes"])) for r in ranks]
     cfg = npqwen.load(model).config
     p = "model.layers.0.linear_attn"
     Hk, dk, Hv, dv = (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads,
                       cfg.linear_value_head_dim)
-    assert shapes[1][p + ".in_proj_qkv.weight"][0] == (2 * Hk * dk + Hv * dv) // 2
-    assert shapes[1][p + ".A_log"] == [Hv // 2]
+    C = 2 * Hk * dk + Hv * dv   # q, k, v rows; Qwen3-Next's one matrix also holds z
+    rows = shapes[1][p + ".in_proj_qkvz.weight"][0] if cfg.qwen3_next else shapes[1][p + ".in_proj_qkv.weight"][0]
+    assert rows == (C + Hv * dv * cfg.qwen3_next) // 2 and shapes[1][p + ".A_log"] == [Hv // 2]
     assert shapes[0][p + ".out_proj.weight"] == [cfg.hidden_size, Hv * dv // 2]
+    if cfg.num_experts:   # every rank a slice of every expert's width
+        assert shapes[1]["model.layers.0.mlp.experts.7.down_proj.weight"] == [cfg.hidden_size, 8]
     stats = json.loads(str(ranks[0]["prefix_hit_stats"]))
     print("prefix-hit engine run:", stats)
     assert stats["prefix_cache_hit_tokens"] > 0 and stats["state_snapshots"] > 0   # restored on both ranks
+
+
+def test_a_qwen3_moe_over_two_ranks_splits_every_expert_by_width(tmp_path):
+    """tiny-moe (8 experts of width 24, 2 per token): each rank holds 12 of every expert's width; one
+    all-reduce after the sum over the experts."""
+    ranks = two_ranks_as_one("tiny-moe", tmp_path)
+    shapes = json.loads(str(ranks[1]["shapes"]))
+    assert shapes["model.layers.1.mlp.experts.5.gate_proj.weight"] == [12, 16]
+    assert shapes["model.layers.1.mlp.experts.5.down_proj.weight"] == [16, 12]
+    assert shapes["model.layers.1.mlp.gate.weight"] == [8, 16]                    # the router, whole
 
 
 def test_hybrid_generate_prints_what_one_process_prints_and_bad_sizes_are_refused():
