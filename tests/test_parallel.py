@@ -264,15 +264,16 @@ def hybrid_dirs(tmp_path_factory):
     Hk=2, Hv=4, an untied lm_head and a vocabulary 2 does not divide (the mixtures: 8 experts of width 16,
     a shared expert of 24)."""
     pytest.importorskip("transformers")
-    from hybrid_checkpoints import build_hybrid_checkpoint, hybrid_config, hybrid_moe_config, qwen3_next_config
+    import hybrid_checkpoints as hc
 
     made = {}
 
     def get(which):
         if which not in made:
-            config = {"qwen3.5": hybrid_config, "qwen3.5-moe": hybrid_moe_config, "qwen3-next": qwen3_next_config}
-            made[which] = build_hybrid_checkpoint(tmp_path_factory.mktemp(which) / "model",
-                                                  config[which](tie_word_embeddings=False, vocab_size=509))
+            config = {"qwen3.5": hc.hybrid_config, "qwen3.5-moe": hc.hybrid_moe_config,
+                      "qwen3-next": hc.qwen3_next_config}
+            made[which] = hc.build_hybrid_checkpoint(tmp_path_factory.mktemp(which) / "model",
+                                                     config[which](tie_word_embeddings=False, vocab_size=509))
         return made[which]
     return get
 
