@@ -307,6 +307,9 @@ def test_hybrid_two_ranks_compute_what_one_process_does(which, hybrid_dirs, tmp_
     assert shapes[0][p + ".out_proj.weight"] == [cfg.hidden_size, Hv * dv // 2]
     if cfg.num_experts:   # every rank a slice of every expert's width
         assert shapes[1]["model.layers.0.mlp.experts.7.down_proj.weight"] == [cfg.hidden_size, 8]
+    stats = json.loads(str(ranks[0]["engine_stats"]))
+    print("batched engine run:", stats)
+    assert stats["preemptions"] > 0                                            # a preempted request restarted
     stats = json.loads(str(ranks[0]["prefix_hit_stats"]))
     print("prefix-hit engine run:", stats)
     assert stats["prefix_cache_hit_tokens"] > 0 and stats["state_snapshots"] > 0   # restored on both ranks
