@@ -403,27 +403,44 @@ def read_tensor(info: TensorInfo, out):
     check_finite(info, out)
 
 
-def read_tensor_part(info: TensorInfo, out, rows: slice, cols: slice):
-    """Copy rows x cols of a 2-D tensor into `out` (tensor parallelism: a rank's part of it).
+def read_tensor_part(info: TensorInfo, out, rows, *rest):
+    """Copy some rows of a tensor, and of each row the part `rest` says (a slice per further axis), into `out`
+    (tensor parallelism: a rank's part of it). `rows`: a slice, or an index array (several runs of rows,
+    as a Gated DeltaNet rank's q, k and v rows of in_proj_qkv), each run read in turn.
 
     Only the bytes of those rows are mapped, a chunk of whole rows at a time, and of each row only
-    the columns are copied: a rank never holds the whole tensor, not even mapped."""
+    its part is copied: a rank never holds the whole tensor, not even mapped."""
+    done = 0
+    for run in row_runs(rows, info.shape[0]):
+        read_rows(info, out[done:done + len(run)], run, rest)
+        done += len(run)
+    check_finite(info, out)
+
+
+def row_runs(rows, n: int) -> list[range]:
+    """A slice of range(n), or an index array, as runs of consecutive rows."""
+    if not isinstance(rows, np.ndarray):
+        return [range(*rows.indices(n))]
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    return [range(int(run[0]), int(run[-1]) + 1) for run in np.split(rows, breaks) if len(run)]
+
+
+def read_rows(info: TensorInfo, out, rows: range, rest: tuple):
+    """Rows rows.start .. rows.stop - 1 of a tensor, each cut by `rest`, into `out`."""
     xp = xp_of(out)
     stored, itemsize = STORED_DTYPES[info.dtype]
-    first, stop, _ = rows.indices(info.shape[0])
-    width = info.shape[1]
+    width = math.prod(info.shape[1:])                                                  # values per row
     step = max(1, CHUNK_BYTES // (width * itemsize))                                   # rows per chunk
-    for i in range(0, stop - first, step):
-        n = min(step, stop - first - i)
-        chunk = np.memmap(info.file, dtype=stored, mode="r", offset=info.start + (first + i) * width * itemsize,
-                          shape=(n, width))                                            # (n, in): whole rows
-        part = chunk[:, cols]                                                          # (n, its columns)
+    for i in range(0, len(rows), step):
+        n = min(step, len(rows) - i)
+        chunk = np.memmap(info.file, dtype=stored, mode="r", offset=info.start + (rows.start + i) * width * itemsize,
+                          shape=(n, *info.shape[1:]))                                  # (n, in): whole rows
+        part = chunk[(slice(None), *rest)]                                             # (n, its columns)
         if info.dtype == "BF16":
             bf16_bits_to_float32(xp.asarray(part), out[i:i + n])
         else:
             out[i:i + n] = xp.asarray(part)
         del chunk, part
-    check_finite(info, out)
 
 
 def check_finite(info: TensorInfo, out):
@@ -439,7 +456,7 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype, parts: dict | 
     Returns (weights, fused): `weights` maps each HF name to an array of its HF shape;
     `fused` holds the stacked per-layer matrices `...self_attn.qkv_proj.weight` and
     `...mlp.gate_up_proj.weight` that the HF q/k/v and gate/up entries are views of.
-    With `parts` (tensor parallelism: HF name -> (rows, columns) slices, see parallel.shards) each
+    With `parts` (tensor parallelism: HF name -> (rows, columns), see parallel.shards) each
     array holds only that part of its tensor, and only that part is read.
     """
     found = canonical_names(index_checkpoint(directory))
@@ -494,7 +511,7 @@ def allocate_weights(config: Qwen3Config, xp, dtype, shapes: dict | None = None)
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
         if config.is_moe_layer(i):
-            views.update(allocate_experts(config, p, xp, dtype, fused))
+            views.update(allocate_experts(config, p, xp, dtype, fused, shapes))
         mlp = () if config.is_moe_layer(i) else ((f"{p}.mlp.gate_up_proj.weight", ("gate_proj", "up_proj")),)
         if config.is_moe_layer(i) and config.shared_expert_intermediate_size:   # Qwen3.5-MoE: the shared expert
             mlp = ((f"{p}.mlp.shared_expert.gate_up_proj.weight", ("gate_proj", "up_proj")),)
@@ -511,11 +528,12 @@ def allocate_weights(config: Qwen3Config, xp, dtype, shapes: dict | None = None)
     return weights, fused
 
 
-def allocate_experts(config: Qwen3Config, p: str, xp, dtype, fused: dict) -> dict:
+def allocate_experts(config: Qwen3Config, p: str, xp, dtype, fused: dict, shapes: dict) -> dict:
     """Layer p's experts as two arrays in `fused` (transformers' in-memory names and layout):
     p.mlp.experts.gate_up_proj (E, 2I, D), gate_proj rows then up_proj rows of each expert, and
-    p.mlp.experts.down_proj (E, D, I). Returns each expert's HF-named views into them."""
-    E, I, D = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    p.mlp.experts.down_proj (E, D, I). Returns each expert's HF-named views into them. I is `shapes`' (a
+    tensor-parallel rank's I/N)."""
+    E, I, D = config.num_experts, shapes[f"{p}.mlp.experts.0.gate_proj.weight"][0], config.hidden_size
     gate_up = fused[f"{p}.mlp.experts.gate_up_proj"] = xp.empty((E, 2 * I, D), dtype=dtype)
     down = fused[f"{p}.mlp.experts.down_proj"] = xp.empty((E, D, I), dtype=dtype)
     views = {}

@@ -12,7 +12,7 @@ Batch names each sequence's slot). The state does not grow with the context.
 
 Shapes: L layers, N pages, P positions per page, K key/value heads (this rank's), Dh head dim,
 T tokens in a batch; Ll linear-attention layers, S state slots, W conv kernel, C convolved channels,
-Hv value heads of dv, dk key head dim.
+Hv value heads of dv (this rank's), dk key head dim.
 """
 import math
 from dataclasses import dataclass, field
@@ -36,7 +36,7 @@ class KVCache:
     """
 
     def __init__(self, config: Qwen3Config, num_pages: int, page_size: int, xp, dtype, kv_heads: int | None = None,
-                 num_slots: int = 1):
+                 num_slots: int = 1, linear_heads: tuple[int, int] | None = None):
         L, K, Dh = config.num_attention_layers, kv_heads or config.num_key_value_heads, config.head_dim   # K: this rank's
         shape = (L, num_pages, K, page_size, Dh)
         try:
@@ -47,7 +47,10 @@ class KVCache:
             raise NpqwenError(f"a KV cache of {num_pages} pages x {page_size} positions needs "
                               f"{need / 2**30:.2f} GiB, which cannot be allocated; use fewer pages") from e
         self.num_pages, self.page_size = num_pages, page_size
-        self.states = LinearStates(config, num_slots, xp, dtype) if config.hybrid else None   # linear layers'
+        self.states = LinearStates(config, num_slots, xp, dtype, linear_heads) if config.hybrid else None
+        self.snapshots: LinearStates | None = None   # the engine's snapshots of states, for prefix hits (hybrid)
+        self.state_copies: list | None = None        # tensor parallel: rank 0's copies between the two since its
+                                                     # last batch, for the other ranks to make (parallel.cache_key)
 
     def slots(self, pages, offsets):
         """Where token t's key of kv head h goes, as a row of a layer seen as (N*K*P, Dh) rows:
@@ -74,12 +77,13 @@ class KVCache:
 
 class LinearStates:
     """Every linear-attention layer's state for S sequences (slots): the convolution's last W-1 inputs
-    (Ll, S, W-1, C) and the delta rule's matrices (Ll, S, Hv, dk, dv), in (at least) float32 as HF keeps them."""
+    (Ll, S, W-1, C) and the delta rule's matrices (Ll, S, Hv, dk, dv), in (at least) float32 as HF keeps them.
+    `heads`: (Hk, Hv) of a tensor-parallel rank, whose slots hold only its own heads' states; default all."""
 
-    def __init__(self, config: Qwen3Config, num_slots: int, xp, dtype):
+    def __init__(self, config: Qwen3Config, num_slots: int, xp, dtype, heads: tuple[int, int] | None = None):
         Ll = config.num_hidden_layers - config.num_attention_layers
-        self.conv = xp.zeros((Ll, num_slots, *conv_state_shape(config)), dtype=dtype)      # (Ll, S, W-1, C)
-        self.recurrent = xp.zeros((Ll, num_slots, *recurrent_state_shape(config)),
+        self.conv = xp.zeros((Ll, num_slots, *conv_state_shape(config, heads)), dtype=dtype)   # (Ll, S, W-1, C)
+        self.recurrent = xp.zeros((Ll, num_slots, *recurrent_state_shape(config, heads)),
                                   dtype=np.promote_types(dtype, np.float32))          # (Ll, S, Hv, dk, dv)
         self.num_slots = num_slots
 
@@ -101,16 +105,23 @@ class LinearStates:
                      + math.prod(recurrent_state_shape(config)) * np.promote_types(dtype, np.float32).itemsize)
 
 
-def conv_state_shape(config: Qwen3Config) -> tuple[int, int]:
-    """(W-1, C): the last W-1 inputs of the causal convolution over q, k and v."""
-    C = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
-        config.linear_num_value_heads * config.linear_value_head_dim
+def copy_states(src: LinearStates, i: int, dst: LinearStates, j: int):
+    """Slot i of src -> slot j of dst, in every linear-attention layer."""
+    dst.conv[:, j] = src.conv[:, i]                # (Ll, W-1, C)
+    dst.recurrent[:, j] = src.recurrent[:, i]      # (Ll, Hv, dk, dv)
+
+
+def conv_state_shape(config: Qwen3Config, heads: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(W-1, C): the last W-1 inputs of the causal convolution over q, k and v (of `heads`' (Hk, Hv); default all)."""
+    Hk, Hv = heads or (config.linear_num_key_heads, config.linear_num_value_heads)
+    C = 2 * Hk * config.linear_key_head_dim + Hv * config.linear_value_head_dim
     return config.linear_conv_kernel_dim - 1, C
 
 
-def recurrent_state_shape(config: Qwen3Config) -> tuple[int, int, int]:
-    """(Hv, dk, dv): one (dk, dv) matrix per value head."""
-    return config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+def recurrent_state_shape(config: Qwen3Config, heads: tuple[int, int] | None = None) -> tuple[int, int, int]:
+    """(Hv, dk, dv): one (dk, dv) matrix per value head (of `heads`' (Hk, Hv); default all)."""
+    Hv = heads[1] if heads else config.linear_num_value_heads
+    return Hv, config.linear_key_head_dim, config.linear_value_head_dim
 
 
 class SequenceCache:
@@ -118,12 +129,13 @@ class SequenceCache:
     a KVCache whose pages hold positions 0 .. capacity - 1 in order."""
 
     def __init__(self, config: Qwen3Config, capacity: int, xp, dtype, page_size: int = 256,
-                 kv_heads: int | None = None):
+                 kv_heads: int | None = None, linear_heads: tuple[int, int] | None = None):
         if capacity > config.max_position_embeddings:
             raise NpqwenError(f"a KV cache of {capacity} positions exceeds the model's context of "
                               f"{config.max_position_embeddings} (max_position_embeddings)")
         page_size = max(1, min(page_size, capacity))
-        self.kv = KVCache(config, -(-capacity // page_size), page_size, xp, dtype, kv_heads)   # one state slot
+        self.kv = KVCache(config, -(-capacity // page_size), page_size, xp, dtype, kv_heads,   # one state slot
+                          linear_heads=linear_heads)
         self.page_table = np.arange(self.kv.num_pages)
         self.capacity = capacity
         self.length = 0                                # positions filled so far

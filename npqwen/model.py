@@ -10,8 +10,9 @@ Qwen3.5 and Qwen3-Next (hybrid) make most layers Gated DeltaNet linear attention
 npqwen/linear_attention.py: Hk key heads of dk, Hv value heads of dv, a state of (Hv, dk, dv) per sequence)
 and the rest full attention with an output gate and RoPE on part of each head; their RMSNorms scale by
 1 + weight. Qwen3.5-0.8B: D=1024, H=8, K=2, Dh=256 (64 rotated), Hk=Hv=16, dk=dv=128, 18 of 24 layers linear.
-Under tensor parallelism over N ranks (npqwen/parallel.py) H, K, F and V are this rank's share:
-H/N query heads, their key/value heads, F/N of the MLP's width, V/N of the vocabulary; D is whole.
+Under tensor parallelism over N ranks (npqwen/parallel.py) H, K, F, V, Hk and Hv are this rank's share:
+H/N query heads, their key/value heads, F/N of the MLP's width, V/N of the vocabulary, Hk/N key and Hv/N
+value heads of the linear layers (and their states); D is whole.
 
 forward: embed -> for each layer: x += attention(norm(x)); x += mlp(norm(x)) -> norm -> lm_head.
 Attention normalises q and k per head (QK-norm) *before* RoPE, rotates split halves, and
@@ -26,8 +27,9 @@ scores) and writes nothing but keys and values. `Qwen3.forward` (a list of token
 continuing a `SequenceCache`) is the same pass for a batch of one sequence.
 
 The ranks meet in five places, each one line that does nothing in one process (`self.comm` is
-then comm.SingleProcess): rank 0 shares the batch; the embedding's and each layer's o_proj and
-down_proj outputs are all-reduced (each rank holds a part of the sum); the logits are all-gathered.
+then comm.SingleProcess): rank 0 shares the batch; the embedding's and each layer's o_proj (out_proj in a
+linear-attention layer) and down_proj (the experts' sum in a sparse layer) outputs are all-reduced (each
+rank holds a part of the sum); the logits are all-gathered.
 (A recorder that asks for attention probabilities gets every rank's heads, gathered: a sixth.)
 
 `recorder`, when given, is called as recorder(name, array) with every intermediate result
@@ -78,6 +80,16 @@ def check_lm_head(model):
                           "or rerank")
 
 
+def linear_heads(config, weights: dict) -> tuple[int, int] | None:
+    """(Hk, Hv) of the weights' Gated DeltaNet layers: a rank's share under tensor parallelism (A_log has one
+    value per value head, and every rank keeps the same Hv/Hk value heads per key head); None for a Qwen3."""
+    first = next((i for i in range(config.num_hidden_layers) if config.is_linear_layer(i)), None)
+    if first is None:
+        return None
+    Hv = weights[f"model.layers.{first}.linear_attn.A_log"].shape[0]
+    return Hv * config.linear_num_key_heads // config.linear_num_value_heads, Hv
+
+
 class BatchOutput(NamedTuple):
     """What forward_batch returns for a Batch: the rows each kind of request asked for."""
     logits: object         # (len(sample_rows), V) for the rows that sample
@@ -101,15 +113,18 @@ class Qwen3:
         gate = 2 if config.hybrid else 1                # Qwen3.5's q_proj also yields the output gate
         self.heads = weights[f"{attn}.q_proj.weight"].shape[0] // Dh // gate if attn else config.num_attention_heads
         self.kv_heads = weights[f"{attn}.k_proj.weight"].shape[0] // Dh if attn else config.num_key_value_heads
+        self.linear_heads = linear_heads(config, weights)   # (Hk, Hv) of this rank's Gated DeltaNet layers
         self.vocab_start = split_range(config.vocab_size, self.comm.size, self.comm.rank).start
         inv_freq, self.rope_scale = ops.rope_frequencies(config)
         self.inv_freq = self.xp.asarray(inv_freq)      # (Dh/2,) float32
 
     def new_cache(self, capacity: int) -> SequenceCache:
-        return SequenceCache(self.config, capacity, self.xp, self.dtype, kv_heads=self.kv_heads)
+        return SequenceCache(self.config, capacity, self.xp, self.dtype, kv_heads=self.kv_heads,
+                             linear_heads=self.linear_heads)
 
     def new_kv_cache(self, num_pages: int, page_size: int, num_slots: int = 1) -> KVCache:
-        return KVCache(self.config, num_pages, page_size, self.xp, self.dtype, self.kv_heads, num_slots)
+        return KVCache(self.config, num_pages, page_size, self.xp, self.dtype, self.kv_heads, num_slots,
+                       self.linear_heads)
 
     def forward(self, token_ids, cache: SequenceCache | None = None, last_only: bool = False, recorder=None,
                 lora=None):
@@ -122,7 +137,8 @@ class Qwen3:
         ids = self._check_ids(token_ids, cache)
         T = len(ids)
         if cache is None:   # attention still reads keys from pages: one page that holds just these tokens
-            cache = SequenceCache(self.config, T, self.xp, self.dtype, page_size=T, kv_heads=self.kv_heads)
+            cache = SequenceCache(self.config, T, self.xp, self.dtype, page_size=T, kv_heads=self.kv_heads,
+                                  linear_heads=self.linear_heads)
         start = cache.length
         batch = Batch(ids, [start], [T], [cache.page_table], cache.kv.page_size,
                       sample_rows=np.array([T - 1]) if last_only else np.arange(T), loras=[lora])
@@ -242,8 +258,8 @@ class Qwen3:
         kv.states; a prompt's tokens run the chunked form, decoding sequences one batched recurrent step.
         Takes the arguments self_attn takes; each adapter adds to its rows after each projection, as in self_attn."""
         cfg, W, p, xp = self.config, self.weights, f"model.layers.{i}.linear_attn", self.xp
-        T, heads = x.shape[0], (cfg.linear_num_key_heads, cfg.linear_key_head_dim,
-                                cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+        (Hk, Hv), T = self.linear_heads, x.shape[0]   # this rank's heads (all of them in one process)
+        heads = (Hk, cfg.linear_key_head_dim, Hv, cfg.linear_value_head_dim)
         Hv, dv = heads[2:]
         conv, state = kv.states.conv[cfg.cache_index(i)], kv.states.recurrent[cfg.cache_index(i)]   # (S, ...)
         # the four input projections: q, k, v (convolved together), the output gate z, beta and the decay
@@ -282,6 +298,7 @@ class Qwen3:
         h = out.reshape(T, Hv * dv)                                             # (T, Hv*dv): the heads side by side
         out = ops.linear(h, W[f"{p}.out_proj.weight"])                          # (T, Hv*dv) -> (T, D)
         out = lora.add(out, h, loras, f"{p}.out_proj")                          # + scale * B A x, each adapter's rows
+        out = self.comm.all_reduce(out)                                         # the sum of every rank's heads
         return recorder(f"{p}.out_proj", out)
 
     def attention(self, q, keys, values, batch: Batch, want_probs: bool = False):
@@ -327,6 +344,7 @@ class Qwen3:
         chosen, weights = recorder(f"{p}.gate.top_k_index", chosen), recorder(f"{p}.gate.top_k_weights", weights)
         out = moe.experts(x, chosen, weights, self.fused[f"{p}.experts.gate_up_proj"],
                           self.fused[f"{p}.experts.down_proj"])                  # (T, D)
+        out = self.comm.all_reduce(out)                                         # the sum of every rank's width
         out = recorder(f"{p}.experts", out)
         if cfg.shared_expert_intermediate_size:   # Qwen3.5-MoE: a shared expert every token runs, sigmoid-gated
             gate = ops.linear(x, self.weights[f"{p}.shared_expert_gate.weight"])   # (T, 1), before its sigmoid

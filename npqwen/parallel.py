@@ -11,6 +11,14 @@ The split, by HF name (Megatron-LM's, as vLLM, SGLang, nano-vllm and mini-sglang
                              others give zeros: an all-reduce), and each rank computes the logits of
                              its V/N tokens (an all-gather)
     norms                    on every rank, whole
+A Qwen3.5 model splits its two kinds of layer by heads as well:
+    self_attn.q_proj         each query head's Dh query rows and the Dh rows of its output gate, together
+    linear_attn.in_proj_qkv  rank r's Hk/N key heads' q rows and k rows, and its Hv/N value heads' v rows
+                             (a key head's Hv/Hk value heads stay with it); conv1d's channels the same way
+    in_proj_z, in_proj_b, in_proj_a, A_log, dt_bias   the rows of its value heads
+    out_proj                 row-parallel: the columns of its value heads; one all-reduce
+    in_proj_qkvz, in_proj_ba Qwen3-Next's, whose rows come grouped by key head: its key heads' groups
+and each rank's state slots hold only its own heads' states (kv_cache.LinearStates).
 So a decoder layer costs two all-reduces of (T, D); why the parts add up to the whole product is in
 docs/parallel.md. The rule goes by the name's ending and the tensor's own shape, so a Qwen3-MoE
 expert's gate_proj / up_proj / down_proj are split by their width in the same way (every rank
@@ -39,6 +47,7 @@ import numpy as np
 
 from .comm import GroupFailed, MPICommunicator, SingleProcess
 from .errors import NpqwenError
+from .kv_cache import LinearStates, copy_states
 
 MAX_ERROR_BYTES = 2000   # of a rank's load error, as the other ranks see it
 
@@ -56,13 +65,8 @@ def check_split(config, n: int):
     H, K = config.num_attention_heads, config.num_key_value_heads
     if n < 1:
         raise NpqwenError(f"the tensor-parallel size must be >= 1, got {n}")
-    if n > 1 and getattr(config, "hybrid", False):
-        raise NpqwenError("tensor parallelism does not split Qwen3.5's / Qwen3-Next's linear-attention layers yet "
-                          "(their heads and per-request states would be split as attention heads are); run this "
-                          "checkpoint in one process (tensor-parallel size 1)")
-    if n > 1 and getattr(config, "num_experts", 0):
-        raise NpqwenError(f"tensor parallelism does not split Qwen3-MoE's experts yet ({config.num_experts} experts); "
-                          f"run this checkpoint in one process (tensor-parallel size 1)")
+    if getattr(config, "hybrid", False):
+        check_linear_split(config, n)
     if H % n:
         raise NpqwenError(f"a tensor-parallel size of {n} does not split the model's {H} query heads "
                           f"(num_attention_heads) evenly; use a divisor of {H}: "
@@ -71,6 +75,33 @@ def check_split(config, n: int):
         raise NpqwenError(f"a tensor-parallel size of {n} splits the {H} query heads but not the {K} key/value "
                           f"heads (num_key_value_heads): neither divides the other, so a key/value head would "
                           f"serve query heads on two ranks; use a size that divides {K} or a multiple of it")
+
+
+def check_linear_split(config, n: int):
+    """A Gated DeltaNet layer splits by whole heads: Hk and Hv multiples of N (a key head's Hv/Hk value heads
+    then stay on its rank)."""
+    for field in ("linear_num_key_heads", "linear_num_value_heads"):
+        heads = getattr(config, field)
+        if heads % n:
+            raise NpqwenError(f"a tensor-parallel size of {n} does not split the model's {heads} linear-attention "
+                              f"{'key' if 'key' in field else 'value'} heads ({field}) evenly; use a size that "
+                              f"divides both linear_num_key_heads ({config.linear_num_key_heads}) and "
+                              f"linear_num_value_heads ({config.linear_num_value_heads})")
+
+
+def linear_heads_of(config, n: int, r: int) -> tuple[range, range]:
+    """(key heads, value heads) of rank r of n in a Gated DeltaNet layer: Hk/n and Hv/n consecutive ones, so
+    value head h's key head h // (Hv/Hk) is on the same rank."""
+    return (split_range(config.linear_num_key_heads, n, r), split_range(config.linear_num_value_heads, n, r))
+
+
+def linear_qkv_rows(config, n: int, r: int) -> np.ndarray:
+    """Rank r's rows of in_proj_qkv (and channels of conv1d), laid out [q (Hk*dk) | k (Hk*dk) | v (Hv*dv)]:
+    its key heads' q rows, their k rows, its value heads' v rows, in that order."""
+    Hk, dk, dv = config.linear_num_key_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    keys, values = linear_heads_of(config, n, r)
+    q = np.arange(keys.start * dk, keys.stop * dk)
+    return np.concatenate([q, Hk * dk + q, 2 * Hk * dk + np.arange(values.start * dv, values.stop * dv)])
 
 
 def heads_of(config, n: int, r: int) -> tuple[range, range]:
@@ -85,9 +116,15 @@ def heads_of(config, n: int, r: int) -> tuple[range, range]:
 
 
 def shards(config, shapes: dict, n: int, r: int) -> dict[str, tuple[slice, ...]]:
-    """What rank r of n keeps of each tensor (HF name -> HF shape): a slice per axis (rows, columns)."""
+    """What rank r of n keeps of each tensor (HF name -> HF shape): a slice per axis (rows, columns); rows
+    are an index array where they come in several runs (a Gated DeltaNet's q, k and v)."""
     Dh, every = config.head_dim, slice(None)
     q, kv = heads_of(config, n, r)
+    Q = Dh * (2 if getattr(config, "hybrid", False) else 1)   # rows per query head: Qwen3.5's also hold its gate
+    if getattr(config, "hybrid", False):
+        keys, values = linear_heads_of(config, n, r)
+        qkv, dv = linear_qkv_rows(config, n, r), config.linear_value_head_dim
+        group = 2 * config.linear_key_head_dim + 2 * dv * len(values) // len(keys)   # Qwen3-Next: rows per key head
 
     def of(r_: range) -> slice:
         return slice(r_.start, r_.stop)
@@ -95,7 +132,7 @@ def shards(config, shapes: dict, n: int, r: int) -> dict[str, tuple[slice, ...]]
     parts = {}
     for name, shape in shapes.items():
         if name.endswith("q_proj.weight"):
-            parts[name] = (slice(q.start * Dh, q.stop * Dh), every)                   # its query heads' rows
+            parts[name] = (slice(q.start * Q, q.stop * Q), every)                     # its query heads' rows
         elif name.endswith(("k_proj.weight", "v_proj.weight")):
             parts[name] = (slice(kv.start * Dh, kv.stop * Dh), every)                 # its key/value heads' rows
         elif name.endswith("o_proj.weight"):
@@ -104,6 +141,19 @@ def shards(config, shapes: dict, n: int, r: int) -> dict[str, tuple[slice, ...]]
             parts[name] = (of(split_range(shape[0], n, r)), every)                    # a slice of the width
         elif name.endswith("down_proj.weight"):
             parts[name] = (every, of(split_range(shape[1], n, r)))                    # the same slice, as columns
+        elif name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            parts[name] = (qkv, every)                                                # its heads' q, k, v rows
+        elif name.endswith("in_proj_qkvz.weight"):   # Qwen3-Next: [q, k, v, z] of each key head, in turn
+            parts[name] = (slice(keys.start * group, keys.stop * group), every)       # its key heads' groups
+        elif name.endswith("in_proj_ba.weight"):     # ... and [b, a] of each key head (2 Hv/Hk rows)
+            rows = 2 * len(values) // len(keys)
+            parts[name] = (slice(keys.start * rows, keys.stop * rows), every)
+        elif name.endswith("in_proj_z.weight"):
+            parts[name] = (slice(values.start * dv, values.stop * dv), every)         # its value heads' rows
+        elif name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+            parts[name] = (slice(values.start, values.stop),) + (every,) * (len(shape) - 1)   # one per value head
+        elif name.endswith("out_proj.weight"):
+            parts[name] = (every, slice(values.start * dv, values.stop * dv))         # its value heads' columns
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             parts[name] = (of(split_range(shape[0], n, r)), every)                    # a slice of the vocabulary
         else:
@@ -111,9 +161,10 @@ def shards(config, shapes: dict, n: int, r: int) -> dict[str, tuple[slice, ...]]
     return parts
 
 
-def shard_shape(shape: tuple, part: tuple[slice, slice]) -> tuple:
-    """The shape of a tensor's part."""
-    return tuple(len(range(*s.indices(d))) for s, d in zip(part, shape)) + tuple(shape[len(part):])
+def shard_shape(shape: tuple, part: tuple) -> tuple:
+    """The shape of a tensor's part (a slice or an index array per axis)."""
+    return tuple(len(s) if isinstance(s, np.ndarray) else len(range(*s.indices(d))) for s, d in zip(part, shape)) \
+        + tuple(shape[len(part):])
 
 
 def communicator(tensor_parallel, device: str):
@@ -173,13 +224,19 @@ def share_batch(model, batch, kv, recording: bool):
 
 
 def cache_key(comm, kv) -> tuple:
-    """(key, pages, page size, keys of caches rank 0 has let go of): how the followers find their copy."""
+    """(key, pages, page size, state slots, snapshot slots, keys of caches rank 0 has let go of, its copies
+    between state slots and snapshots since the last batch): how the followers find and keep their copy."""
     key = comm.kv_keys.get(kv)
     if key is None:
         key = comm.kv_keys[kv] = next(comm.kv_counter)
         weakref.finalize(kv, lambda k=key: comm.freed.append(k))
     freed, comm.freed = comm.freed, []
-    return key, kv.num_pages, kv.page_size, freed
+    copies = list(kv.state_copies or ())
+    if kv.state_copies:
+        kv.state_copies.clear()
+    slots = kv.states.num_slots if kv.states is not None else 1
+    snapshots = kv.snapshots.num_slots if kv.snapshots is not None else 0
+    return key, kv.num_pages, kv.page_size, slots, snapshots, freed, copies
 
 
 def follow(model) -> tuple[str, object]:
@@ -191,12 +248,17 @@ def follow(model) -> tuple[str, object]:
         while True:
             kind, *rest = comm.broadcast(patient=True)
             if kind == "batch":
-                batch, (key, pages, page_size, freed), recording = rest
+                batch, (key, pages, page_size, slots, snapshots, freed, copies), recording = rest
                 for k in freed:
                     comm.caches.pop(k, None)
                 kv = comm.caches.get(key)
-                if kv is None:   # the same pages as rank 0's cache, for this rank's heads
-                    kv = comm.caches[key] = model.new_kv_cache(pages, page_size)
+                if kv is None:   # the same pages (and state slots) as rank 0's cache, for this rank's heads
+                    kv = comm.caches[key] = model.new_kv_cache(pages, page_size, slots)
+                    kv.snapshots = LinearStates(model.config, snapshots, model.xp, model.dtype,
+                                                model.linear_heads) if snapshots else None
+                for what, i, j in copies:   # rank 0's prefix cache saved (slot i -> snapshot j) or restored states
+                    src, dst = (kv.states, kv.snapshots) if what == "save" else (kv.snapshots, kv.states)
+                    copy_states(src, i, dst, j)
                 model.forward_batch(batch, kv, keep_nothing if recording else None)
             elif kind in ("end", "stop"):
                 return kind, rest

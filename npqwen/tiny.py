@@ -16,7 +16,7 @@ Qwen3-Reranker do (their weights random too, so their vectors and scores are mea
 normalised, a "query" prompt) and its tokenizer appends <|endoftext|>; `tiny-reranker` is a
 CrossEncoder whose tokenizer has the "yes" and "no" tokens the reranker's question is answered with.
 Which command takes which: embed `tiny-embedding` (any of them embeds), rerank `tiny-reranker`,
-every other command `tiny`, `tiny-moe` or `tiny-qwen3.5` (which, as Qwen3.5 models, parallel refuses).
+every other command `tiny`, `tiny-moe` or `tiny-qwen3.5`.
 """
 from importlib import resources
 

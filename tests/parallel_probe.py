@@ -7,8 +7,8 @@ tokens first, then this process's peak RSS (weights + KV pages: nothing large ha
 yet), then the logits of every position of a prompt of each length. Unless --heavy (the exact
 Qwen3-0.6B shape, where only those are checked): a seeded sampled run, a batched engine run that
 reads prompts in chunks over small pages and preempts, a stream, a forward over an explicit cache
-(prefill then one token), the attention probabilities a recorder sees, embeddings and two tokens'
-scores (prefill-only requests), and an error.
+(prefill then one token), the attention probabilities a recorder sees (and a hybrid model's out_proj),
+embeddings and two tokens' scores (prefill-only requests), and an error.
 """
 import argparse
 import json
@@ -70,10 +70,15 @@ def probe_more(llm, V, out):
     cache = llm.new_cache(64)
     first = prefill(llm.model, prompt(30, V), cache, chunk=12)
     out["cache_logits"] = np.stack([first, decode_one_token(llm.model, int(first.argmax()), cache)])
-    trace = Trace(layers=[1])
+    cfg = llm.config   # a recorder in layer 1, or a hybrid model's first full-attention layer and layer 0
+    full = next(i for i in range(1, cfg.num_hidden_layers) if not cfg.is_linear_layer(i))
+    trace = Trace(layers=[0, full] if cfg.hybrid else [full])
     llm.forward(prompt(6, V), recorder=trace)
-    out["attn_probs"] = trace["model.layers.1.self_attn.attn_probs"]
-    out["o_proj"] = trace["model.layers.1.self_attn.o_proj"]
+    out["attn_probs"] = trace[f"model.layers.{full}.self_attn.attn_probs"]
+    out["o_proj"] = trace[f"model.layers.{full}.self_attn.o_proj"]
+    if cfg.hybrid:
+        out["out_proj"] = trace["model.layers.0.linear_attn.out_proj"]
+        prefix_hits(llm, V, out)
     out["embed"] = llm.embed([prompt(n, V, seed=2) for n in (1, 9, 40)])   # prefill-only requests: pooled states
     scoring = [engine.new_scoring_request(prompt(n, V, seed=4), [3, V - 1]) for n in (6, 30)]
     out["scores"] = np.stack([o.scores for o in llm.run_prefill_only(scoring, engine)])   # lm_head rows of two ranks
@@ -82,6 +87,20 @@ def probe_more(llm, V, out):
         out["error"] = ""
     except npqwen.NpqwenError as e:
         out["error"] = str(e)
+
+
+def prefix_hits(llm, V, out):
+    """Requests that share a 40-token prefix, one after another: the later ones start from the first's pages
+    and, in a hybrid model, from the snapshot of its states at the prefix's end (rank 0's copies, made on
+    every rank)."""
+    engine = Engine(llm, kv_cache_tokens=160, page_size=8, max_batch_size=2, max_batched_tokens=64)
+    shared, tokens = prompt(40, V, seed=5), []
+    for n in (3, 7, 5):
+        request = engine.add_request(shared + prompt(n, V, seed=6), max_new_tokens=6, temperature=0)
+        while engine.has_unfinished():
+            tokens += [o.result.token_ids for o in engine.step() if o.finished and o.request_id == request]
+    out["prefix_hits"] = np.concatenate(tokens)
+    out["prefix_hit_stats"] = json.dumps(engine.stats)
 
 
 if __name__ == "__main__":

@@ -76,8 +76,18 @@ def test_a_gated_q_proj_of_the_wrong_size_names_the_field(checkpoint, tmp_path):
         npqwen.load(path)
 
 
-def test_tensor_parallelism_refuses_hybrid_models_and_says_why():
+def test_tensor_parallelism_refuses_sizes_that_do_not_split_the_linear_heads_and_says_why():
+    """2 ranks split Hk=2 key heads and Hv=4 value heads; 4 ranks do not (the key heads), in Qwen3.5 and in the
+    mixtures of experts (Qwen3.5-MoE, Qwen3-Next) alike."""
+    from hybrid_checkpoints import hybrid_moe_config, qwen3_next_config
+
     from npqwen.parallel import check_split
 
-    with pytest.raises(NpqwenError, match=r"does not split Qwen3.5's / Qwen3-Next's linear-attention layers yet"):
-        check_split(Qwen3Config.from_dict(config()), 2)
+    for raw in (config(), hybrid_moe_config(), qwen3_next_config()):
+        raw.pop("rope_parameters", None)
+        check_split(Qwen3Config.from_dict(raw), 2)
+        with pytest.raises(NpqwenError, match=r"a tensor-parallel size of 4 does not split the model's 2 "
+                                              r"linear-attention key heads \(linear_num_key_heads\) evenly; use a "
+                                              r"size that divides both linear_num_key_heads \(2\) and "
+                                              r"linear_num_value_heads \(4\)"):
+            check_split(Qwen3Config.from_dict(raw), 4)

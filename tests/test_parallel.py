@@ -1,6 +1,7 @@
 """Tensor parallelism: the split itself, and the model over 2 (or 4) MPI ranks in subprocesses
 (mpiexec) against one process: logits, greedy and seeded tokens, the batched engine, the commands,
-the server, and what happens when a rank dies, hangs or cannot load its part."""
+the server, and what happens when a rank dies, hangs or cannot load its part; and Qwen3.5 (hybrid) models,
+whose linear-attention heads and state slots are split too."""
 import json
 import os
 import signal
@@ -223,6 +224,115 @@ def test_a_stuck_rank_makes_the_collective_time_out(tmp_path):
     assert time.monotonic() - started < 30
     assert "rank 0: tensor parallel: rank 0 waited 2 s for an all-reduce" in result.stdout, result.stdout
     assert result.returncode != 0
+
+
+# ---------------------------------------------------------------------------- hybrid models (Qwen3.5) over 2 ranks
+
+def test_a_hybrid_model_splits_whole_linear_heads_and_its_states():
+    """Qwen3.5 at a small size (Hk=2 key heads of 16, Hv=4 value heads of 8; H=4, K=2 of Dh 32) over 2 ranks:
+    every element held once (norms by both), each rank's q, k, v rows of in_proj_qkv, and its state slots'
+    shapes (its own heads only)."""
+    from hybrid_checkpoints import hybrid_config
+
+    from npqwen.tiny import tiny_model
+
+    cfg = Qwen3Config.from_dict({k: v for k, v in hybrid_config().items() if k != "rope_parameters"})
+    shapes = expected_shapes(cfg)
+    parts = [shards(cfg, shapes, 2, r) for r in range(2)]
+    for name, shape in shapes.items():
+        held = np.zeros(shape, dtype=np.int32)
+        for part in parts:
+            held[part[name]] += 1
+        assert (held == (2 if name.endswith("norm.weight") else 1)).all(), name
+    p = "model.layers.0.linear_attn"
+    rows = parts[1][p + ".in_proj_qkv.weight"][0]   # q rows 0..31, k rows 32..63, v rows 64..95
+    assert rows.tolist() == [*range(16, 32), *range(48, 64), *range(80, 96)]
+    assert [shard_shape(shapes[p + n], parts[1][p + n]) for n in (".conv1d.weight", ".in_proj_z.weight", ".A_log",
+                                                                   ".in_proj_b.weight", ".out_proj.weight")] \
+        == [(48, 1, 4), (16, 64), (2,), (2, 64), (64, 16)]
+    q = "model.layers.3.self_attn.q_proj.weight"   # each head's 32 query rows and 32 gate rows, together
+    assert parts[1][q][0] == slice(128, 256)
+    rank_1 = tiny_model(name="tiny-qwen3.5", comm=type("Rank1", (), {"size": 2, "rank": 1})())
+    states = rank_1.new_kv_cache(2, 8, num_slots=3).states   # tiny-qwen3.5: Hk=2, Hv=4 of dk=dv=8, 3 linear layers
+    assert rank_1.linear_heads == (1, 2)
+    assert states.conv.shape == (3, 3, 3, 2 * 8 + 2 * 8) and states.recurrent.shape == (3, 3, 2, 8, 8)
+
+
+@pytest.fixture(scope="module")
+def hybrid_dirs(tmp_path_factory):
+    """Random Qwen3.5, Qwen3.5-MoE and Qwen3-Next saved by transformers, each made when first asked for:
+    Hk=2, Hv=4, an untied lm_head and a vocabulary 2 does not divide (the mixtures: 8 experts of width 16,
+    a shared expert of 24)."""
+    pytest.importorskip("transformers")
+    import hybrid_checkpoints as hc
+
+    made = {}
+
+    def get(which):
+        if which not in made:
+            config = {"qwen3.5": hc.hybrid_config, "qwen3.5-moe": hc.hybrid_moe_config,
+                      "qwen3-next": hc.qwen3_next_config}
+            made[which] = hc.build_hybrid_checkpoint(tmp_path_factory.mktemp(which) / "model",
+                                                     config[which](tie_word_embeddings=False, vocab_size=509))
+        return made[which]
+    return get
+
+
+def two_ranks_as_one(model, tmp_path) -> list[dict]:
+    """The probe in one process and on 2 ranks: logits within 1e-5 relative, everything else as assert_same."""
+    one = probe(model, tmp_path / "one")[0]
+    ranks = probe(model, tmp_path / "tp", 2)
+    for key in (k for k in one if k.startswith("logits_")):
+        relative = float(np.abs(ranks[0][key] - one[key]).max() / np.abs(one[key]).max())
+        print(f"{key}: relative max |diff| {relative:.2e}")
+        assert relative <= 1e-5, (key, relative)
+    assert_same(one, ranks, 1e-4)
+    return ranks
+
+
+@pytest.mark.parametrize("which", ["tiny-qwen3.5", "qwen3.5", "qwen3.5-moe", "qwen3-next"])
+def test_hybrid_two_ranks_compute_what_one_process_does(which, hybrid_dirs, tmp_path):
+    """Logits, greedy and seeded tokens, the batched engine (state slots, chunked prefill, preemption), prefix
+    hits that restore state snapshots, streams, an explicit cache, a recorder: 2 ranks as one process."""
+    model = which if which == "tiny-qwen3.5" else hybrid_dirs(which)
+    ranks = two_ranks_as_one(model, tmp_path)
+    shapes = [json.loads(str(r["shapes"])) for r in ranks]
+    cfg = npqwen.load(model).config
+    p = "model.layers.0.linear_attn"
+    Hk, dk, Hv, dv = (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads,
+                      cfg.linear_value_head_dim)
+    C = 2 * Hk * dk + Hv * dv   # q, k, v rows; Qwen3-Next's one matrix also holds z
+    rows = shapes[1][p + ".in_proj_qkvz.weight"][0] if cfg.qwen3_next else shapes[1][p + ".in_proj_qkv.weight"][0]
+    assert rows == (C + Hv * dv * cfg.qwen3_next) // 2 and shapes[1][p + ".A_log"] == [Hv // 2]
+    assert shapes[0][p + ".out_proj.weight"] == [cfg.hidden_size, Hv * dv // 2]
+    if cfg.num_experts:   # every rank a slice of every expert's width
+        assert shapes[1]["model.layers.0.mlp.experts.7.down_proj.weight"] == [cfg.hidden_size, 8]
+    stats = json.loads(str(ranks[0]["engine_stats"]))
+    print("batched engine run:", stats)
+    assert stats["preemptions"] > 0                                            # a preempted request restarted
+    stats = json.loads(str(ranks[0]["prefix_hit_stats"]))
+    print("prefix-hit engine run:", stats)
+    assert stats["prefix_cache_hit_tokens"] > 0 and stats["state_snapshots"] > 0   # restored on both ranks
+
+
+def test_a_qwen3_moe_over_two_ranks_splits_every_expert_by_width(tmp_path):
+    """tiny-moe (8 experts of width 24, 2 per token): each rank holds 12 of every expert's width; one
+    all-reduce after the sum over the experts."""
+    ranks = two_ranks_as_one("tiny-moe", tmp_path)
+    shapes = json.loads(str(ranks[1]["shapes"]))
+    assert shapes["model.layers.1.mlp.experts.5.gate_proj.weight"] == [12, 16]
+    assert shapes["model.layers.1.mlp.experts.5.down_proj.weight"] == [16, 12]
+    assert shapes["model.layers.1.mlp.gate.weight"] == [8, 16]                    # the router, whole
+
+
+def test_hybrid_generate_prints_what_one_process_prints_and_bad_sizes_are_refused():
+    args = ("generate", "--model", "tiny-qwen3.5", "--raw", "-t", "0", "-n", "24", "-p", "The cat sat on")
+    one, two = npqwen_cli(*args), npqwen_cli(*args, tp=2)
+    assert two.returncode == 0, two.stderr
+    assert two.stdout == one.stdout and len(one.stdout) > 10
+    four = npqwen_cli(*args, tp=4)   # 4 ranks do not split its 2 linear-attention key heads
+    assert four.returncode == 1 and four.stderr.count("npqwen: error:") == 1 and "Traceback" not in four.stderr
+    assert "does not split the model's 2 linear-attention key heads (linear_num_key_heads)" in four.stderr, four.stderr
 
 
 # ---------------------------------------------------------------------------- the server over 2 ranks

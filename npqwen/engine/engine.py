@@ -74,12 +74,16 @@ class Engine:
         self.page_size = page_size
         self.kv = KVCache(self.config, kv_cache_tokens // page_size, page_size, self.model.xp, self.model.dtype,
                           getattr(self.model, "kv_heads", None),   # this rank's heads (a stand-in model: all)
-                          num_slots=max_batch_size if hybrid else 1)
+                          num_slots=max_batch_size if hybrid else 1,
+                          linear_heads=getattr(self.model, "linear_heads", None))   # ... of the linear layers
         self.pool = PagePool(self.kv.num_pages)
         # A hybrid model's prefix hit also needs its linear layers' states at the end of the shared prefix:
         # without snapshots of them (state_snapshots=0) it has no prefix cache.
-        snapshot_pool = StateSnapshots(self.kv.states, LinearStates(self.config, snapshots, self.model.xp,
-                                                                     self.model.dtype)) if snapshots else None
+        if snapshots:   # (tensor parallel: this rank's heads; its copies logged for the other ranks to make)
+            self.kv.snapshots = LinearStates(self.config, snapshots, self.model.xp, self.model.dtype,
+                                             getattr(self.model, "linear_heads", None))
+            self.kv.state_copies = [] if self.llm.comm.size > 1 else None
+        snapshot_pool = StateSnapshots(self.kv.states, self.kv.snapshots, self.kv.state_copies) if snapshots else None
         self.cache = PrefixCache(self.pool, page_size, enabled=prefix_cache and (snapshots > 0 or not hybrid),
                                  snapshots=snapshot_pool)
         self.states = StateSlots(max_batch_size) if hybrid else None

@@ -15,12 +15,13 @@ with their page when the prefix cache evicts it. vLLM keeps its hybrid models' s
 from collections import OrderedDict
 
 from ..errors import NpqwenError
-from ..kv_cache import LinearStates
+from ..kv_cache import LinearStates, copy_states
 
 
 class StateSnapshots:
-    def __init__(self, states: LinearStates, store: LinearStates):
+    def __init__(self, states: LinearStates, store: LinearStates, log: list | None = None):
         self.states, self.store = states, store   # the requests' state slots; the snapshots' own slots
+        self.log = log   # tensor parallel: each copy, for the other ranks to make too (parallel.cache_key); None: none
         self.num_slots = store.num_slots
         self.by_hash: OrderedDict[int, int] = OrderedDict()   # page chain hash -> snapshot slot, oldest use first
         self.free = list(range(self.num_slots - 1, -1, -1))
@@ -39,12 +40,18 @@ class StateSnapshots:
         else:
             _, k = self.by_hash.popitem(last=False)
         copy_states(self.states, slot, self.store, k)
+        self.logged("save", slot, k)
         self.by_hash[page_hash] = k
 
     def restore(self, page_hash: int, slot: int):
         """Fill state slot `slot` with the snapshot of the prefix that ends with page `page_hash`."""
         self.by_hash.move_to_end(page_hash)
         copy_states(self.store, self.by_hash[page_hash], self.states, slot)
+        self.logged("restore", self.by_hash[page_hash], slot)
+
+    def logged(self, kind: str, i: int, j: int):
+        if self.log is not None:
+            self.log.append((kind, i, j))
 
     def drop(self, page_hash: int):
         """The prefix cache forgot this page: its snapshot goes too."""
@@ -67,9 +74,3 @@ class StateSnapshots:
         unknown = [h for h in self.by_hash if h not in known_hashes]
         if unknown:
             raise NpqwenError(f"state snapshots of {len(unknown)} pages the prefix cache no longer knows")
-
-
-def copy_states(src: LinearStates, i: int, dst: LinearStates, j: int):
-    """Slot i of src -> slot j of dst, in every linear-attention layer."""
-    dst.conv[:, j] = src.conv[:, i]                # (Ll, W-1, C)
-    dst.recurrent[:, j] = src.recurrent[:, i]      # (Ll, Hv, dk, dv)
