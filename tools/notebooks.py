@@ -10,7 +10,8 @@ two cannot drift apart). Its ```python blocks are the code cells; every other bl
 This reads it, executes it on a fresh python3 kernel (nbclient) in a temporary directory, with this
 checkout's npqwen first on the kernel's path, and writes notebooks/NN-name.ipynb with every output,
 pictures included. The saved file is stable across re-runs: cell ids are numbered, timing metadata is
-dropped. A cell that fails stops that notebook with the cell and its error, and nothing is written for it.
+dropped, a cell's printing is one piece per stream (only what a lesson measures, such as a time, changes).
+A cell that fails stops that notebook with the cell and its error, and nothing is written for it.
 tests/test_notebooks.py checks that each .ipynb holds the cells its source makes, and runs every lesson.
 """
 import argparse
@@ -118,9 +119,20 @@ def execute(nb: nbformat.NotebookNode, name: str, cwd: Path, timeout: int = CELL
 
 
 def stable(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """Drop what changes between runs of the same lesson: each cell's execution timestamps."""
+    """Drop what changes between runs of the same lesson: each cell's execution timestamps, and where
+    the kernel happened to flush a cell's printing (consecutive stdout or stderr pieces become one)."""
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
+        outputs = []
+        for out in cell.get("outputs", []):
+            last = outputs[-1] if outputs else None
+            if out.output_type == "stream" and last is not None and last.output_type == "stream" \
+                    and last.name == out.name:
+                last.text += out.text
+            else:
+                outputs.append(out)
+        if cell.cell_type == "code":
+            cell.outputs = outputs
     return nb
 
 
