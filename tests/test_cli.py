@@ -607,3 +607,21 @@ def test_control_characters_are_escaped_on_a_terminal_only(monkeypatch, tty):
     monkeypatch.setattr(sys, "stdout", out)
     write_out("a\x1b[2J\tb\x07\r\x9b\x7f\n")
     assert out.getvalue() == ("a\\x1b[2J\tb\\x07\\x0d\\x9b\\x7f\n" if tty else "a\x1b[2J\tb\x07\r\x9b\x7f\n")
+
+
+def test_steering_mistakes_are_named_by_their_options(tmp_path):
+    """A --steer vector, layer or scale the loaded model cannot take: one line naming the option (not the
+    request body's steering[0] fields), exit code 1 and no traceback, for generate and chat."""
+    import numpy as np
+
+    np.save(tmp_path / "short.npy", np.ones(3, np.float32))
+    np.save(tmp_path / "good.npy", np.ones(16, np.float32))
+    cases = [(["--steer", tmp_path / "good.npy", "--steer-layer", "7"], "--steer-layer must be a layer from 0 to 1"),
+             (["--steer", tmp_path / "short.npy", "--steer-layer", "0"],
+              f"--steer {tmp_path / 'short.npy'}: the vector must have 16 values"),
+             (["--steer", tmp_path / "good.npy", "--steer-layer", "0", "--steer-scale", "nan"],
+              "--steer-scale must be a finite number")]
+    for command in (["generate", "-p", "Hi"], ["chat"]):
+        for options, message in cases:
+            code, out, err = run(*command, "--model", "tiny", "-n", "2", *map(str, options), stdin=b"")
+            assert code == 1 and message in err and "Traceback" not in err and "steering[0]" not in err, err

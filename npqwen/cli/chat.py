@@ -9,7 +9,7 @@ from ..errors import NpqwenError
 from .common import (OutputError, checked_text, chosen_lora, command_line_params, constraint_options, load_model,
                      lora_options, model_options, print_stats, sampling_options, steering_options, stream_to_stdout,
                      system_messages, write_out)
-from .common import command_line_steering
+from .common import checked_command_line_steering, command_line_steering
 from .parallel import add_option
 
 
@@ -41,6 +41,7 @@ def cmd_chat(args) -> int:
     steering = command_line_steering(args)
     lora = chosen_lora(args)
     llm, _ = load_model(args, chat_template=True)
+    steering = checked_command_line_steering(steering, llm, args)
     history = list(system)
     line_editing()
     from ..tiny import BUILTIN

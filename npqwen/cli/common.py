@@ -159,6 +159,24 @@ def command_line_steering(args):
     return [{"layer": args.steer_layer, "vector": vector, "scale": args.steer_scale}]
 
 
+def checked_command_line_steering(steering, llm, args):
+    """The command line's steering checked against the loaded model, its mistakes named by their options
+    (check_steering names the fields of a request body: steering[0].layer, .vector, .scale)."""
+    from ..steering import check_steering
+
+    if steering is None:
+        return None
+    try:
+        return check_steering(steering, llm.config)
+    except NpqwenError as e:
+        options = {"steering[0].layer": "--steer-layer", "steering[0].vector": f"--steer {args.steer}: the vector",
+                   "steering[0].scale": "--steer-scale"}
+        message = str(e)
+        for field, option in options.items():
+            message = message.replace(field, option)
+        raise NpqwenError(message) from None
+
+
 def constraint_options() -> argparse.ArgumentParser:
     """--json-schema, --regex, --choice, --grammar (at most one): a parent parser for generate and chat."""
     options = argparse.ArgumentParser(add_help=False)

@@ -12,7 +12,7 @@ from .common import (CONSTRAINT_FIELDS, ENGINE_SIZES, SAMPLING_FIELDS, add_engin
                      jsonl_objects, load_model, lora_options, model_options, peak_rss_bytes, print_stats,
                      read_input_file, sampling_options,
                      stream_to_stdout, system_messages, write_out)
-from .common import command_line_steering, steering_options
+from .common import checked_command_line_steering, command_line_steering, steering_options
 from .parallel import add_option
 from .progress import Progress
 
@@ -58,6 +58,7 @@ def cmd_generate(args) -> int:
     steering = command_line_steering(args)
     lora = chosen_lora(args)
     llm, load_seconds = load_model(args, chat_template=not args.raw)
+    steering = checked_command_line_steering(steering, llm, args)
     if not args.raw:
         prompt = llm.chat_prompt(system + [{"role": "user", "content": prompt}], enable_thinking=not args.no_think)
     print_stats(stream_to_stdout(llm, prompt, params, steering=steering, lora=lora), load_seconds)
@@ -129,6 +130,7 @@ def generate_file(args) -> int:
     prompts = read_prompts_file(args.prompts_file)
     lora = chosen_lora(args)
     llm, load_seconds = load_model(args, chat_template=not args.raw or any(p.messages for p in prompts))
+    steering = checked_command_line_steering(steering, llm, args)
     engine = Engine(llm, **engine_sizes(args))
     # Every request is made (and so checked) before the first step; one bad line stops them all.
     requests = []
