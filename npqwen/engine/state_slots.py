@@ -27,12 +27,18 @@ class StateSlots:
 
     def check(self, held: list):
         """The bookkeeping invariants: free + held = total, no slot held twice or both free and held."""
-        if len(set(held)) != len(held):
-            raise NpqwenError(f"a state slot is held by two requests: {sorted(held)}")
-        free = set(self.free)
-        if len(free) != len(self.free):
-            raise NpqwenError("a state slot is on the free list twice")
-        if free & set(held):
-            raise NpqwenError(f"state slots both free and held: {sorted(free & set(held))}")
-        if len(free) + len(held) != self.num_slots:
-            raise NpqwenError(f"free {len(free)} + held {len(held)} != {self.num_slots} state slots")
+        check_slots(self.free, held, self.num_slots, "state slot", "by two requests")
+
+
+def check_slots(free_list: list, held: list, num_slots: int, name: str, held_twice: str):
+    """A pool of `num_slots` numbered slots (state slots, state snapshots): free + held = total, no slot held
+    twice, on the free list twice, or both free and held; `name` and `held_twice` word the errors."""
+    if len(set(held)) != len(held):
+        raise NpqwenError(f"a {name} is held {held_twice}: {sorted(held)}")
+    free = set(free_list)
+    if len(free) != len(free_list):
+        raise NpqwenError(f"a {name} is on the free list twice")
+    if free & set(held):
+        raise NpqwenError(f"{name}s both free and held: {sorted(free & set(held))}")
+    if len(free) + len(held) != num_slots:
+        raise NpqwenError(f"free {len(free)} + held {len(held)} != {num_slots} {name}s")

@@ -16,6 +16,7 @@ from collections import OrderedDict
 
 from ..errors import NpqwenError
 from ..kv_cache import LinearStates, copy_states
+from .state_slots import check_slots
 
 
 class StateSnapshots:
@@ -62,15 +63,7 @@ class StateSnapshots:
     def check(self, known_hashes):
         """The bookkeeping invariants: free + held = total, no slot held twice or both free and held,
         and every snapshot belongs to a page the prefix cache still knows."""
-        held, free = list(self.by_hash.values()), set(self.free)
-        if len(set(held)) != len(held):
-            raise NpqwenError(f"a state snapshot slot is held for two prefixes: {sorted(held)}")
-        if len(free) != len(self.free):
-            raise NpqwenError("a state snapshot slot is on the free list twice")
-        if free & set(held):
-            raise NpqwenError(f"state snapshot slots both free and held: {sorted(free & set(held))}")
-        if len(free) + len(held) != self.num_slots:
-            raise NpqwenError(f"free {len(free)} + held {len(held)} != {self.num_slots} state snapshot slots")
+        check_slots(self.free, list(self.by_hash.values()), self.num_slots, "state snapshot slot", "for two prefixes")
         unknown = [h for h in self.by_hash if h not in known_hashes]
         if unknown:
             raise NpqwenError(f"state snapshots of {len(unknown)} pages the prefix cache no longer knows")
