@@ -2,6 +2,7 @@
 every linear layer and of the linear-attention projections only; a batch mixing adapters and none equals each
 alone in the engine, state slots and snapshots per adapter; an adapter for another layout gets a clear error."""
 import json
+from functools import partial
 
 import numpy as np
 import pytest
@@ -12,24 +13,18 @@ from npqwen.errors import NpqwenError
 
 from hybrid_checkpoints import (build_hybrid_checkpoint, hf_hybrid_model, hybrid_config, hybrid_moe_config,
                                 qwen3_next_config)
+from test_lora import batched_and_alone, write_adapter as write_lora_adapter
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
 LINEAR_ATTN = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+write_adapter = partial(write_lora_adapter, load=hf_hybrid_model)   # a random PEFT adapter on the hybrid model
 ADAPTERS = {   # name -> LoraConfig fields
     "all": dict(r=8, lora_alpha=16, target_modules="all-linear"),
     "linear": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=LINEAR_ATTN, rank_pattern={"in_proj_qkv": 8}),
     "some": dict(r=4, lora_alpha=4, target_modules=["q_proj", "in_proj_z", "down_proj"], layers_to_transform=[1, 3]),
 }
-
-
-def write_adapter(base, path, seed: int, **fields):
-    """A random PEFT adapter with non-zero B (init_lora_weights=False), saved by PEFT."""
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(hf_hybrid_model(base), peft.LoraConfig(init_lora_weights=False, **fields))
-    model.save_pretrained(path)
-    return path
 
 
 def peft_logits(base, adapter, ids):
@@ -98,19 +93,10 @@ def test_mixed_batch_equals_alone(llm):
     rng = np.random.default_rng(2)
     jobs = [(rng.integers(0, 500, size=n).tolist(), lora) for n, lora in
             [(5, "all"), (9, None), (70, "linear"), (6, "all"), (3, None), (20, "linear")]]
-    engine = npqwen.Engine(llm, kv_cache_tokens=2048, page_size=16, max_batched_tokens=48)
-    ids = [engine.add_request(prompt, max_new_tokens=8, temperature=0, lora=lora) for prompt, lora in jobs]
-    got, mixed = {i: [] for i in ids}, 0
-    while engine.has_unfinished():
-        outs = engine.step()
-        engine.check()
-        mixed = max(mixed, len({id(a) for a in engine.last_batch.loras}))
-        for out in outs:
-            got[out.request_id] += out.token_ids
-    alone = [llm.generate(prompt, max_new_tokens=8, temperature=0, lora=lora).token_ids for prompt, lora in jobs]
-    for (prompt, lora), i, want in zip(jobs, ids, alone):
-        print(f"{lora or 'base':6} prompt {len(prompt):2}: batched {got[i]} alone {want}")
-        assert got[i] == want
+    got, alone, mixed = batched_and_alone(llm, jobs, kv_cache_tokens=2048, page_size=16, max_batched_tokens=48)
+    for (prompt, lora), ours, want in zip(jobs, got, alone):
+        print(f"{lora or 'base':6} prompt {len(prompt):2}: batched {ours} alone {want}")
+        assert ours == want
     print(f"adapters (and none) in one step: up to {mixed}")
     assert mixed == 3
     plain = [llm.generate(prompt, max_new_tokens=8, temperature=0).token_ids for prompt, lora in jobs if lora]

@@ -28,10 +28,11 @@ ADAPTERS = {   # name -> LoraConfig fields: plain, rsLoRA, a per-module rank and
 }
 
 
-def write_adapter(base, path, seed: int, **fields):
-    """A random PEFT adapter with non-zero B (init_lora_weights=False), saved by PEFT."""
+def write_adapter(base, path, seed: int, load=hf_model, **fields):
+    """A random PEFT adapter with non-zero B (init_lora_weights=False) on the model `load(base)` reads, saved
+    by PEFT."""
     torch.manual_seed(seed)
-    model = peft.get_peft_model(hf_model(base), peft.LoraConfig(init_lora_weights=False, **fields))
+    model = peft.get_peft_model(load(base), peft.LoraConfig(init_lora_weights=False, **fields))
     model.save_pretrained(path)
     return path
 
@@ -83,12 +84,10 @@ def test_greedy_equals_peft(llm, base, adapters):
     assert ours == want and ours != base_ids
 
 
-def test_mixed_batch_equals_alone(llm):
-    """Requests through three adapters and none share every engine step; each equals its run alone."""
-    rng = np.random.default_rng(2)
-    jobs = [(rng.integers(0, 4000, size=n).tolist(), lora) for n, lora in
-            [(5, "plain"), (9, None), (3, "rslora"), (6, "pattern"), (4, "plain"), (8, None)]]
-    engine = npqwen.Engine(llm, kv_cache_tokens=4096, page_size=16)
+def batched_and_alone(llm, jobs, **sizes):
+    """Greedy runs of (prompt, adapter or None) jobs together through one Engine (checked after every step)
+    and each alone through llm.generate: (batched tokens, alone tokens, most adapters (and none) in a step)."""
+    engine = npqwen.Engine(llm, **sizes)
     ids = [engine.add_request(prompt, max_new_tokens=8, temperature=0, lora=lora) for prompt, lora in jobs]
     got, mixed = {i: [] for i in ids}, 0
     while engine.has_unfinished():
@@ -98,9 +97,18 @@ def test_mixed_batch_equals_alone(llm):
         for out in outs:
             got[out.request_id] += out.token_ids
     alone = [llm.generate(prompt, max_new_tokens=8, temperature=0, lora=lora).token_ids for prompt, lora in jobs]
-    for (prompt, lora), i, want in zip(jobs, ids, alone):
-        print(f"{lora or 'base':8} batched {got[i]} alone {want}")
-        assert got[i] == want
+    return [got[i] for i in ids], alone, mixed
+
+
+def test_mixed_batch_equals_alone(llm):
+    """Requests through three adapters and none share every engine step; each equals its run alone."""
+    rng = np.random.default_rng(2)
+    jobs = [(rng.integers(0, 4000, size=n).tolist(), lora) for n, lora in
+            [(5, "plain"), (9, None), (3, "rslora"), (6, "pattern"), (4, "plain"), (8, None)]]
+    got, alone, mixed = batched_and_alone(llm, jobs, kv_cache_tokens=4096, page_size=16)
+    for (prompt, lora), ours, want in zip(jobs, got, alone):
+        print(f"{lora or 'base':8} batched {ours} alone {want}")
+        assert ours == want
     print(f"adapters (and none) in one step: up to {mixed}")
     assert mixed == 4
 
