@@ -12,9 +12,30 @@ itself ended with "<think>" (`opened`, as later Qwen3 thinking templates do). An
 before "</think>" is all reasoning, no content (it was never an answer). An answer that does not
 start with "<think>", and any answer with thinking off, is all content. Tool calls are parsed in
 server/parsers.py.
+
+The template writes a message only for the roles in ROLES and skips any other without a word, so
+check_roles refuses one (every chat prompt goes through it: llm.chat_prompt, llm.chat, the CLI, the
+server, whose request schema takes these roles and OpenAI's "developer" for "system").
 """
+import difflib
+
+from .errors import NpqwenError
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+ROLES = ("system", "user", "assistant", "tool")   # the roles Qwen3's chat template writes
+
+
+def check_roles(messages: list[dict]) -> None:
+    """Refuse a message whose role the chat template would drop ("usr", "System", "developer")."""
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role not in ROLES:
+            near = "system" if role == "developer" else \
+                next(iter(difflib.get_close_matches(str(role).lower(), ROLES, n=1)), None)
+            hint = f"; did you mean {near!r}?" if near else ""
+            raise NpqwenError(f"messages[{i}].role is {role!r}: the chat template takes only the roles "
+                              f"{', '.join(map(repr, ROLES))} and would leave this message out{hint}")
 
 
 def opens_reasoning(prompt: str) -> bool:

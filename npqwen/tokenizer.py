@@ -6,6 +6,7 @@ import unicodedata
 from datetime import datetime
 from pathlib import Path
 
+from .chat_format import check_roles
 from .errors import NpqwenError
 
 
@@ -138,6 +139,7 @@ class Tokenizer:
                               "use a raw prompt instead")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise NpqwenError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        check_roles(messages)
         if self._template is None:
             self._template = _compile(self.chat_template)
         import jinja2

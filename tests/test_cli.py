@@ -521,6 +521,8 @@ BAD_FILES = {   # file bytes -> what the one error line says (after "npqwen: err
     "stop not strings": (b'{"prompt": "a", "stop": [1]}\n', " line 1: stop must be"),
     "lone surrogate": (b'{"prompt": "\\ud800"}\n', " line 1: a string in it is not valid UTF-8"),
     "prompt too long": (b"short\n" + b"x" * 5000 + b"\n", " line 2: the prompt has"),
+    "unknown role": (b'{"prompt": "a"}\n{"messages": [{"role": "usr", "content": "b"}]}\n',
+                     " line 2: messages[0].role is 'usr': the chat template takes only the roles"),
 }
 
 

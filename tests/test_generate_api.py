@@ -100,6 +100,20 @@ def test_chat_prompt_and_thinking_switch(tiny):
     assert tiny.chat_prompt("hi", enable_thinking=False).endswith("assistant\n<think>\n\n</think>\n\n")
 
 
+@pytest.mark.parametrize("role, near", [("usr", "user"), ("System", "system"), ("developer", "system"),
+                                        ("wizard", None), (None, None)])
+def test_a_role_the_template_would_drop_is_refused(tiny, role, near):
+    """Qwen3's template writes nothing for another role: the prompt would be just the assistant header."""
+    messages = [{"role": role, "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    for call in (tiny.chat_prompt, lambda m: tiny.chat(m, max_new_tokens=1)):
+        with pytest.raises(NpqwenError) as e:
+            call(messages)
+        message = str(e.value)
+        assert message.startswith(f"messages[0].role is {role!r}: ") and "'system', 'user', 'assistant', 'tool'" \
+            in message, message
+        assert (f"did you mean {near!r}?" in message) == (near is not None), message
+
+
 def test_seeded_sampling_is_reproducible(tiny):
     a = tiny.generate("Once upon a time", max_new_tokens=20, seed=7, temperature=1.0)
     b = tiny.generate("Once upon a time", max_new_tokens=20, seed=7, temperature=1.0)

@@ -6,6 +6,7 @@ import time
 from contextlib import closing
 from dataclasses import dataclass, field, replace
 
+from ..chat_format import check_roles
 from ..errors import NpqwenError
 from .common import (CONSTRAINT_FIELDS, ENGINE_SIZES, SAMPLING_FIELDS, add_engine_sizes, check_writable,
                      checked_text, chosen_lora, command_line_params, constraint_options, engine_sizes, input_name,
@@ -106,6 +107,11 @@ def file_prompt(where: str, n: int, obj: dict) -> FilePrompt:
                                   and all(isinstance(m, dict) for m in messages)):
         raise NpqwenError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": ..., \"content\": ...}} "
                           f"objects, got {json.dumps(messages)[:60]}")
+    if "messages" in obj:
+        try:
+            check_roles(messages)   # before the load, as the chat template would refuse them after it
+        except NpqwenError as e:
+            raise NpqwenError(f"{where}: {e}") from None
     try:   # JSON can escape a lone UTF-16 surrogate ("\\ud800"), which no UTF-8 text holds
         json.dumps(obj, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:

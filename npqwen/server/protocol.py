@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, WrapValidator
 
+from ..chat_format import ROLES
+
 MAX_CHOICES = 8          # n
 MAX_TOP_LOGPROBS = 20    # top_logprobs (chat), logprobs (completions)
 MAX_STOPS = 16
@@ -84,7 +86,8 @@ class ToolCall(Strict):
 
 
 class Message(Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal[("developer", *ROLES)]   # the chat template's roles (chat_format.ROLES), and OpenAI's
+                                            # "developer", written as "system" (template_messages)
     content: str | list[TextPart | MediaPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
