@@ -1,4 +1,6 @@
 """docs/lora.md: every ```python sample, in order, as one script; every ```bash line too."""
+import re
+
 import pytest
 
 from conftest import doc_samples, run_doc_line, run_doc_python
@@ -16,3 +18,27 @@ def test_lora_doc_code_samples_run(tmp_path):
     assert relative < 1e-4, result.stdout   # the hybrid adapter equals PEFT's
     outputs = [run_doc_line(line).stdout for line in shell]
     assert outputs[0] == outputs[2] and outputs[0].strip()   # the adapter kept apart, and merged
+
+
+def test_lora_doc_says_what_its_samples_need_beyond_npqwen():
+    """Each module the page's samples import that neither Python nor npqwen's dependencies bring
+    (torch, transformers, peft) is in the `pip install` line at the top of the page, before the first sample."""
+    import ast
+    import sys
+
+    from conftest import ROOT
+
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+
+    python, _ = doc_samples("lora.md")
+    imported = {alias.name.split(".")[0] for code in python for node in ast.walk(ast.parse(code))
+                if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for code in python for node in ast.walk(ast.parse(code))
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    runtime = {re.split(r"[<>=\[ ]", d)[0] for d in project["dependencies"]} | {"npqwen"}
+    needed = sorted(imported - runtime - set(sys.stdlib_module_names))
+    assert needed == ["peft", "torch", "transformers"], needed
+    top = (ROOT / "docs" / "lora.md").read_text(encoding="utf-8").split("```")[0]
+    install = re.search(r"`pip install ([^`]*)`", top)
+    assert install and set(needed) <= set(install.group(1).split()), (needed, install and install.group(0))
