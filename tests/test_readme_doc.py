@@ -35,3 +35,59 @@ def test_readme_commands_run_on_the_tiny_models(line, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert "tiny" in line, line
     run_doc_line(line)
+
+
+def float32_gb(config: dict) -> float:
+    """A checkpoint's size in float32, in GB (1e9 bytes); tied embeddings counted once."""
+    import numpy as np
+
+    from npqwen.checkpoint import expected_shapes
+    from npqwen.config import Qwen3Config
+
+    return sum(int(np.prod(s)) for s in expected_shapes(Qwen3Config.from_dict(config)).values()) * 4 / 1e9
+
+
+def test_qwen3_0_6b_size_is_one_figure_everywhere():
+    """Qwen3-0.6B is 596,049,920 parameters (its embedding tied to the lm_head), 2.4 GB in float32: the
+    README's table and each page or lesson that offers `MODEL = "Qwen/Qwen3-0.6B"` with a size give that figure, in GB
+    (they once said 2.4 GB, ~3 GB and 1.5 GB). The README's 32B figure is computed the same way."""
+    import re
+
+    from npqwen.config import QWEN3_0_6B_CONFIG
+
+    size = f"{float32_gb(QWEN3_0_6B_CONFIG):.1f}"
+    assert size == "2.4", size
+    qwen3_32b = dict(QWEN3_0_6B_CONFIG, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                     num_attention_heads=64, tie_word_embeddings=False)   # Qwen/Qwen3-32B's config.json
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert re.findall(r"(\S+) GB for 0\.6B", readme) == [size]
+    assert re.findall(r"(\S+) GB for 32B", readme) == [f"{float32_gb(qwen3_32b):.0f}"]   # 131
+    found = 0
+    for path in [*sorted((ROOT / "notebooks").glob("*.md")), *sorted((ROOT / "docs").glob("*.md"))]:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for i, line in enumerate(lines):
+            if 'MODEL = "Qwen/Qwen3-0.6B"' in line:   # the line that offers the real model, and the 3 after it
+                figures = re.findall(r"([\d.~]+) ?(GB|GiB)", " ".join(lines[i:i + 4]))
+                assert set(figures) <= {(size, "GB")}, (path.name, i + 1, figures)
+                found += bool(figures)
+    assert found >= 4, found    # walkthrough (lesson 01), lessons 02 and 05, notebooks/README.md
+
+
+def test_what_the_readme_samples_import_beyond_npqwen_has_its_pip_install():
+    """A module the README's samples import that neither Python nor npqwen's dependencies bring (the openai
+    client: no npqwen extra installs it) is named in a `pip install ...` in the README."""
+    import ast
+    import re
+    import sys
+
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    trees = [ast.parse(code) for kind, code in doc_blocks(ROOT / "README.md") if kind == "python"]
+    imported = {a.name.split(".")[0] for t in trees for n in ast.walk(t) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for t in trees for n in ast.walk(t) if isinstance(n, ast.ImportFrom) and n.module}
+    runtime = {re.split(r"[<>=\[ ]", d)[0]
+               for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    needed = imported - runtime - {"npqwen"} - set(sys.stdlib_module_names)
+    assert needed == {"openai"}, needed
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    installed = {word for line in re.findall(r"`pip install ([^`]*)`", readme) for word in line.split()}
+    assert needed <= installed, (needed, installed)
