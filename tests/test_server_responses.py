@@ -54,6 +54,10 @@ def test_message_input_with_parts_and_instructions(server):
     r = client.responses.create(model="test-model", instructions="SYS-BRIEF", input=[
         {"role": "user", "content": [{"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": "!"}]}])
     assert r.output_text == "Brief." and r.instructions == "SYS-BRIEF"
+    # a developer message is the system message (Qwen3's template has no developer role: it would drop it)
+    r = client.responses.create(model="test-model", input=[{"role": "developer", "content": "SYS-BRIEF"},
+                                                           {"role": "user", "content": "Hello"}])
+    assert r.output_text == "Brief.", r.output_text
     # reasoning effort none: Qwen3's thinking off (the empty think block is the template's)
     r = client.responses.create(model="test-model", input="R-PLAIN", reasoning={"effort": "none"})
     assert kinds(r) == ["message"] and r.output_text == "No reasoning here."
