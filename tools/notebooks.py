@@ -11,7 +11,8 @@ two cannot drift apart). Its ```python blocks are the code cells; every other bl
 This reads it, executes it on a fresh python3 kernel (nbclient) in a temporary directory, with this
 checkout's npqwen first on the kernel's path, and writes notebooks/NN-name.ipynb with every output,
 pictures included. The saved file is stable across re-runs: cell ids are numbered, timing metadata is
-dropped, a cell's printing is one piece per stream (only what a lesson measures, such as a time, changes).
+dropped, a cell's printing is one piece per stream, and the lessons print no timings and no float
+differences (only the bounds they check), which vary from machine to machine.
 A cell that fails stops that notebook with the cell and its error, and nothing is written for it.
 Each heading starts a Markdown cell. `--student` runs nothing: it writes each lesson's cells without the
 worked solutions (every "### Solution N" section becomes "### Exercise N" and a code cell to answer in) and
