@@ -161,6 +161,30 @@ def test_lesson_runs_on_a_fresh_kernel(md, tmp_path):
     assert after == before, f"running {md.name} changed notebooks/: {set(after.items()) ^ set(before.items())}"
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors, errors
+    # a re-run prints what the stored lesson shows, to the byte (no timings, no float digits that follow the
+    # CPU): `python -m tools.notebooks` re-writes the same file; a picture's size is checked, not its bytes,
+    # which follow matplotlib's version
+    ran = outputs(nbformat.reads(nbformat.writes(notebooks.stable(nb)), as_version=4))
+    stored = outputs(nbformat.read(notebooks.notebook(md), as_version=4))
+    differ = [(r, s) for r, s in zip(ran, stored) if r != s]
+    assert not differ and len(ran) == len(stored), (
+        f"{md.name}: a fresh run's outputs differ from {notebooks.notebook(md).name}'s ({len(ran)} and {len(stored)} "
+        f"outputs); print only what is the same on every run and machine, then {REGENERATE}\n"
+        + "\n".join(f"--- ran:    {r}\n--- stored: {s}" for r, s in differ[:3]))
+
+
+def outputs(nb) -> list[tuple]:
+    """Each code cell's outputs as (cell, type, text), a picture as its size."""
+    found = []
+    for i, cell in enumerate(nb.cells):
+        for o in cell.get("outputs", []):
+            data = dict(o.get("data", {}))
+            if "image/png" in data:
+                png = base64.b64decode(data.pop("image/png"))
+                data["image/png"] = f"{int.from_bytes(png[16:20], 'big')}x{int.from_bytes(png[20:24], 'big')} px"
+            found.append((i, o.output_type, o.get("name"), o.get("text"), o.get("execution_count"),
+                          sorted(data.items()), o.get("ename"), o.get("evalue")))
+    return found
 
 
 @lesson
