@@ -110,11 +110,12 @@ def test_student_copies_have_the_exercises_and_not_the_solutions(tmp_path):
 
 
 def test_the_documented_command_writes_a_lesson_with_its_outputs(tmp_path):
-    """`python -m tools.notebooks PATH`, as notebooks/README.md shows it, on a copy of the first lesson: it
-    prints the run time, writes the .ipynb beside the .md with its cells, outputs and pictures, and a second
+    """`python -m tools.notebooks PATH`, as notebooks/README.md shows it, on a copy of the quickest lesson
+    (04, from docs/moe.md): it prints the run time, writes the .ipynb beside the .md with its cells, outputs and pictures, and a second
     run writes the same bytes (no timing or random ids in the file)."""
-    md = tmp_path / SOURCES[0].name
-    md.write_text(SOURCES[0].read_text(encoding="utf-8"), encoding="utf-8")
+    source = LESSONS["04-moe"]
+    md = tmp_path / source.name
+    md.write_text(source.read_text(encoding="utf-8"), encoding="utf-8")
     saved = []
     for _ in range(2):
         run = subprocess.run([sys.executable, "-m", "tools.notebooks", str(md)], cwd=ROOT, capture_output=True,
@@ -122,7 +123,7 @@ def test_the_documented_command_writes_a_lesson_with_its_outputs(tmp_path):
         assert run.returncode == 0 and re.search(r": [\d.]+ s -> ", run.stdout), run.stdout + run.stderr
         saved.append(md.with_suffix(".ipynb").read_bytes())
     nb = nbformat.reads(saved[0].decode(), as_version=4)
-    assert cells(nb) == cells(notebooks.read(SOURCES[0]))
+    assert cells(nb) == cells(notebooks.read(source))
     assert any("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
     assert saved[0] == saved[1], "two runs of the same lesson wrote different files"
     bad = subprocess.run([sys.executable, "-m", "tools.notebooks", "notebooks/01-forward-pass.md"], cwd=ROOT,
