@@ -86,18 +86,20 @@ def test_npqwen_lens_keeps_its_columns_when_a_token_is_wide():
     assert len(starts[0]) == 4, starts
 
 
-def test_npqwen_lens_plot_draws_every_token_without_a_missing_glyph(tmp_path):
-    """matplotlib's default font (DejaVu Sans) has no CJK or emoji: such a character is drawn as its escape
-    (\\u4e2d), never as an empty box with a "Glyph ... missing" warning; a "$x$" token is text, not TeX."""
+def test_the_plots_draw_every_token_without_a_missing_glyph(tmp_path):
+    """`npqwen lens --plot` and `trace --plot-attention`: matplotlib's default font (DejaVu Sans) has no CJK;
+    such a character is drawn as its escape (\\u4e2d), never as an empty box with a "Glyph ... missing"
+    warning; a "$x$" token is text, not TeX."""
     pytest.importorskip("matplotlib")
     import warnings
 
-    from npqwen.cli.lens import drawable, plot_lens
-    from npqwen.trace import pyplot
+    from npqwen.cli.lens import plot_lens
+    from npqwen.trace import drawable, plot_attention
 
-    label = drawable(pyplot())
-    assert label("中a\u00e9\u2423") == "\\u4e2da\u00e9\u2423"
+    assert drawable("中a\u00e9\u2423") == "\\u4e2da\u00e9\u2423"
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # "Glyph 20013 (\N{CJK UNIFIED IDEOGRAPH-4E2D}) missing from font(s)" fails
         plot_lens(wide_lens(), WIDE.get, tmp_path / "lens.png")
-    assert (tmp_path / "lens.png").stat().st_size > 1000
+        plot_attention(np.tril(np.ones((4, 4))) / np.arange(1, 5)[:, None], ["中文", "😀", "$x$", "東京都"],
+                       tmp_path / "attention.png", "npqwen trace --plot-attention")   # the same labels there
+    assert (tmp_path / "lens.png").stat().st_size > 1000 and (tmp_path / "attention.png").stat().st_size > 1000

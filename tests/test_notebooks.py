@@ -111,8 +111,8 @@ def test_student_copies_have_the_exercises_and_not_the_solutions(tmp_path):
 
 def test_the_documented_command_writes_a_lesson_with_its_outputs(tmp_path):
     """`python -m tools.notebooks PATH`, as notebooks/README.md shows it, on a copy of the quickest lesson
-    (04, from docs/moe.md): it prints the run time, writes the .ipynb beside the .md with its cells, outputs and pictures, and a second
-    run writes the same bytes (no timing or random ids in the file)."""
+    (04, from docs/moe.md): it prints the run time, writes the .ipynb beside the .md with its cells, outputs
+    and pictures, and a second run writes the same bytes (no timing or random ids in the file)."""
     source = LESSONS["04-moe"]
     md = tmp_path / source.name
     md.write_text(source.read_text(encoding="utf-8"), encoding="utf-8")

@@ -184,8 +184,8 @@ def student(nb: nbformat.NotebookNode) -> tuple[nbformat.NotebookNode, int]:
             if solving:
                 exercise = "Exercise" + heading[2][len("Solution"):]
                 number = re.match(r"Exercise (\w+)", exercise)
-                cells += [nbformat.v4.new_markdown_cell(f"### {exercise}"),
-                          nbformat.v4.new_code_cell(f"# your answer to exercise {number[1] if number else ''}".rstrip())]
+                answer = f"# your answer to exercise {number[1] if number else ''}".rstrip()
+                cells += [nbformat.v4.new_markdown_cell(f"### {exercise}"), nbformat.v4.new_code_cell(answer)]
                 continue
         if solving:
             dropped += cell.cell_type == "code"

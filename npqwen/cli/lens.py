@@ -71,30 +71,19 @@ def lens_table(lens, show) -> str:
     return "\n".join(lines) + "\n"
 
 
-def drawable(plt):
-    """A function that writes a label so that matplotlib's font draws all of it: each character the font
-    lacks (CJK, emoji, in the default DejaVu Sans) as its escape, \\u4e2d, not an empty box."""
-    from matplotlib import font_manager
-    from matplotlib.ft2font import FT2Font
-
-    has = FT2Font(font_manager.findfont(font_manager.FontProperties())).get_charmap()   # code point -> glyph
-    return lambda text: "".join(c if ord(c) in has else c.encode("unicode_escape").decode("ascii") for c in text)
-
-
 def plot_lens(lens, show, path):
     """A heatmap, layers by positions, of each lens's top probability, each cell labelled with its token."""
-    from ..trace import pyplot
+    from ..trace import drawable, pyplot
 
     plt = pyplot()
-    label = drawable(plt)
     L, T, _ = lens.top_ids.shape
     fig, ax = plt.subplots(figsize=(min(3 + 1.1 * T, 40), min(2 + 0.4 * L, 30)))
     image = ax.imshow(lens.top_probs[:, :, 0], cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto", origin="lower")
     for i in range(L):   # parse_math=False: a token such as "$x$" is text, not TeX
         for t in range(T):
-            ax.text(t, i, label(show(lens.top_ids[i, t, 0])), ha="center", va="center", fontsize=7, color="white",
+            ax.text(t, i, drawable(show(lens.top_ids[i, t, 0])), ha="center", va="center", fontsize=7, color="white",
                     parse_math=False)
-    ax.set_xticks(range(T), [label(show(i)) for i in lens.token_ids], rotation=90, fontsize=8, parse_math=False)
+    ax.set_xticks(range(T), [drawable(show(i)) for i in lens.token_ids], rotation=90, fontsize=8, parse_math=False)
     ax.set_xlabel("position (its token)")
     ax.set_ylabel("layer")
     ax.set_title("logit lens: each layer's top next token")
