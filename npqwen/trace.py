@@ -17,6 +17,7 @@ first) and .mlp.gate.top_k_weights (their weights, (T, k)), as HF's router retur
 counterpart here get none; steps without an HF module (q_rope, attn_probs, attn_output,
 attn_residual) are named after what they are.
 """
+import functools
 import re
 
 import numpy as np
@@ -88,6 +89,23 @@ def pyplot():
     return plt
 
 
+def drawable(text: str) -> str:
+    """`text` with each character matplotlib's font lacks (CJK and most emoji, in the default DejaVu Sans)
+    written as its escape, \\u4e2d, so that a plot shows it instead of an empty box and a "Glyph missing"
+    warning."""
+    has = font_characters()
+    return "".join(c if ord(c) in has else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+@functools.cache
+def font_characters() -> dict:
+    """The code points matplotlib's default font draws (code point -> glyph index)."""
+    from matplotlib import font_manager
+    from matplotlib.ft2font import FT2Font
+
+    return FT2Font(font_manager.findfont(font_manager.FontProperties())).get_charmap()
+
+
 def npz_name(path: str) -> str:
     """The file np.savez writes: it adds ".npz" to a name that lacks it."""
     return path if str(path).endswith(".npz") else f"{path}.npz"
@@ -100,9 +118,9 @@ def plot_attention(probs: np.ndarray, tokens: list[str], path, title: str):
     size = min(4 + 0.28 * T, 40)
     fig, ax = plt.subplots(figsize=(size + 1.5, size))
     image = ax.imshow(probs, cmap="viridis", vmin=0.0, vmax=max(float(probs.max()), 1e-9))
-    labels = [t.replace("\n", "\\n") or "\u2205" for t in tokens]
-    ax.set_xticks(range(T), labels, rotation=90, fontsize=8)
-    ax.set_yticks(range(T), labels, fontsize=8)
+    labels = [drawable(t.replace("\n", "\\n")) or "\u2205" for t in tokens]
+    ax.set_xticks(range(T), labels, rotation=90, fontsize=8, parse_math=False)   # a "$x$" token is text, not TeX
+    ax.set_yticks(range(T), labels, fontsize=8, parse_math=False)
     ax.set_xlabel("key (attended-to token)")
     ax.set_ylabel("query token")
     ax.set_title(title)

@@ -1,5 +1,6 @@
 """The logit lens and direct logit attribution on the tiny models; `npqwen lens`. (The lens against HF is in
 test_hooks.py, at the Qwen3-0.6B shape.)"""
+import re
 import subprocess
 import sys
 
@@ -56,3 +57,49 @@ def test_npqwen_lens_prints_layers_by_positions(tmp_path):
     lines = out.stdout.splitlines()
     assert lines[0].split()[:3] == ["layer", "P", "a"] and [ln.split()[0] for ln in lines[1:]] == ["0", "1"]
     assert plot.stat().st_size > 1000 and "drawn in" in out.stderr
+
+
+WIDE = {0: "中文", 1: "😀", 2: "a", 3: "é", 4: "$x$", 5: "\u2423Paris", 6: "東京都"}   # token id -> its text
+
+
+def wide_lens():
+    """A lens of 2 layers over 4 positions whose tokens are wide (CJK, emoji), narrow, combined and TeX-like."""
+    from types import SimpleNamespace
+    top_ids = np.array([[[0], [1], [2], [6]], [[3], [4], [5], [0]]])                 # (L, T, 1)
+    return SimpleNamespace(top_ids=top_ids, top_probs=np.full(top_ids.shape, 0.25), token_ids=[6, 0, 2, 1])
+
+
+def test_npqwen_lens_keeps_its_columns_when_a_token_is_wide():
+    """A CJK character or an emoji takes two columns of a terminal: the table pads by columns, so each cell
+    starts at the same column in every row (padding by characters shifted every cell after a CJK one)."""
+    from npqwen.cli.lens import columns, lens_table, token_text
+
+    assert [columns(t) for t in ("中文", "😀", "e\u0301", "a")] == [4, 2, 1, 1]
+    assert token_text("中文中文中文") == "中文中文中" and token_text("a\nb") == "a\\nb"   # 10 columns; \n escaped
+    table = lens_table(wide_lens(), WIDE.get)
+    print(table)
+    starts = []
+    for line in table.splitlines():   # the terminal column where each cell starts, after the layer's: a cell
+        cells = [m.start() for m in re.finditer(r"\S+(?: \S+)*", line)][1:]   # is split from the next by 2+ spaces
+        starts.append([columns(line[:c]) for c in cells])
+    assert len({tuple(s) for s in starts}) == 1, f"the cells start at different columns: {starts}\n{table}"
+    assert len(starts[0]) == 4, starts
+
+
+def test_the_plots_draw_every_token_without_a_missing_glyph(tmp_path):
+    """`npqwen lens --plot` and `trace --plot-attention`: matplotlib's default font (DejaVu Sans) has no CJK;
+    such a character is drawn as its escape (\\u4e2d), never as an empty box with a "Glyph ... missing"
+    warning; a "$x$" token is text, not TeX."""
+    pytest.importorskip("matplotlib")
+    import warnings
+
+    from npqwen.cli.lens import plot_lens
+    from npqwen.trace import drawable, plot_attention
+
+    assert drawable("中a\u00e9\u2423") == "\\u4e2da\u00e9\u2423"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # "Glyph 20013 (\N{CJK UNIFIED IDEOGRAPH-4E2D}) missing from font(s)" fails
+        plot_lens(wide_lens(), WIDE.get, tmp_path / "lens.png")
+        plot_attention(np.tril(np.ones((4, 4))) / np.arange(1, 5)[:, None], ["中文", "😀", "$x$", "東京都"],
+                       tmp_path / "attention.png", "npqwen trace --plot-attention")   # the same labels there
+    assert (tmp_path / "lens.png").stat().st_size > 1000 and (tmp_path / "attention.png").stat().st_size > 1000
