@@ -129,8 +129,7 @@ class Engine:
 
     def fit(self, ids: list[int], max_new_tokens: int) -> int:
         """The checks a generation needs of this model and pool: an lm_head, a prompt that is not empty
-        and leaves room in the context, KV pages enough for it and its answer; max_new_tokens capped to
-        the room left in the context."""
+        and leaves room in the context and the pool; max_new_tokens capped to the room left in both."""
         check_lm_head(self.model)   # a checkpoint saved without lm_head (Qwen3Model) cannot generate: say so now
         if not ids:
             raise NpqwenError("the prompt is empty")
@@ -138,14 +137,17 @@ class Engine:
         if len(ids) >= context:
             raise NpqwenError(f"the prompt has {len(ids)} tokens but the context holds {context} "
                               f"(max_position_embeddings): no room to generate; shorten the prompt")
-        max_new_tokens = min(max_new_tokens, context - len(ids))
-        need = math.ceil((len(ids) + max_new_tokens) / self.page_size)
-        if need > self.pool.num_pages:
-            raise NpqwenError(f"a prompt of {len(ids)} tokens plus max_new_tokens {max_new_tokens} needs {need} KV "
-                              f"pages of {self.page_size} positions, but the pool has {self.pool.num_pages} "
-                              f"({self.pool.num_pages * self.page_size} positions); lower max_new_tokens or give "
-                              f"the engine a larger kv_cache_tokens")
-        return max_new_tokens
+        # Pages are taken as tokens come (the scheduler admits by the prompt and grows, preempting the
+        # youngest request when the pool is full, as vLLM does), so only the prompt must fit now. The answer
+        # stops where the whole pool is full: then a request that runs alone ends with "length", and since
+        # each request fits the pool alone, the oldest one always makes progress.
+        positions = self.pool.num_pages * self.page_size
+        if len(ids) >= positions:
+            raise NpqwenError(f"a prompt of {len(ids)} tokens needs {len(ids) // self.page_size + 1} KV pages of "
+                              f"{self.page_size} positions (with one position to generate), but the pool has "
+                              f"{self.pool.num_pages} ({positions} positions); shorten the prompt or give the "
+                              f"engine a larger kv_cache_tokens")
+        return min(max_new_tokens, context - len(ids), positions - len(ids))
 
     @rank_0_leads
     def new_embedding_request(self, prompt, pooling: str = "lasttoken") -> Request:
