@@ -103,7 +103,8 @@ class Engine:
         scale * vector to this request's residual stream after block layer (npqwen/steering.py); `lora`
         names a loaded LoRA adapter (llm.load_lora) that this request's rows go through. Everything is
         checked now."""
-        return self.add(self.new_request(prompt, params, steering=steering, lora=lora, **sampling))
+        return self.add(self.new_request(prompt, params_of(params, sampling, self.add_request), steering=steering,
+                                         lora=lora))
 
     def new_request(self, prompt, params: SamplingParams | int | None = None, steering=None, *,
                     lora: str | None = None,
@@ -113,7 +114,7 @@ class Engine:
         here its unset sampling values take the checkpoint's (generation_config.json), and what needs
         this model is checked: the prompt's ids, room in the context and the pool (fit), the constraint
         against the tokenizer."""
-        params = params_of(params, sampling).with_defaults(self.llm.generation_defaults)
+        params = params_of(params, sampling, self.new_request).with_defaults(self.llm.generation_defaults)
         steers = check_steering(steering, self.config)
         adapter = None if lora is None else self.llm.lora_adapter(lora)   # the LoraAdapter travels with the request
         ids = self.llm.prompt_ids(prompt)
