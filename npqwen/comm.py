@@ -140,7 +140,9 @@ class MPICommunicator:
             raise GroupFailed(self.failed)
         start = time.monotonic()
         self.collectives += 1
-        while not request.Test():
+        # A rank's death is checked before each poll, not only while one fails: a collective can complete
+        # without a dead peer (rank 0's small broadcast is sent eagerly), and then MPI_Finalize would wait for it.
+        while self.peer_died or not request.Test():
             waited = time.monotonic() - start
             if self.peer_died:
                 self.fail(f"tensor parallel: a rank of the group stopped (it exited or was killed) while this "

@@ -206,9 +206,11 @@ class Qwen3Config:
             raise NpqwenError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type")
         if model_type in ("qwen3_5", "qwen3_5_moe") and isinstance(raw.get("text_config"), dict):
-            # the hub's Qwen3_5(Moe)ForConditionalGeneration: npqwen reads its text model (model.language_model.*)
+            # the hub's Qwen3_5(Moe)ForConditionalGeneration: npqwen reads its text model (model.language_model.*).
+            # Its lm_head is the outer model's, tied as the top-level config says (transformers reads the model's
+            # own config, Qwen3_5Config's default False), whatever text_config says.
             model_type += "_text"
-            raw = {"tie_word_embeddings": raw.get("tie_word_embeddings", False), **raw["text_config"],
+            raw = {**raw["text_config"], "tie_word_embeddings": raw.get("tie_word_embeddings", False),
                    "model_type": model_type}
         if model_type not in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
             raise NpqwenError(f"{source}: model_type is {model_type!r}, but npqwen runs Qwen3 checkpoints: "

@@ -1,5 +1,6 @@
 """Find a model: a local directory, or a hub id (Qwen/Qwen3-0.6B) in the Hugging Face cache,
 downloaded with huggingface_hub when it is installed and the network answers."""
+import difflib
 import os
 import re
 from pathlib import Path
@@ -52,6 +53,9 @@ def find_cached(repo_id: str) -> Path | None:
 
 def resolve_model(name: str | os.PathLike) -> Path:
     """A checkpoint directory for `name`: a local path, or a cached (or downloadable) hub id."""
+    if not isinstance(name, (str, os.PathLike)):
+        raise NpqwenError(f"a model is a checkpoint directory (a str or a path), a hub id such as {DEFAULT_MODEL}, "
+                          f"or a built-in name such as 'tiny'; got {type(name).__name__} {str(name)[:40]!r}")
     path = Path(name).expanduser()
     if path.is_dir():
         return path
@@ -59,8 +63,12 @@ def resolve_model(name: str | os.PathLike) -> Path:
         raise NpqwenError(f"{str(name)!r} is a file, not a checkpoint directory: give the directory that holds "
                           f"config.json and the *.safetensors weights, or a hub id such as {DEFAULT_MODEL}")
     if not HUB_ID.match(str(name)):
+        from .tiny import BUILTIN   # a built-in name mistyped: --model tinyy
+
+        near = difflib.get_close_matches(str(name), BUILTIN, n=1)
+        hint = f"; did you mean {near[0]!r}, the built-in model?" if near else ""
         raise NpqwenError(f"no such directory: {str(name)!r} (a model is a checkpoint directory, or a hub id such "
-                          f"as {DEFAULT_MODEL})")
+                          f"as {DEFAULT_MODEL}){hint}")
     cached = find_cached(str(name))
     if cached is not None:
         return cached

@@ -154,7 +154,7 @@ class LLM:
         block L, at every position and step, for this request only (npqwen/steering.py).
         `lora` names a loaded LoRA adapter (load_lora) to generate through.
         """
-        params = params_of(params, sampling)   # checked now, before anything runs
+        params = params_of(params, sampling, self.generate)   # checked now, before anything runs
         if is_prompt_list(prompt):
             return self._generate_many(prompt, params, steering, lora)
         result = GenerationResult("", [], "length")
@@ -168,7 +168,7 @@ class LLM:
         """Like generate (one prompt), but yields text pieces as they come; `result`, if given, is filled
         in. SamplingParams' `thinking`: the answer opens with Qwen3's <think> reasoning, which a
         constraint leaves free."""
-        request = self.engine.new_request(prompt, params_of(params, sampling), steering=steering,
+        request = self.engine.new_request(prompt, params_of(params, sampling, self.stream), steering=steering,
                                           lora=lora)   # checked now
         return self._pieces(request, result if result is not None else GenerationResult("", [], "length"))
 
@@ -210,7 +210,7 @@ class LLM:
         """
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        params = params_of(params, sampling)
+        params = params_of(params, sampling, self.chat)
         if params.thinking != enable_thinking:
             params = replace(params, thinking=enable_thinking)
         prompt = self.chat_prompt(messages, enable_thinking, tools)

@@ -15,6 +15,8 @@ samples as its file says (temperature 0.6, top_k 20, top_p 0.95), as transformer
 and SamplingParams(temperature=0) is greedy on any checkpoint.
 """
 import dataclasses
+import difflib
+import inspect
 import json
 import math
 import numbers
@@ -77,6 +79,9 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop)):
             raise NpqwenError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if stop is not None and "" in stop:   # as vLLM refuses it: "" would match before the first token
+            raise NpqwenError(f"stop cannot contain an empty string (it would end the text before it began), "
+                              f"got {self.stop!r}; leave it out for no stop string")
         put("stop", tuple(stop or ()))
 
         # Python or NumPy numbers (np.float32(0.5), np.int64(3)) are stored as Python float / int;
@@ -135,9 +140,19 @@ class SamplingParams:
         return dataclasses.replace(self, **unset) if unset else self
 
 
-def params_of(params, keywords: dict) -> SamplingParams:
+def params_of(params, keywords: dict, called=None) -> SamplingParams:
     """The SamplingParams of a call that takes one (`params`) or, as before it existed, its fields as
-    keyword arguments, which build it; a number in its place is max_new_tokens (add_request(prompt, 20))."""
+    keyword arguments, which build it; a number in its place is max_new_tokens (add_request(prompt, 20)).
+    `called` is the function the keywords were given to: a keyword that is no field names it, with the
+    nearest of its own parameters and the fields (llm.generate("hi", tempreature=0): did you mean temperature?)."""
+    fields = [f.name for f in dataclasses.fields(SamplingParams)]
+    unknown = [k for k in keywords if k not in fields]
+    if unknown:
+        own = [] if called is None else [p for p in inspect.signature(called).parameters if p not in ("self", "sampling")]
+        near = difflib.get_close_matches(unknown[0], own + fields, n=1)
+        raise NpqwenError(f"{called.__qualname__ if called else 'SamplingParams'}() got an unexpected keyword "
+                          f"argument {unknown[0]!r}" + (f"; did you mean {near[0]}?" if near else
+                                                         f" (the sampling values: {', '.join(fields)})"))
     if isinstance(params, SamplingParams):
         if keywords:
             raise NpqwenError(f"give the sampling values as params or as keyword arguments, not both: got params "

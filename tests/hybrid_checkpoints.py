@@ -78,9 +78,10 @@ def randomize(model, seed: int, std: float):
 
 
 def build_hybrid_checkpoint(path: Path, config: dict, save_dtype: str = "float32", seed: int = 0,
-                            std: float = 0.05, hub_layout: bool = False) -> Path:
+                            std: float = 0.05, hub_layout: bool = False, top_level: dict | None = None) -> Path:
     """Save a random Qwen3_5ForCausalLM (or, with hub_layout, a Qwen3_5ForConditionalGeneration around it:
-    text_config, model.language_model.*, a small vision tower) with transformers' save_pretrained."""
+    text_config, model.language_model.*, a small vision tower) with transformers' save_pretrained. The hub
+    layout's top-level config takes `top_level` (default: the text config's tie_word_embeddings)."""
     import torch
 
     torch.manual_seed(seed)
@@ -91,8 +92,8 @@ def build_hybrid_checkpoint(path: Path, config: dict, save_dtype: str = "float32
         config_class, model_class = hf_hybrid_classes(text_type.removesuffix("_text"))
         vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=cfg["hidden_size"],
                       patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
-        model = model_class(config_class(text_config=text_config_class(**cfg).to_dict(), vision_config=vision,
-                                         tie_word_embeddings=cfg.get("tie_word_embeddings", False)))
+        top = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False)} if top_level is None else top_level
+        model = model_class(config_class(text_config=text_config_class(**cfg).to_dict(), vision_config=vision, **top))
     else:
         model = text_class(text_config_class(**cfg))
     randomize(model, seed, std)

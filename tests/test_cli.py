@@ -325,6 +325,25 @@ def test_an_unknown_option_shows_the_commands_usage_and_the_nearest_option():
     assert code == 2 and err.startswith("usage: npqwen serve") and "did you mean --port?" in err, err
 
 
+@pytest.mark.parametrize("args, fragments", [
+    (("generate", "--model", "tiny", "-p", "hi", "--raw", "--system", "Be brief."),
+     ["--system goes with the chat template, which --raw leaves out"]),
+    (("generate", "--model", "tiny", "-p", "hi", "--stop", ""), ["stop cannot contain an empty string"]),
+    (("generate", "--model", "tinyy", "-p", "hi"), ["no such directory: 'tinyy'", "did you mean 'tiny'"]),
+    (("trace", "--model", "tiny", "-p", "hi", "--layer", "1"), ["--layer goes with --plot-attention", "--layers"]),
+    (("trace", "--model", "tiny", "-p", "hi", "--head", "0"), ["--head goes with --plot-attention", "--layers"]),
+    (("trace", "--model", "tiny", "-p", "hi", "--layers", "1", "--plot-attention", "attention.png"),
+     ["--plot-attention needs --layer N", "--layers only chooses"]),
+])
+def test_options_that_would_be_ignored_or_mistyped_are_one_error(args, fragments, tmp_path):
+    """Before: --raw dropped --system, --stop "" was taken, --model tinyy suggested nothing, trace's --layer
+    without --plot-attention was ignored and --plot-attention's error did not name --layers."""
+    code, _, err = run(*args, cwd=tmp_path)
+    errors = [line for line in err.splitlines() if line.startswith("npqwen: error:")]
+    assert code == 1 and len(errors) == 1 and all(f in errors[0] for f in fragments), err
+    assert not (tmp_path / "attention.png").exists()
+
+
 # --prompts-file: many prompts through one engine, JSONL out in input order
 
 PROGRESS = re.compile(r"\] (\d+)/(\d+) done, \d+ tokens, [\d.]+ tokens/s, (ETA|took) \d+:\d\d:\d\d")

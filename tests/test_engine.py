@@ -183,11 +183,22 @@ def test_preemption_equals_uninterrupted(llm64):
     assert [r[0] for r in squeezed] == [r[0] for r in roomy]
 
 
-def test_request_that_cannot_fit_alone_is_refused(llm64):
-    engine = Engine(llm64, kv_cache_tokens=4 * 16, page_size=16)
-    with pytest.raises(NpqwenError, match=r"needs 5 KV pages of 16 positions, but the pool has 4"):
-        engine.add_request(prompts([50])[0], max_new_tokens=20)
-    assert not engine.has_unfinished()
+def test_answers_past_the_pool_preempt_and_each_ends_as_it_would_alone(llm64):
+    """Pages follow the tokens generated: requests whose max_new_tokens reach far past the pool (4 pages of
+    16) are admitted by their prompts, preempt one another as they grow, and each ends as it does alone,
+    where the whole pool is full ("length") or at its eos; a prompt the pool cannot hold is refused at once."""
+    P = 16
+    reqs = [(p, dict(max_new_tokens=10**6, temperature=0)) for p in prompts([20, 30, 12], seed=11)]
+    tight = Engine(llm64, kv_cache_tokens=4 * P, page_size=P)
+    together = run(tight, reqs)
+    alone = [run(Engine(llm64, kv_cache_tokens=4 * P, page_size=P), [r])[0] for r in reqs]
+    print("preemptions:", tight.stats["preemptions"], "lengths and reasons:", [(len(t), why) for t, _, why in together])
+    assert tight.stats["preemptions"] > 0
+    assert [(t, why) for t, _, why in together] == [(t, why) for t, _, why in alone]
+    assert all(why == "stop" or len(p) + len(t) == 4 * P for (p, _), (t, _, why) in zip(reqs, together))
+    with pytest.raises(NpqwenError, match=r"a prompt of 64 tokens needs 5 KV pages of 16 positions"):
+        tight.add_request(prompts([64])[0], max_new_tokens=1)
+    assert not tight.has_unfinished()
 
 
 def test_abort_frees_its_pages_at_once(llm64):

@@ -282,11 +282,28 @@ def test_a_huge_max_new_tokens_costs_nothing_until_used(tmp_path):
     assert huge["first"] < small["first"] + 1.0
 
 
-def test_a_request_that_cannot_fit_the_pool_is_refused_at_once(tiny):
+def test_a_max_new_tokens_past_the_pool_runs_and_holds_the_pages_of_what_came(tiny):
+    """Pages are taken as tokens come (vLLM admits by the prompt and grows): max_new_tokens=10**9 on a pool
+    of 4 pages of 16, far below the context (4096), streams, holding only the pages of the tokens so far;
+    run alone to the end it stops with "length" where the pool is full, never preempting itself in a loop."""
     from npqwen.engine import Engine
 
-    llm = LLM(tiny.model, tiny.tokenizer, dict(TINY_GENERATION))
-    llm._engine = Engine(llm, kv_cache_tokens=512, page_size=256)
-    with pytest.raises(NpqwenError, match=r"needs 16 KV pages of 256 positions, but the pool has 2 \(512 positions\)"):
-        llm.stream("Hi", max_new_tokens=10**9)
-    assert len(llm.generate("Hi", max_new_tokens=10, temperature=0).token_ids) == 10
+    llm = LLM(tiny.model, tiny.tokenizer, {**TINY_GENERATION, "eos_token_id": [1]})   # an eos the model never says
+    engine = llm._engine = Engine(llm, kv_cache_tokens=64, page_size=16)
+    prompt = llm.tokenizer.encode("Hi there")
+    stream = llm.stream(prompt, max_new_tokens=10**9, temperature=0)
+    for _, _ in zip(range(3), stream):
+        (req,) = engine.requests.values()
+        held = len(req.page_table)
+        assert held == -(-req.cached_len // 16) <= 1, (held, req.cached_len)   # its own tokens' pages, no more
+        engine.check()
+    stream.close()
+    r = llm.generate(prompt, max_new_tokens=10**9, temperature=0)
+    print(f"alone: {len(r.token_ids)} tokens, finish_reason {r.finish_reason}, "
+          f"{engine.stats['preemptions']} preemptions")
+    assert (r.finish_reason, len(r.token_ids), engine.stats["preemptions"]) == ("length", 64 - len(prompt), 0)
+    assert 1 not in r.token_ids and not engine.has_unfinished()
+    engine.check()
+    with pytest.raises(NpqwenError, match=r"a prompt of 64 tokens needs 5 KV pages of 16 positions .* the pool has "
+                                          r"4 \(64 positions\)"):
+        llm.stream([65] * 64, max_new_tokens=1)

@@ -77,6 +77,30 @@ def test_hub_layout_reads_the_text_model_only(tmp_path):
     assert "model.layers.0.linear_attn.in_proj_qkv.weight" in llm.model.weights
 
 
+@pytest.mark.parametrize("top, text", [(None, True), (True, False)])
+def test_hub_layout_ties_lm_head_as_its_top_level_config_says(top, text, tmp_path):
+    """In the hub layout (Qwen3_5ForConditionalGeneration) transformers ties lm_head by the top-level config's
+    tie_word_embeddings (PreTrainedModel.get_expanded_tied_weights_keys reads the model's own config, and
+    Qwen3_5Config's default is False), whatever text_config says; Qwen3_5ForCausalLM's config is its own (the
+    text layout's cases above). Left out at the top (as HF writes from a Qwen3_5Config given only a tied
+    text_config): untied, lm_head.weight stored and used; True at the top over an untied text_config: tied."""
+    from safetensors import safe_open
+
+    path = build_hybrid_checkpoint(tmp_path, hybrid_config(tie_word_embeddings=text), hub_layout=True,
+                                   top_level={} if top is None else {"tie_word_embeddings": top})
+    saved = json.loads((path / "config.json").read_text())
+    with safe_open(path / "model.safetensors", "np") as f:
+        stored = "lm_head.weight" in f.keys()
+    print(f"top-level {saved['tie_word_embeddings']}, text_config {saved['text_config']['tie_word_embeddings']}, "
+          f"lm_head.weight stored: {stored}")
+    assert (saved["tie_word_embeddings"], saved["text_config"]["tie_word_embeddings"], stored) == \
+        (bool(top), text, not top)
+    llm, ref = npqwen.load(path), hf_hybrid_model(path)
+    assert llm.config.tie_word_embeddings == bool(top)
+    assert (ref.lm_head.weight.data_ptr() == ref.model.language_model.embed_tokens.weight.data_ptr()) == bool(top)
+    compare(llm, ref, np.random.default_rng(1).integers(0, llm.config.vocab_size, 40).tolist())
+
+
 def test_greedy_generation_equals_hf(tmp_path):
     path = build_hybrid_checkpoint(tmp_path, hybrid_config(num_hidden_layers=5, layer_types=[L, F, L, L, F]), std=0.1)
     llm, ref = npqwen.load(path), hf_hybrid_model(path)

@@ -433,3 +433,13 @@ def test_complete_checkpoint_gives_no_warning(npqwen_tiny_dir):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         npqwen.load(npqwen_tiny_dir)
+
+
+@pytest.mark.parametrize("model, fragments", [
+    (123, ["a model is a checkpoint directory (a str or a path)", "got int '123'"]),
+    ("tinyy", ["no such directory: 'tinyy'", "did you mean 'tiny', the built-in model?"]),
+    ("tiny-mo", ["did you mean 'tiny-moe'"]),
+])
+def test_a_model_that_is_no_path_or_a_mistyped_built_in_name_is_one_clear_error(model, fragments):
+    """Before: load(123) was pathlib's TypeError; "tinyy" did not suggest "tiny"."""
+    expect_error(lambda: npqwen.load(model), *fragments)

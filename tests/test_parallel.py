@@ -468,7 +468,34 @@ def test_a_rank_killed_mid_stream_ends_the_server_and_the_client_hears_why():
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert code != 0
+    assert code == 1
+    errors = [line for line in proc.stderr.read().splitlines() if line.startswith("npqwen: error:")]
+    assert len(errors) == 1 and "a rank of the group stopped" in errors[0], errors
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_killed_while_idle_ends_every_process_of_the_group_with_status_1(rank):
+    """kill -9 of one rank of an idle server: the other rank, mpiexec, its proxy and the launcher end within
+    seconds, the launcher with status 1, and one line says why (rank 0 gone: the survivor says it)."""
+    proc, _ = start_server()
+    group = descendants(proc.pid)
+    try:
+        os.kill(rank_pid(proc.pid, rank), signal.SIGKILL)
+        killed = time.monotonic()
+        try:
+            code = proc.wait(15)
+        except subprocess.TimeoutExpired:
+            code = None
+        while any(running(pid) for pid in group) and time.monotonic() < killed + 15:
+            time.sleep(0.1)
+        print(f"rank {rank} killed: every process ended {time.monotonic() - killed:.1f} s after, launcher status {code}")
+    finally:
+        left = [pid for pid in group if running(pid)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+    assert not left and code == 1, (left, code, proc.stderr.read())
     errors = [line for line in proc.stderr.read().splitlines() if line.startswith("npqwen: error:")]
     assert len(errors) == 1 and "a rank of the group stopped" in errors[0], errors
 

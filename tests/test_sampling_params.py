@@ -129,6 +129,27 @@ def test_params_and_keyword_arguments_do_not_mix(tiny):
         engine.add_request("Hi", 4, max_new_tokens=5)
     with pytest.raises(NpqwenError, match="params must be an npqwen.SamplingParams"):
         tiny.generate("Hi", {"temperature": 0})
-    with pytest.raises(TypeError, match="temprature"):   # a misspelt value is not ignored
+    with pytest.raises(NpqwenError, match="temprature"):   # a misspelt value is not ignored
         tiny.generate("Hi", temprature=0)
     assert not engine.has_unfinished() and not tiny.engine.has_unfinished()
+
+
+def test_a_mistyped_keyword_names_the_function_called_and_the_nearest_option(tiny):
+    """Before: every call said "SamplingParams.__init__() got an unexpected keyword argument", a TypeError."""
+    engine = Engine(tiny, kv_cache_tokens=1024, page_size=16)
+    for call, name in ((tiny.generate, "LLM.generate"), (tiny.stream, "LLM.stream"), (tiny.chat, "LLM.chat"),
+                       (engine.add_request, "Engine.add_request")):
+        with pytest.raises(NpqwenError, match=re.escape(f"{name}() got an unexpected keyword argument 'tempreature'; "
+                                                        f"did you mean temperature?")):
+            call("hi", tempreature=0)
+    with pytest.raises(NpqwenError, match=re.escape("'steerin'; did you mean steering?")):   # its own parameters too
+        tiny.generate("hi", steerin=None)
+    with pytest.raises(NpqwenError, match=r"'zzz' \(the sampling values: max_new_tokens, stop, temperature"):
+        tiny.generate("hi", zzz=1)
+    assert not engine.has_unfinished()
+
+
+def test_an_empty_stop_string_is_refused_as_vllm_does():
+    for stop in ("", ["\n", ""]):
+        with pytest.raises(NpqwenError, match="stop cannot contain an empty string"):
+            SamplingParams(stop=stop)

@@ -81,6 +81,19 @@ def test_openapi_json_and_docs(small_server):
     assert docs.status == 200 and docs.getheader("content-type").startswith("text/html")
 
 
+def test_detokenize_takes_no_tokens_as_its_schema_says(small_server):
+    """vLLM's /detokenize takes any list of ids (DetokenizeRequest.tokens: list[int]) and decodes [] to "":
+    so does npqwen, and its schema says so (before: minItems 1 in the schema, yet [] answered 200)."""
+    key = {"Authorization": "Bearer k"}
+    tokens = http_json("GET", small_server.url + "/openapi.json")[1]["components"]["schemas"]["DetokenizeRequest"][
+        "properties"]["tokens"]
+    status, body = http_json("POST", small_server.url + "/detokenize", {"tokens": []}, key)
+    print("schema:", tokens, "answer to []:", status, body)
+    assert "minItems" not in tokens and (status, body) == (200, {"prompt": ""})
+    status, body = http_json("POST", small_server.url + "/detokenize", {"tokens": [72, 105]}, key)
+    assert (status, body) == (200, {"prompt": "Hi"})
+
+
 def test_schemathesis_finds_no_server_error_and_nothing_off_the_schema(small_server, tmp_path, capsys):
     """A bounded run (10 examples an operation, 30 s) of every operation, with the key, and every check.
     Before: pydantic's ge / le hid 18 bounds, and 11 schema-valid bodies got a 400."""

@@ -40,6 +40,9 @@ def add_parser(commands):
 
 
 def cmd_generate(args) -> int:
+    if args.raw and args.system is not None:   # the system message is a part of the chat template
+        raise NpqwenError("--system goes with the chat template, which --raw leaves out: put the system text in "
+                          "the prompt, or leave out --raw")
     if args.prompts_file is not None:
         return generate_file(args)
     given = [f"--{name.replace('_', '-')}" for name in ("output", *ENGINE_SIZES) if getattr(args, name) is not None]

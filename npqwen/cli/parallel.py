@@ -107,7 +107,11 @@ def supervise(command: list[str]) -> int:
             launcher.wait()
     kill_group(mark)   # an orphaned rank or proxy, in a session of its own
     code = launcher.returncode
-    return 128 + stopped_by if stopped_by and code else (code if code >= 0 else 128 - code)
+    if stopped_by:
+        return 128 + stopped_by if code else 0
+    if code > 128 and code != 128 + signal.SIGINT:   # a rank died of a signal (kill -9, the OOM killer) and the
+        return 1                                      # others ended the group (MPI_Abort): the group's failure, 1
+    return code if code >= 0 else 128 - code          # mpiexec itself killed: 128 + the signal, as a shell says
 
 
 def from_the_terminal(info) -> bool:

@@ -15,7 +15,8 @@ def add_parser(commands):
                    help="keep every intermediate array, under its name; .npz is added if missing (default: none)")
     p.add_argument("--plot-attention", metavar="FILE.png",
                    help="heatmap of one layer's attention probabilities (default: none)")
-    p.add_argument("--layer", type=int, help="the layer to plot (required with --plot-attention)")
+    p.add_argument("--layer", type=int, help="the layer to plot (required with --plot-attention; the table's layers "
+                                             "are --layers)")
     p.add_argument("--head", type=int, help="the head to plot (default: the mean over heads)")
     p.set_defaults(run=cmd_trace)
 
@@ -29,9 +30,16 @@ def cmd_trace(args) -> int:
     save = npz_name(args.save) if args.save else None   # np.savez adds ".npz": check and report the real name
     if save:
         check_writable(save, "--save")
+    # --layers picks the layers the table shows; --layer and --head what --plot-attention draws: each error names the other
+    if not args.plot_attention:
+        given = [o for o, value in (("--layer", args.layer), ("--head", args.head)) if value is not None]
+        if given:
+            raise NpqwenError(f"{given[0]} goes with --plot-attention (the layer and head it draws); to trace only "
+                              f"some layers, use --layers (e.g. --layers 0,3)")
     if args.plot_attention:
         if args.layer is None:
-            raise NpqwenError("--plot-attention needs --layer N (the layer to draw)")
+            raise NpqwenError("--plot-attention needs --layer N, the layer to draw (--layers only chooses the "
+                              "layers the table shows)")
         check_writable(args.plot_attention, "--plot-attention")
         pyplot()   # matplotlib is there
     llm, _ = load_model(args, chat_template=args.chat)

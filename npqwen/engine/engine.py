@@ -103,7 +103,8 @@ class Engine:
         scale * vector to this request's residual stream after block layer (npqwen/steering.py); `lora`
         names a loaded LoRA adapter (llm.load_lora) that this request's rows go through. Everything is
         checked now."""
-        return self.add(self.new_request(prompt, params, steering=steering, lora=lora, **sampling))
+        return self.add(self.new_request(prompt, params_of(params, sampling, self.add_request), steering=steering,
+                                         lora=lora))
 
     def new_request(self, prompt, params: SamplingParams | int | None = None, steering=None, *,
                     lora: str | None = None,
@@ -113,7 +114,7 @@ class Engine:
         here its unset sampling values take the checkpoint's (generation_config.json), and what needs
         this model is checked: the prompt's ids, room in the context and the pool (fit), the constraint
         against the tokenizer."""
-        params = params_of(params, sampling).with_defaults(self.llm.generation_defaults)
+        params = params_of(params, sampling, self.new_request).with_defaults(self.llm.generation_defaults)
         steers = check_steering(steering, self.config)
         adapter = None if lora is None else self.llm.lora_adapter(lora)   # the LoraAdapter travels with the request
         ids = self.llm.prompt_ids(prompt)
@@ -129,8 +130,7 @@ class Engine:
 
     def fit(self, ids: list[int], max_new_tokens: int) -> int:
         """The checks a generation needs of this model and pool: an lm_head, a prompt that is not empty
-        and leaves room in the context, KV pages enough for it and its answer; max_new_tokens capped to
-        the room left in the context."""
+        and leaves room in the context and the pool; max_new_tokens capped to the room left in both."""
         check_lm_head(self.model)   # a checkpoint saved without lm_head (Qwen3Model) cannot generate: say so now
         if not ids:
             raise NpqwenError("the prompt is empty")
@@ -138,14 +138,17 @@ class Engine:
         if len(ids) >= context:
             raise NpqwenError(f"the prompt has {len(ids)} tokens but the context holds {context} "
                               f"(max_position_embeddings): no room to generate; shorten the prompt")
-        max_new_tokens = min(max_new_tokens, context - len(ids))
-        need = math.ceil((len(ids) + max_new_tokens) / self.page_size)
-        if need > self.pool.num_pages:
-            raise NpqwenError(f"a prompt of {len(ids)} tokens plus max_new_tokens {max_new_tokens} needs {need} KV "
-                              f"pages of {self.page_size} positions, but the pool has {self.pool.num_pages} "
-                              f"({self.pool.num_pages * self.page_size} positions); lower max_new_tokens or give "
-                              f"the engine a larger kv_cache_tokens")
-        return max_new_tokens
+        # Pages are taken as tokens come (the scheduler admits by the prompt and grows, preempting the
+        # youngest request when the pool is full, as vLLM does), so only the prompt must fit now. The answer
+        # stops where the whole pool is full: then a request that runs alone ends with "length", and since
+        # each request fits the pool alone, the oldest one always makes progress.
+        positions = self.pool.num_pages * self.page_size
+        if len(ids) >= positions:
+            raise NpqwenError(f"a prompt of {len(ids)} tokens needs {len(ids) // self.page_size + 1} KV pages of "
+                              f"{self.page_size} positions (with one position to generate), but the pool has "
+                              f"{self.pool.num_pages} ({positions} positions); shorten the prompt or give the "
+                              f"engine a larger kv_cache_tokens")
+        return min(max_new_tokens, context - len(ids), positions - len(ids))
 
     @rank_0_leads
     def new_embedding_request(self, prompt, pooling: str = "lasttoken") -> Request:
