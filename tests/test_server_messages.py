@@ -134,6 +134,41 @@ def test_forced_tool_call_then_tool_result(server):
     assert "<tool_response>\nTOOLRESULT-17\n</tool_response>" in text and '"city": "Paris"' in text
 
 
+def test_system_messages_among_the_messages(server):
+    """Claude Code (for a model it does not know as Claude) sends {"role": "system"} entries inside
+    messages: each is read where it stands, as Qwen3's chat template writes a system message that is
+    not first (its own <|im_start|>system turn), in create, stream and count_tokens alike."""
+    c = client(server)
+    conversation = [{"role": "user", "content": "Hello."},
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "assistant", "content": "Hi."},
+                    {"role": "system", "content": [{"type": "text", "text": "Answer in"},
+                                                   {"type": "text", "text": "English.", "cache_control": {
+                                                       "type": "ephemeral"}}]},
+                    {"role": "user", "content": "M-PLAIN"}]
+    m = c.messages.create(model=MODEL, max_tokens=64, system="You are a test.", messages=conversation)
+    assert m.content[0].text == "No reasoning here."
+    with c.messages.stream(model=MODEL, max_tokens=64, system="You are a test.", messages=conversation) as stream:
+        assert stream.get_final_message().content[0].text == "No reasoning here."
+    # the prompt is the template's text of the same conversation as chat messages
+    chat = [{"role": "system", "content": "You are a test."}, {"role": "user", "content": "Hello."},
+            {"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "Hi."},
+            {"role": "system", "content": "Answer in\n\nEnglish."}, {"role": "user", "content": "M-PLAIN"}]
+    text = server.llm.tokenizer.apply_chat_template(chat, enable_thinking=False)
+    assert "<|im_start|>user\nHello.<|im_end|>\n<|im_start|>system\nBe brief.<|im_end|>\n" in text
+    count = c.messages.count_tokens(model=MODEL, system="You are a test.", messages=conversation).input_tokens
+    assert count == m.usage.input_tokens == len(server.llm.tokenizer.encode(text))
+    # first, with no system field: the template's first system message
+    first = c.messages.count_tokens(model=MODEL, messages=[{"role": "system", "content": "You are a test."}]
+                                    + conversation[:1]).input_tokens
+    assert first == c.messages.count_tokens(model=MODEL, system="You are a test.",
+                                            messages=conversation[:1]).input_tokens
+    # a system message holds text blocks only
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[1\]\.content\[0\]"):
+        c.messages.create(model=MODEL, max_tokens=8, messages=[conversation[0], {"role": "system", "content": [
+            {"type": "tool_use", "id": "toolu_1", "name": "x", "input": {}}]}])
+
+
 def test_output_config_format_and_stop_sequences(server):
     c = client(server)
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],

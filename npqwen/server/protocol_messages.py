@@ -76,7 +76,9 @@ Block = Annotated[TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlo
 
 
 class InputMessage(Strict):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code (for a model it does not know as Claude) and the SDK's types put system
+    # entries among the messages; read where they stand, as the chat template reads a later system message
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 

@@ -52,15 +52,27 @@ def block_text(blocks, where: str) -> str:
     return "".join(block.text for block in blocks)
 
 
+def system_text(system, where: str) -> str:
+    """A system prompt's text: a string, or its text blocks joined (Claude Code's billing header left out)."""
+    if isinstance(system, str):
+        return system
+    for j, block in enumerate(system):
+        if block.type != "text":
+            raise refused(block, f"{where}[{j}]", "a system message")
+    return "\n\n".join(block.text for block in system if not block.text.startswith(BILLING_HEADER))
+
+
 def to_messages(body: CountTokensRequest) -> list[dict]:
-    """The conversation as chat messages: system first (its blocks joined, Claude Code's billing header
-    left out); a user's tool_result blocks become tool messages and its text blocks a user message,
-    in their order; an assistant's thinking, text and tool_use blocks become one assistant message
-    (reasoning_content, content, tool_calls)."""
-    system = body.system if isinstance(body.system, str) or body.system is None else \
-        "\n\n".join(block.text for block in body.system if not block.text.startswith(BILLING_HEADER))
+    """The conversation as chat messages: system first; a system message among the messages stays where
+    it stands (the template writes it as a system turn there); a user's tool_result blocks become
+    tool messages and its text blocks a user message, in their order; an assistant's thinking, text
+    and tool_use blocks become one assistant message (reasoning_content, content, tool_calls)."""
+    system = system_text(body.system, "system") if body.system is not None else ""
     messages = [{"role": "system", "content": system}] if system else []
     for i, m in enumerate(body.messages):
+        if m.role == "system":
+            messages.append({"role": "system", "content": system_text(m.content, f"messages[{i}].content")})
+            continue
         if isinstance(m.content, str):
             messages.append({"role": m.role, "content": m.content})
             continue
