@@ -169,6 +169,39 @@ def test_system_messages_among_the_messages(server):
             {"type": "tool_use", "id": "toolu_1", "name": "x", "input": {}}]}])
 
 
+def test_tools_as_current_sdks_define_them(server):
+    """eager_input_streaming, defer_loading, input_examples and allowed_callers on a tool are accepted
+    (@ai-sdk/anthropic's streamText sends eager_input_streaming); the examples are shown to the model
+    after the tool's description; a wrong value is a 400 that names the field by its path in the body."""
+    c = client(server)
+    examples = [{"city": "Paris"}, {"city": "Rome"}]
+    tool = {**WEATHER, "eager_input_streaming": True, "defer_loading": False, "input_examples": examples,
+            "allowed_callers": ["direct"], "strict": True}
+    m = c.messages.create(model=MODEL, max_tokens=128, messages=ask("Weather? M-TOOL"), tools=[tool],
+                          tool_choice={"type": "any"})
+    assert [b.type for b in m.content] == ["tool_use"] and m.content[0].input == {"city": "Paris"}
+    with c.messages.stream(model=MODEL, max_tokens=128, messages=ask("Weather? M-TOOL"), tools=[tool]) as stream:
+        assert stream.get_final_message().content[0].input == {"city": "Paris"}
+    chat = to_chat_request(MessagesRequest.model_validate(
+        {"model": MODEL, "max_tokens": 64, "messages": ask("x"), "tools": [tool]}))
+    text = server.llm.tokenizer.decode(server.app.state.messages.prompt_ids(chat, server.app.state.messages.chat_tools(
+        chat)[1]))
+    assert 'Weather in a city\\n\\nInput examples:\\n{\\"city\\": \\"Paris\\"}\\n{\\"city\\": \\"Rome\\"}' in text, text
+    plain = c.messages.count_tokens(model=MODEL, messages=ask("x"), tools=[WEATHER]).input_tokens
+    assert c.messages.count_tokens(model=MODEL, messages=ask("x"), tools=[tool]).input_tokens > plain
+    # errors name the field by its path in the body, never a class of npqwen's
+    for bad, param in (({**tool, "eager_input_streaming": 3}, "tools[0].eager_input_streaming"),
+                       ({**tool, "input_examples": ["Paris"]}, "tools[0].input_examples[0]"),
+                       ({**tool, "bogus": 1}, "tools[0].bogus")):
+        status, body = http_json("POST", server.url + "/v1/messages", {
+            "model": MODEL, "max_tokens": 8, "messages": ask("x"), "tools": [bad]}, {"x-api-key": "k"})
+        assert status == 400 and body["error"]["message"].startswith((param + ":", f"unsupported field '{param}'")), \
+            body
+    status, body = http_json("POST", server.url + "/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "x", "bogus": 1}]}]}, {"x-api-key": "k"})
+    assert status == 400 and "'messages[0].content[0].bogus'" in body["error"]["message"], body
+
+
 def test_output_config_format_and_stop_sequences(server):
     c = client(server)
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],

@@ -89,6 +89,10 @@ class CustomTool(Strict):
     type: Literal["custom"] | None = None
     cache_control: dict | None = None
     strict: bool | None = None                             # forced calls are checked against the schema either way
+    input_examples: list[dict] | None = None               # shown to the model after the description (tool_text)
+    eager_input_streaming: bool | None = None              # a call's input is streamed whole once it is complete
+    defer_loading: bool | None = None                      # no tool search here: the tool is shown from the start
+    allowed_callers: list[str] | None = None               # only "direct" calls happen here (no code execution)
 
 
 class ServerTool(BaseModel):

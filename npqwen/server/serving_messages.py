@@ -135,7 +135,7 @@ def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
                            "unsupported")
     if body.tools:
         chat["tools"] = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
-                                                           **({"description": t.description} if t.description
+                                                           **({"description": tool_text(t)} if tool_text(t)
                                                               else {})}} for t in body.tools]
     choice = body.tool_choice
     if choice is not None:
@@ -163,6 +163,15 @@ def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     except APIError as e:
         raise in_messages_names(e) from None
     return request
+
+
+def tool_text(tool: CustomTool) -> str:
+    """A tool's description as the model reads it: its input_examples, if any, follow it (Anthropic puts
+    them in the prompt beside the tool's schema), one JSON object a line."""
+    if not tool.input_examples:
+        return tool.description or ""
+    examples = "\n".join(json.dumps(example, ensure_ascii=False) for example in tool.input_examples)
+    return f"{tool.description}\n\nInput examples:\n{examples}" if tool.description else f"Input examples:\n{examples}"
 
 
 def enabled_budget(body: MessagesRequest) -> int:
