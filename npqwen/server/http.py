@@ -251,6 +251,24 @@ def model_names() -> frozenset:
     return frozenset(cls.__name__ for cls in subclasses(BaseModel))
 
 
+class HeadAsGet:
+    """ASGI middleware: HEAD is answered as GET would be, without the body (an uptime check sends
+    HEAD /; RFC 9110 asks every GET route to take it). The headers, Content-Length included, are GET's."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(message):
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
+
+
 class BodyLimit:
     """ASGI middleware: a body over `limit` bytes is a 413, by its Content-Length or as it arrives."""
 

@@ -118,6 +118,7 @@ class NamedToolChoice(Strict):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None                # OpenAI pads its chunks against size analysis; npqwen adds no padding
 
 
 class ChatTemplateKwargs(Strict):
