@@ -202,6 +202,45 @@ def test_tools_as_current_sdks_define_them(server):
     assert status == 400 and "'messages[0].content[0].bogus'" in body["error"]["message"], body
 
 
+def test_the_sdks_tool_runner_goes_on_without_a_thread(tiny_server):
+    """client.beta.messages.tool_runner sends `thread`; npqwen answers Anthropic's own refusal
+    (error.details.error_code "thread_unsupported_request" with its `unsupported` list), on which the
+    runner sends the whole conversation without one. Its loop then completes a forced tool call
+    against the real tiny model: the call runs and its result goes back (before: it stopped at a 400)."""
+    from typing import Literal
+
+    from anthropic import beta_tool
+
+    calls, sent = [], []
+
+    @beta_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"17 degrees in {city}"
+
+    c = anthropic.Anthropic(base_url=tiny_server.url, api_key="none", max_retries=0)
+    create = c.beta.messages.create
+
+    def recording_create(**kwargs):
+        sent.append(kwargs)
+        return create(**kwargs)
+    c.beta.messages.create = recording_create
+    runner = c.beta.messages.tool_runner(model=MODEL, max_tokens=200, tools=[get_weather], max_iterations=2,
+                                         tool_choice={"type": "tool", "name": "get_weather"},
+                                         messages=ask("Weather in Paris?"), extra_body={"temperature": 0})
+    replies = list(runner)
+    assert replies[0].stop_reason == "tool_use" and [b.type for b in replies[0].content] == ["tool_use"], replies[0]
+    assert calls and calls[0] in ("Paris", "Rome") and len(replies) == 2
+    results = [b for m in sent[-1]["messages"] if isinstance(m["content"], list) for b in m["content"]
+               if isinstance(b, dict) and b.get("type") == "tool_result"]
+    assert results and "17 degrees in" in json.dumps(results[0]["content"]), sent[-1]["messages"]
+    status, body = http_json("POST", tiny_server.url + "/v1/messages", {
+        "model": MODEL, "max_tokens": 8, "messages": ask("x"), "thread": {"type": "create"}})
+    assert status == 400 and body["error"]["details"] == {"error_code": "thread_unsupported_request",
+                                                          "unsupported": []}, body
+
+
 def test_output_config_format_and_stop_sequences(server):
     c = client(server)
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],

@@ -18,7 +18,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 
 ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
     "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
-        "type": {"type": "string", "enum": sorted(set(ERROR_TYPES.values()))}, "message": {"type": "string"}}}}}
+        "type": {"type": "string", "enum": sorted(set(ERROR_TYPES.values()))}, "message": {"type": "string"},
+        "details": {"type": "object"}}}}}
 
 
 def anthropic_error(e: APIError) -> tuple[int, dict]:
@@ -27,7 +28,8 @@ def anthropic_error(e: APIError) -> tuple[int, dict]:
     status = 529 if e.status == 503 else e.status
     kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     message = e.message if not e.param or e.param in e.message else f"{e.param}: {e.message}"
-    return status, {"type": "error", "error": {"type": kind, "message": message}}
+    details = {"details": e.details} if e.details else {}
+    return status, {"type": "error", "error": {"type": kind, "message": message, **details}}
 
 
 class TextBlock(Strict):
@@ -138,6 +140,7 @@ class CountTokensRequest(Strict):
     output_config: OutputConfig | None = None
     output_format: JSONOutputFormat | None = None          # the structured-outputs beta's name for output_config.format
     context_management: dict | None = None                 # a beta's field: nothing is cleared here
+    thread: dict | bool | None = None                      # refused with Anthropic's thread_unsupported_request
 
 
 class MessagesRequest(CountTokensRequest):

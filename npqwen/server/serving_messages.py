@@ -119,6 +119,10 @@ def refused(block, where: str, place: str) -> APIError:
 
 def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat completion request a Messages call runs as (so that every check a chat gets applies)."""
+    if body.thread not in (None, False):   # the SDK's tool runner sends one, and goes on without on this answer
+        raise APIError(400, "npqwen keeps no message threads: send the whole conversation without 'thread'",
+                       "thread", "unsupported", details={"error_code": "thread_unsupported_request",
+                                                         "unsupported": []})
     chat = {"model": body.model, "messages": to_messages(body)}
     thinking = body.thinking is not None and body.thinking.type != "disabled"   # off unless asked, as Anthropic's
     chat["chat_template_kwargs"] = {"enable_thinking": thinking}
