@@ -252,6 +252,7 @@ class ServingMessages(ServingChat):
         return room if max_tokens is None else min(max_tokens, room)
 
     def prompt_ids(self, chat: ChatCompletionRequest, tools) -> list[int]:
+        self.check_messages_size(chat, None)   # count_tokens too refuses what cannot fit, before tokenizing it
         try:
             return self.encode(self.chat_text(chat, template_messages(chat.messages), self.thinking(chat), tools))
         except NpqwenError as e:
