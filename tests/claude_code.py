@@ -28,6 +28,9 @@ VERSION = "2.1.197"
 # telemetry, the auto-updater and every other call home off: the client talks to 127.0.0.1 alone
 QUIET = {"DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
          "DISABLE_ERROR_REPORTING": "1", "ANTHROPIC_API_KEY": "dummy"}
+# docs/messages.md: a first turn whose prompt takes minutes to read (its stream sends only pings) is given
+# 30 minutes, where Claude Code would end it at 5 and resend it unstreamed
+PATIENT = {"CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000", "API_TIMEOUT_MS": "1800000"}
 
 
 def recorded() -> list[dict]:
