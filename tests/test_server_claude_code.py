@@ -119,7 +119,8 @@ def test_recorded_claude_code_sessions_replay(servers):
 
 def claude(url: str, name: str, cwd) -> dict:
     """`claude -p` with Claude Code pointed at `url` alone, telemetry and updates off; its JSON result."""
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(cwd), **QUIET, **PATIENT, "ANTHROPIC_BASE_URL": url,
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(cwd), **QUIET, **PATIENT,
+           "ANTHROPIC_BASE_URL": url,
            "ANTHROPIC_MODEL": name, "ANTHROPIC_DEFAULT_HAIKU_MODEL": name, "ANTHROPIC_DEFAULT_SONNET_MODEL": name,
            "ANTHROPIC_DEFAULT_OPUS_MODEL": name, "ANTHROPIC_SMALL_FAST_MODEL": name}
     done = subprocess.run([claude_binary(), "-p", "Say ok.", "--output-format", "json"], cwd=cwd, env=env,

@@ -119,7 +119,7 @@ class NamedToolChoice(Strict):
 
 class StreamOptions(Strict):
     include_usage: bool = False
-    include_obfuscation: bool | None = None                # OpenAI pads its chunks against size analysis; npqwen adds no padding
+    include_obfuscation: bool | None = None                # OpenAI pads chunks (size analysis); npqwen adds none
 
 
 class ChatTemplateKwargs(Strict):
