@@ -18,6 +18,7 @@ openai = pytest.importorskip("openai")
 
 import npqwen  # noqa: E402
 
+from conftest import add_qwen3_tokenizer, needs_qwen3_tokenizer, tiny_config, write_npqwen_checkpoint  # noqa: E402
 from serving import http_json  # noqa: E402
 
 CLIENTS, REQUESTS_EACH, NEW_TOKENS = 32, 4, 24
@@ -173,14 +174,20 @@ def children(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads Linux's /proc")
-def test_the_tokenizer_process_ends_with_a_killed_server():
+def test_the_tokenizer_process_ends_with_a_killed_server(tmp_path):
     """kill -9 of `npqwen serve` (as the kernel's OOM killer does) closes nothing: the tokenizer's child
-    process, started by a long text, ends with it anyway (before: it lived on)."""
-    proc, url = start()
+    process, started by a long text, ends with it anyway (before: it lived on). A text over
+    LONG_TEXT_CHARS that fits the context needs one longer than tiny's: Qwen3's tokenizer and 40,960."""
+    needs_qwen3_tokenizer()
+    config = tiny_config(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=8, vocab_size=151936, max_position_embeddings=40960,
+                         eos_token_id=151645)
+    model = str(add_qwen3_tokenizer(write_npqwen_checkpoint(tmp_path / "qwen3-tokenizer", config)))
+    proc, url = start("--model", model)
     try:
         status, count = http_json("POST", url + "/v1/messages/count_tokens", {   # over LONG_TEXT_CHARS
-            "model": "tiny", "messages": [{"role": "user", "content": "x" * 70_000}]})
-        assert status == 200 and count["input_tokens"] > 70_000, count
+            "model": model, "messages": [{"role": "user", "content": "word " * 14_000}]})
+        assert status == 200 and count["input_tokens"] > 14_000, count
         child = [p for p in children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
         assert len(child) == 1, children(proc.pid)
     finally:
