@@ -217,9 +217,11 @@ def finish_vectors(config: EmbeddingConfig, pooled: np.ndarray, width: int, norm
     return normalize_rows(out) if (config.normalize if normalize is None else normalize) else out
 
 
-def embedding_inputs(llm, texts, instruction=None, prompt_name=None) -> list[list[int]]:
+def embedding_inputs(llm, texts, instruction=None, prompt_name=None, encode=None) -> list[list[int]]:
     """Each input's token ids, tokenized as sentence-transformers does: the prompt put before the text, the
-    tokenizer's own special tokens (Qwen3-Embedding's appends <|endoftext|>); token ids are taken as they are."""
+    tokenizer's own special tokens (Qwen3-Embedding's appends <|endoftext|>); token ids are taken as they are.
+    A text too long to embed is refused by its size before it is tokenized (Tokenizer.fewest_tokens).
+    `encode(text, add_special_tokens)`: the tokenizing (the server's sends a long text to its tokenizer process)."""
     config = llm.embedding_config
     prompt = resolve_prompt(config, instruction, prompt_name)
     items = [texts] if isinstance(texts, str) or is_token_ids(texts) else texts
@@ -230,7 +232,11 @@ def embedding_inputs(llm, texts, instruction=None, prompt_name=None) -> list[lis
     out = []
     for i, item in enumerate(items):
         if isinstance(item, str):
-            ids = tokenize(llm._tokenizer(), config, prompt, item)
+            fewest = llm._tokenizer().fewest_tokens(item)   # a bound from its bytes alone: megabytes cost nothing
+            if fewest > limit:
+                raise InputTooLong(f"input {i} has {len(item)} characters, so at least {fewest} tokens, but this "
+                                   f"model embeds at most {limit}; shorten it")
+            ids = tokenize(llm._tokenizer(), config, prompt, item, encode)
         elif isinstance(item, (list, tuple, range, np.ndarray)) and len(item) == 0:
             raise NpqwenError(f"input {i} is an empty list of token ids: it has no tokens to embed")
         elif is_token_ids(item):
@@ -249,16 +255,17 @@ def embedding_inputs(llm, texts, instruction=None, prompt_name=None) -> list[lis
     return out
 
 
-def tokenize(tokenizer, config: EmbeddingConfig, prompt: str, text: str) -> list[int]:
+def tokenize(tokenizer, config: EmbeddingConfig, prompt: str, text: str, encode=None) -> list[int]:
     """One text as sentence-transformers tokenizes it: prompt + text with the tokenizer's special tokens,
     or (the "message" modality) a system message with the prompt and a user message, chat-templated."""
+    encode = encode or tokenizer.encode
     if config.do_lower_case:
         text = text.lower()
     if config.chat_template is None:
-        return tokenizer.encode(prompt + text, add_special_tokens=True)
+        return encode(prompt + text, True)
     messages = ([{"role": "system", "content": prompt}] if prompt else []) + [{"role": "user", "content": text}]
     kwargs = {"add_generation_prompt": False, **config.chat_template}
-    return tokenizer.encode(tokenizer.apply_chat_template(messages, **kwargs))
+    return encode(tokenizer.apply_chat_template(messages, **kwargs), False)
 
 
 def is_token_ids(x) -> bool:

@@ -83,7 +83,7 @@ def grammar_entry(json_schema=None, regex=None, choice=None, grammar=None) -> tu
         if not isinstance(value, (dict, bool)):
             raise ConstraintError(f"json_schema must be a JSON Schema (a dict, or its JSON text), got "
                                   f"{type(value).__name__} {str(value)[:40]!r}")
-        return kind, {"json_schema": with_json_whitespace(value)}
+        return kind, {"json_schema": with_json_whitespace(closed_objects(value))}
     if kind == "choice":
         if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
             raise ConstraintError(f"choice must be a non-empty list of strings, got {str(value)[:40]!r}")
@@ -100,6 +100,38 @@ def grammar_entry(json_schema=None, regex=None, choice=None, grammar=None) -> tu
         return kind, {"lark_grammar": llg.grammar_from("grammar", value)}
     except ValueError as e:
         raise ConstraintError(f"the grammar is neither llguidance's Lark nor GBNF: {e}") from None
+
+
+SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties",
+             "propertyNames", "unevaluatedProperties", "unevaluatedItems")   # keys whose value is a schema
+SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf")
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema):
+    """The schema with "additionalProperties": false on each object schema that declares its properties
+    and says nothing of other keys. JSON Schema lets such an object hold any other key too, and a
+    constrained model (a small one especially) then writes keys of its own, often until max_tokens;
+    vLLM's default grammar backend (xgrammar) generates no undeclared key unless the schema allows it
+    ("additionalProperties": true or a schema), and its llguidance backend does the same with
+    disable_additional_properties, by this same rewrite (llguidance itself has no option for it).
+    allOf's members are left open: closing one would refuse the keys its siblings declare."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in SUBSCHEMA:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    for key in SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    for key in SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    if ("properties" in out or "patternProperties" in out) and "additionalProperties" not in out \
+            and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def with_json_whitespace(schema):

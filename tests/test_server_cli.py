@@ -2,6 +2,7 @@
 once through the engine, gives its memory back, and stops cleanly on Ctrl-C."""
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ openai = pytest.importorskip("openai")
 
 import npqwen  # noqa: E402
 
+from conftest import add_qwen3_tokenizer, needs_qwen3_tokenizer, tiny_config, write_npqwen_checkpoint  # noqa: E402
 from serving import http_json  # noqa: E402
 
 CLIENTS, REQUESTS_EACH, NEW_TOKENS = 32, 4, 24
@@ -160,3 +162,39 @@ def test_serve_refuses_a_port_in_use():
                              capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert run.stderr.count("npqwen: error:") == 1 and "--port" in run.stderr, run.stderr
+
+
+def children(pid: int) -> list[int]:
+    """The pids of a process's children (Linux's /proc/PID/task/*/children)."""
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(p) for p in f.read().split()]
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads Linux's /proc")
+def test_the_tokenizer_process_ends_with_a_killed_server(tmp_path):
+    """kill -9 of `npqwen serve` (as the kernel's OOM killer does) closes nothing: the tokenizer's child
+    process, started by a long text, ends with it anyway (before: it lived on). A text over
+    LONG_TEXT_CHARS that fits the context needs one longer than tiny's: Qwen3's tokenizer and 40,960."""
+    needs_qwen3_tokenizer()
+    config = tiny_config(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=8, vocab_size=151936, max_position_embeddings=40960,
+                         eos_token_id=151645)
+    model = str(add_qwen3_tokenizer(write_npqwen_checkpoint(tmp_path / "qwen3-tokenizer", config)))
+    proc, url = start("--model", model)
+    try:
+        status, count = http_json("POST", url + "/v1/messages/count_tokens", {   # over LONG_TEXT_CHARS
+            "model": model, "messages": [{"role": "user", "content": "word " * 14_000}]})
+        assert status == 200 and count["input_tokens"] > 14_000, count
+        child = [p for p in children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+        assert len(child) == 1, children(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait(15)
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{child[0]}") and open(f"/proc/{child[0]}/stat").read().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the tokenizer process outlived the server"
+        time.sleep(0.05)
+    print(f"\nthe tokenizer process ended {5 - (deadline - time.monotonic()):.2f} s after kill -9 of the server")

@@ -70,9 +70,10 @@ def test_server_doc_samples_run(served, tmp_path):
 
 
 def test_messages_doc_samples_run(served, tmp_path):
-    """docs/messages.md: the anthropic SDK and curl against the same server (its Claude Code lines are shown)."""
+    """docs/messages.md: the anthropic SDK and curl against the same server (its Claude Code lines are
+    shown, and so are the lines quoted from Claude Code's own code)."""
     pytest.importorskip("anthropic")
-    python, shell = doc_samples("messages.md", shown=("console",), swap=served[1])
+    python, shell = doc_samples("messages.md", shown=("console", "text"), swap=served[1])
     assert len(python) >= 3 and len(shell) == 1 and shell[0].startswith("curl ")
     run_doc_python(python, tmp_path / "messages_doc.py")
     assert '"type":"message"' in run_doc_line(shell[0]).stdout

@@ -2,6 +2,7 @@
 a client that goes away has its request aborted before the next engine step."""
 import http.client
 import json
+import socket
 import time
 from urllib.parse import urlparse
 
@@ -283,3 +284,44 @@ def test_the_error_log_check_bites():
         assert planted.errors and planted.errors[0].exc_info[0] is RuntimeError
     finally:
         planted.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_messages_call_whose_client_left_during_its_prefill_stops_within_a_chunk(stream):
+    """Claude Code gives up on a stream (at 5 minutes unless told otherwise: docs/messages.md) and sends
+    the same request again, streamed or not: the one it left must not hold the engine. Here a prompt of
+    ~100 chunks at 0.2 s a chunk; the client leaves during the prefill (streamed: after message_start),
+    and within a chunk and the disconnect poll the engine runs nothing (npqwen:num_requests_running 0)
+    and has nothing waiting."""
+    llm = npqwen.load("tiny")
+    llm.model = SlowModel(llm.model, 0.2)
+    server = LiveServer(llm, engine=Engine(llm, kv_cache_tokens=4096, page_size=16, max_batched_tokens=32))
+    try:
+        target = urlparse(server.url)
+        conn = http_client(target)
+        conn.request("POST", "/v1/messages", json.dumps({
+            "model": "test-model", "max_tokens": 16, "stream": stream,
+            "messages": [{"role": "user", "content": "word " * 640}]}), {"Content-Type": "application/json"})
+        if stream:
+            response = conn.getresponse()
+            assert response.status == 200 and response.readline().startswith(b"event: message_start")
+        deadline = time.monotonic() + 5
+        while server.engine.stats["running"] == 0:   # the prefill is under way
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert server.engine.stats["running"] == 1
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        left = time.monotonic()
+        while True:
+            metrics = http_json("GET", server.url + "/metrics")[1]
+            if "npqwen:num_requests_running 0.0" in metrics and "npqwen:num_requests_waiting 0.0" in metrics:
+                break
+            assert time.monotonic() - left < 3, "the abandoned request still runs"
+            time.sleep(0.05)
+        print(f"\nthe abandoned request stopped {time.monotonic() - left:.2f} s after its client left "
+              f"(a chunk takes 0.2 s; the whole prefill ~20 s)")
+        assert not server.engine.has_unfinished()
+    finally:
+        server.close()

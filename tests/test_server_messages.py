@@ -134,6 +134,113 @@ def test_forced_tool_call_then_tool_result(server):
     assert "<tool_response>\nTOOLRESULT-17\n</tool_response>" in text and '"city": "Paris"' in text
 
 
+def test_system_messages_among_the_messages(server):
+    """Claude Code (for a model it does not know as Claude) sends {"role": "system"} entries inside
+    messages: each is read where it stands, as Qwen3's chat template writes a system message that is
+    not first (its own <|im_start|>system turn), in create, stream and count_tokens alike."""
+    c = client(server)
+    conversation = [{"role": "user", "content": "Hello."},
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "assistant", "content": "Hi."},
+                    {"role": "system", "content": [{"type": "text", "text": "Answer in"},
+                                                   {"type": "text", "text": "English.", "cache_control": {
+                                                       "type": "ephemeral"}}]},
+                    {"role": "user", "content": "M-PLAIN"}]
+    m = c.messages.create(model=MODEL, max_tokens=64, system="You are a test.", messages=conversation)
+    assert m.content[0].text == "No reasoning here."
+    with c.messages.stream(model=MODEL, max_tokens=64, system="You are a test.", messages=conversation) as stream:
+        assert stream.get_final_message().content[0].text == "No reasoning here."
+    # the prompt is the template's text of the same conversation as chat messages
+    chat = [{"role": "system", "content": "You are a test."}, {"role": "user", "content": "Hello."},
+            {"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "Hi."},
+            {"role": "system", "content": "Answer in\n\nEnglish."}, {"role": "user", "content": "M-PLAIN"}]
+    text = server.llm.tokenizer.apply_chat_template(chat, enable_thinking=False)
+    assert "<|im_start|>user\nHello.<|im_end|>\n<|im_start|>system\nBe brief.<|im_end|>\n" in text
+    count = c.messages.count_tokens(model=MODEL, system="You are a test.", messages=conversation).input_tokens
+    assert count == m.usage.input_tokens == len(server.llm.tokenizer.encode(text))
+    # first, with no system field: the template's first system message
+    first = c.messages.count_tokens(model=MODEL, messages=[{"role": "system", "content": "You are a test."}]
+                                    + conversation[:1]).input_tokens
+    assert first == c.messages.count_tokens(model=MODEL, system="You are a test.",
+                                            messages=conversation[:1]).input_tokens
+    # a system message holds text blocks only
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[1\]\.content\[0\]"):
+        c.messages.create(model=MODEL, max_tokens=8, messages=[conversation[0], {"role": "system", "content": [
+            {"type": "tool_use", "id": "toolu_1", "name": "x", "input": {}}]}])
+
+
+def test_tools_as_current_sdks_define_them(server):
+    """eager_input_streaming, defer_loading, input_examples and allowed_callers on a tool are accepted
+    (@ai-sdk/anthropic's streamText sends eager_input_streaming); the examples are shown to the model
+    after the tool's description; a wrong value is a 400 that names the field by its path in the body."""
+    c = client(server)
+    examples = [{"city": "Paris"}, {"city": "Rome"}]
+    tool = {**WEATHER, "eager_input_streaming": True, "defer_loading": False, "input_examples": examples,
+            "allowed_callers": ["direct"], "strict": True}
+    m = c.messages.create(model=MODEL, max_tokens=128, messages=ask("Weather? M-TOOL"), tools=[tool],
+                          tool_choice={"type": "any"})
+    assert [b.type for b in m.content] == ["tool_use"] and m.content[0].input == {"city": "Paris"}
+    with c.messages.stream(model=MODEL, max_tokens=128, messages=ask("Weather? M-TOOL"), tools=[tool]) as stream:
+        assert stream.get_final_message().content[0].input == {"city": "Paris"}
+    chat = to_chat_request(MessagesRequest.model_validate(
+        {"model": MODEL, "max_tokens": 64, "messages": ask("x"), "tools": [tool]}))
+    text = server.llm.tokenizer.decode(server.app.state.messages.prompt_ids(chat, server.app.state.messages.chat_tools(
+        chat)[1]))
+    assert 'Weather in a city\\n\\nInput examples:\\n{\\"city\\": \\"Paris\\"}\\n{\\"city\\": \\"Rome\\"}' in text, text
+    plain = c.messages.count_tokens(model=MODEL, messages=ask("x"), tools=[WEATHER]).input_tokens
+    assert c.messages.count_tokens(model=MODEL, messages=ask("x"), tools=[tool]).input_tokens > plain
+    # errors name the field by its path in the body, never a class of npqwen's
+    for bad, param in (({**tool, "eager_input_streaming": 3}, "tools[0].eager_input_streaming"),
+                       ({**tool, "input_examples": ["Paris"]}, "tools[0].input_examples[0]"),
+                       ({**tool, "bogus": 1}, "tools[0].bogus")):
+        status, body = http_json("POST", server.url + "/v1/messages", {
+            "model": MODEL, "max_tokens": 8, "messages": ask("x"), "tools": [bad]}, {"x-api-key": "k"})
+        assert status == 400 and body["error"]["message"].startswith((param + ":", f"unsupported field '{param}'")), \
+            body
+    status, body = http_json("POST", server.url + "/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "x", "bogus": 1}]}]}, {"x-api-key": "k"})
+    assert status == 400 and "'messages[0].content[0].bogus'" in body["error"]["message"], body
+
+
+def test_the_sdks_tool_runner_goes_on_without_a_thread(tiny_server):
+    """client.beta.messages.tool_runner sends `thread`; npqwen answers Anthropic's own refusal
+    (error.details.error_code "thread_unsupported_request" with its `unsupported` list), on which the
+    runner sends the whole conversation without one. Its loop then completes a forced tool call
+    against the real tiny model: the call runs and its result goes back (before: it stopped at a 400)."""
+    from typing import Literal
+
+    from anthropic import beta_tool
+
+    calls, sent = [], []
+
+    @beta_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"17 degrees in {city}"
+
+    c = anthropic.Anthropic(base_url=tiny_server.url, api_key="none", max_retries=0)
+    create = c.beta.messages.create
+
+    def recording_create(**kwargs):
+        sent.append(kwargs)
+        return create(**kwargs)
+    c.beta.messages.create = recording_create
+    runner = c.beta.messages.tool_runner(model=MODEL, max_tokens=200, tools=[get_weather], max_iterations=2,
+                                         tool_choice={"type": "tool", "name": "get_weather"},
+                                         messages=ask("Weather in Paris?"), extra_body={"temperature": 0})
+    replies = list(runner)
+    assert replies[0].stop_reason == "tool_use" and [b.type for b in replies[0].content] == ["tool_use"], replies[0]
+    assert calls and calls[0] in ("Paris", "Rome") and len(replies) == 2
+    results = [b for m in sent[-1]["messages"] if isinstance(m["content"], list) for b in m["content"]
+               if isinstance(b, dict) and b.get("type") == "tool_result"]
+    assert results and "17 degrees in" in json.dumps(results[0]["content"]), sent[-1]["messages"]
+    status, body = http_json("POST", tiny_server.url + "/v1/messages", {
+        "model": MODEL, "max_tokens": 8, "messages": ask("x"), "thread": {"type": "create"}})
+    assert status == 400 and body["error"]["details"] == {"error_code": "thread_unsupported_request",
+                                                          "unsupported": []}, body
+
+
 def test_output_config_format_and_stop_sequences(server):
     c = client(server)
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],

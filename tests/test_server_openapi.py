@@ -21,9 +21,11 @@ from serving import LiveServer, http_json  # noqa: E402
 CHECKS = "all"   # every check of schemathesis, positive_data_acceptance included
 # What no schema can state: a prompt or an input longer than the (96-token) context once tokenized (and
 # the chat template and tools applied), min_tokens over the room left, a Responses input item that is
-# no message, a Messages block in the wrong role or a tool_choice naming a tool not offered (both APIs
-# run as a chat), a position past the tokens sent. On these routes a schema-valid body may get a 400 for
-# such a reason; everywhere else positive_data_acceptance expects it to be served.
+# no message, a tool_choice naming a tool not offered (the name must be among the tools' names; both
+# APIs run as a chat), a position past the tokens sent. On these routes a schema-valid body may get a
+# 400 for such a reason; everywhere else positive_data_acceptance expects it to be served. (best_of
+# other than n, a block in a Messages role that cannot hold it, a Responses input of no items: the
+# schema says them, test_the_schema_refuses_what_the_handlers_refuse.)
 RUNTIME_LIMITS = """
 [[operations]]
 include-path-regex = "^/(v1/(chat/completions|completions|responses|messages.*|embeddings|npqwen/.*)|tokenize)$"
@@ -92,6 +94,56 @@ def test_detokenize_takes_no_tokens_as_its_schema_says(small_server):
     assert "minItems" not in tokens and (status, body) == (200, {"prompt": ""})
     status, body = http_json("POST", small_server.url + "/detokenize", {"tokens": [72, 105]}, key)
     assert (status, body) == (200, {"prompt": "Hi"})
+
+
+def test_the_schema_refuses_what_the_handlers_refuse(small_server):
+    """Each limit a handler checks that JSON Schema can state is in /openapi.json: best_of other than n,
+    a tool_result in an assistant message (and each role's other blocks), an image block, a server
+    tool, `thread`, a Responses input of no items. Each refused body is refused by both, and its
+    near twin accepted by both (before: the schema took the refused ones)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = http_json("GET", small_server.url + "/openapi.json")[1]
+
+    def valid(component: str, body: dict) -> bool:
+        validator = jsonschema.Draft202012Validator({"$ref": "#/components/schemas/" + component,
+                                                     "components": schema["components"]})
+        return validator.is_valid(body)
+
+    user, key = {"role": "user", "content": "hi"}, {"Authorization": "Bearer k"}
+    call = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"}
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    message = {"model": "test-model", "max_tokens": 2}
+    cases = [   # (path, component, refused body, served body)
+        ("/v1/completions", "CompletionRequest", {"prompt": "a", "max_tokens": 1, "n": 2, "best_of": 3},
+         {"prompt": "a", "max_tokens": 1, "n": 2, "best_of": 2}),
+        ("/v1/completions", "CompletionRequest", {"prompt": "a", "max_tokens": 1, "best_of": 2},
+         {"prompt": "a", "max_tokens": 1, "best_of": 1}),
+        ("/v1/messages", "MessagesRequest",
+         {**message, "messages": [user, {"role": "assistant", "content": [result]}]},
+         {**message, "messages": [user, {"role": "assistant", "content": [call]}, {"role": "user", "content": [
+             result]}]}),
+        ("/v1/messages", "MessagesRequest", {**message, "messages": [{"role": "user", "content": [call]}]},
+         {**message, "messages": [user]}),
+        ("/v1/messages", "MessagesRequest", {**message, "messages": [user, {"role": "system", "content": [
+            {"type": "thinking", "thinking": "x"}]}]}, {**message, "messages": [user, {"role": "system", "content": [
+                {"type": "text", "text": "x"}]}]}),
+        ("/v1/messages", "MessagesRequest", {**message, "messages": [{"role": "user", "content": [image]}]},
+         {**message, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}),
+        ("/v1/messages", "MessagesRequest", {**message, "messages": [user], "tools": [
+            {"type": "web_search_20250305", "name": "web_search"}]}, {**message, "messages": [user], "tools": [tool],
+                                                                       "tool_choice": {"type": "none"}}),
+        ("/v1/messages", "MessagesRequest", {**message, "messages": [user], "thread": {"type": "create"}},
+         {**message, "messages": [user], "thread": None}),
+        ("/v1/responses", "ResponsesRequest", {"input": [], "max_output_tokens": 2},
+         {"input": [user], "max_output_tokens": 2}),
+    ]
+    for path, component, refused, served in cases:
+        status, answer = http_json("POST", small_server.url + path, refused, key)
+        assert status == 400 and not valid(component, refused), (path, refused, status, answer)
+        status, answer = http_json("POST", small_server.url + path, served, key)
+        assert status == 200 and valid(component, served), (path, served, status, answer)
 
 
 def test_schemathesis_finds_no_server_error_and_nothing_off_the_schema(small_server, tmp_path, capsys):

@@ -60,6 +60,44 @@ def test_head_health_and_version(server):
     assert http_json("GET", server.url + "/version") == (200, {"version": npqwen.__version__})   # before: 404
 
 
+def test_head_is_get_without_the_body(server):
+    """Uptime checks send HEAD /: every GET route answers HEAD as GET, with GET's headers and no body
+    (before: 405 on / and every route but /health); a POST route still refuses it."""
+    target = urlparse(server.url)
+    for path in ("/", "/health", "/version", "/v1/models", "/v1/models/test-model", "/metrics", "/openapi.json",
+                 "/tokenizer_info", "/static/app.js"):
+        conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+        conn.request("GET", path)
+        get = conn.getresponse()
+        body = get.read()
+        conn.request("HEAD", path)
+        head = conn.getresponse()
+        assert head.status == get.status == 200 and head.read() == b"", (path, head.status)
+        assert head.getheader("content-type") == get.getheader("content-type"), path
+        if path not in ("/metrics", "/health"):   # their text changes between two calls
+            assert int(head.getheader("content-length")) == len(body), path
+        conn.close()
+    conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+    conn.request("HEAD", "/v1/chat/completions")
+    response = conn.getresponse()
+    assert response.status == 405 and response.read() == b"" and response.getheader("allow") == "POST"
+    conn.close()
+
+
+def test_stream_options_include_obfuscation_is_accepted(server):
+    """OpenAI's stream_options.include_obfuscation (before: a 400): npqwen adds no padding either way."""
+    client = server.client(api_key="none")
+    for obfuscation in (True, False):
+        chunks = list(client.chat.completions.create(model="test-model", messages=USER, max_tokens=2, stream=True,
+                                                     stream_options={"include_usage": True,
+                                                                     "include_obfuscation": obfuscation}))
+        assert chunks[-1].usage.completion_tokens == 2
+        assert not any("obfuscation" in (chunk.model_extra or {}) for chunk in chunks)
+        stream = client.completions.create(model="test-model", prompt="a", max_tokens=2, stream=True,
+                                           stream_options={"include_obfuscation": obfuscation})
+        assert "".join(c.choices[0].text for c in stream if c.choices)
+
+
 def test_responses_truncation_auto_drops_the_oldest_items():
     """Before: truncation "auto" was accepted, and an input too long for the context still a 400."""
     llm = npqwen.load("tiny")

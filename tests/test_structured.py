@@ -430,3 +430,28 @@ def test_bench_structured_suite_reports_every_figure(tmp_path, tiny):
         assert m["tokens"] > 10 and m["fill_mean_ms"] > 0 and m["fill_p99_ms"] >= m["fill_mean_ms"] * 0.5, name
     assert figures["structured_step_free_s"] > 0 and figures["structured_step_constrained_s"] > 0
     assert "structured_step_overhead_pct" in report["figures"]
+
+
+def test_undeclared_keys_only_where_the_schema_allows_them(tiny):
+    """A schema that declares its properties and says nothing of others: the answer holds none but
+    them (before: random weights wrote keys of their own, often until max_tokens), as vLLM's default
+    grammar backend does; "additionalProperties": true, or a schema, still lets the model add keys."""
+    from npqwen.structured import new_constraint
+
+    declared = {"type": "object", "properties": {"a": DIGIT, "b": {"type": "object", "properties": {"c": DIGIT}}}}
+    engine = Engine(tiny, kv_cache_tokens=64 * 1024, page_size=16, max_batched_tokens=512)
+    results = run(engine, [("JSON:", dict(max_new_tokens=200, temperature=1.0, seed=seed, json_schema=declared))
+                           for seed in range(6)])
+    for r in results:
+        print(r.finish_reason, repr(r.text))
+        value = valid_json(r.text, declared)
+        assert r.finish_reason == "stop" and set(value) <= {"a", "b"} and set(value.get("b", {})) <= {"c"}, r.text
+
+    def takes(schema, text: str) -> bool:   # does the matcher take text's tokens as (the start of) an answer?
+        constraint = new_constraint(tiny.tokenizer, tiny.config.vocab_size, tiny.eos_token_ids, json_schema=schema)
+        return all(constraint.matcher.consume_token(t) for t in tiny.tokenizer.encode(text))
+    assert not takes(declared, '{"z": 1}') and not takes(declared, '{"b": {"z": 1}}')
+    assert takes(declared, '{"a": 1, "b": {"c": 2}}')
+    assert takes({**declared, "additionalProperties": True}, '{"z": 1}')
+    assert takes({**declared, "additionalProperties": {"type": "integer"}}, '{"z": 1}')
+    assert takes({"type": "object"}, '{"z": 1}')   # no properties declared: any object

@@ -13,7 +13,8 @@
     POST /v1/npqwen/experts         the experts one token went to in each layer (Qwen3-MoE; for the page)
     POST /v1/npqwen/layers          one token's probability and rank under each layer's logit lens (the page)
     POST /tokenize, /detokenize     the model's tokenizer (vLLM's shapes); GET /tokenizer_info
-    GET  /health                    200 while the engine thread is alive (HEAD too)
+    GET  /health                    200 while the engine thread is alive
+    (HEAD on every GET route: as GET, without the body)
     GET  /version                   npqwen's version (vLLM's route)
     POST /v1/load_lora_adapter      load / unload a LoRA adapter (vLLM's shapes; --allow-runtime-lora only)
     POST /v1/unload_lora_adapter
@@ -38,8 +39,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..errors import NpqwenError
 from ..rerank import no_yes_ids
 from .engine_loop import EngineLoop
-from .http import (DEFAULT_MAX_BODY_BYTES, APIKey, BodyLimit, JSONBodies, add_error_handlers, openapi_schema, page,
-                   page_file)
+from .http import (DEFAULT_MAX_BODY_BYTES, APIKey, BodyLimit, HeadAsGet, JSONBodies, add_error_handlers, openapi_schema,
+                   page, page_file)
 from .metrics import Metrics
 from .protocol import (AttentionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        EmbeddingRequest, ExpertsRequest, LoraAdapterRequest, RerankRequest, TokenizeRequest)
@@ -104,6 +105,7 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     app.state.server, app.state.chat, app.state.completion, app.state.responses = server, chat, completion, responder
     app.state.pooling, app.state.probes, app.state.tokenization = pooling, probes, tokenization
     app.state.messages = messages
+    app.add_middleware(HeadAsGet)   # innermost: the routes see a GET, the key check sees the request as sent
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(JSONBodies)
     if api_key:
@@ -127,11 +129,6 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     @app.get("/health")
     async def health():
         return server.health()
-
-    @app.head("/health", include_in_schema=False)
-    async def health_head():
-        server.health()
-        return Response()
 
     @app.get("/version")
     async def version():

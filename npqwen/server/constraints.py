@@ -16,7 +16,7 @@ charged to (`param` of the 400) comes with it.
 """
 import json
 
-from ..structured import ConstraintError, grammar_entry, ll_tokenizer, llguidance, with_json_whitespace
+from ..structured import ConstraintError, closed_objects, grammar_entry, ll_tokenizer, llguidance, with_json_whitespace
 from .protocol import APIError, NamedToolChoice
 
 ANY_OBJECT = {"type": "object"}
@@ -92,7 +92,7 @@ def call_schema(function, strict: bool) -> dict:
     """The JSON Qwen3 writes inside <tool_call>: {"name": its name, "arguments": valid against its
     parameters (any object when not strict)}, in that order. The parameters' $defs move up to the
     root, where their "#/$defs/..." references point."""
-    parameters = dict(function.parameters or ANY_OBJECT) if strict else dict(ANY_OBJECT)
+    parameters = dict(closed_objects(function.parameters) or ANY_OBJECT) if strict else dict(ANY_OBJECT)
     defs = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
     return with_json_whitespace({"type": "object", "properties": {"name": {"const": function.name},
                                                                   "arguments": parameters},

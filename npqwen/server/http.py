@@ -2,6 +2,7 @@
 shape for every error (FastAPI's own included; Anthropic's on /v1/messages), the /openapi.json
 schema, and three ASGI middlewares (a body-size limit, JSON bodies whatever their Content-Type, the API key).
 """
+import functools
 import json
 import secrets
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from .engine_loop import EngineStopped
@@ -156,7 +158,7 @@ def add_error_handlers(app: FastAPI):
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, e: RequestValidationError):
-        error = validation_api_error(e.errors())
+        error = validation_api_error(e.errors(), e.body)
         sent_as = request.scope.get("npqwen.content_type")
         if sent_as is not None and error.message.startswith("the body is not valid JSON"):
             error.message += f" (it was sent as Content-Type: {sent_as}; the API takes application/json)"
@@ -186,15 +188,22 @@ def add_error_handlers(app: FastAPI):
         return error_response(APIError(e.status, str(e), type="server_error"), request.url.path)
 
 
-def validation_api_error(errors: list[dict]) -> APIError:
-    """pydantic's first complaint as a 400 whose param names the field ("messages[0].role")."""
+def validation_api_error(errors: list[dict], body=None) -> APIError:
+    """pydantic's first complaint as a 400 whose param names the field by its path in the body
+    ("messages[0].role", "tools[0].eager_input_streaming")."""
     def param(error):
-        # pydantic puts the union member it tried in the path ("str", "list[int]", "function-after"): drop it
-        loc = [p for p in error.get("loc", ()) if p != "body" and (isinstance(p, int) or p.isidentifier())
-               and p not in ("str", "int", "float", "bool", "dict", "list", "none")]
-        return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(loc)) or None
+        loc = [p for p in error.get("loc", ()) if p != "body"]
+        path = body_path(body, loc, error) if body is not None else None
+        if path is None:   # no body to walk: drop the union members pydantic names ("str", "CustomTool")
+            path = [p for p in loc if isinstance(p, int) or (p.isidentifier() and p not in model_names()
+                    and p not in ("str", "int", "float", "bool", "dict", "list", "none"))]
+        return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(path)) or None
 
-    e, name = errors[0], param(errors[0])
+    # of the members of a union, the one that got deepest into the value says what is wrong ("unsupported
+    # field messages[0].content[0].bogus"), not one whose type it does not have ("a valid string")
+    names = [param(e) for e in errors]
+    depth = [len(n.replace("[", ".[").split(".")) if n else 0 for n in names]
+    e, name = errors[depth.index(max(depth))], names[depth.index(max(depth))]
     if e["type"] == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}")
     if e["type"] == "extra_forbidden":
@@ -204,9 +213,60 @@ def validation_api_error(errors: list[dict]) -> APIError:
         return APIError(400, f"{name!r} is required" if name else "the body is empty: send a JSON object", name)
     if name is None:
         return APIError(400, "the body must be a JSON object" if e["type"] == "model_attributes_type" else e["msg"])
-    if sum(param(other) == name for other in errors) > 1:     # every member of a union refused it
+    if names.count(name) > 1:     # every member of a union refused it
         return APIError(400, f"{name}: not a value of an accepted type (as the OpenAI API defines the field)", name)
     return APIError(400, f"{name}: {e['msg']}", name)
+
+
+def body_path(body, loc: list, error: dict) -> list | None:
+    """The keys and indexes of `loc` that lead through the body to the value the error is about: the
+    others are the union members and tags pydantic adds to the path ("list[...]", "CustomTool", a
+    block's "text" tag). A missing field's name is kept last. None when no such path exists."""
+    missing = error["type"] == "missing"
+    parts, target = (loc[:-1], error.get("input")) if missing else (loc, error.get("input"))
+
+    def walk(value, i: int):
+        if i == len(parts):
+            return [] if value is target or (type(value) is type(target) and value == target) else None
+        p = parts[i]
+        inside = (isinstance(value, dict) and isinstance(p, str) and p in value) or \
+            (isinstance(value, list) and isinstance(p, int) and 0 <= p < len(value))
+        if inside:
+            rest = walk(value[p], i + 1)
+            if rest is not None:
+                return [p] + rest
+        return walk(value, i + 1)   # a member's or tag's name, not a step into the body
+
+    path = walk(body, 0)
+    return path + loc[-1:] if path is not None and missing and loc else path
+
+
+@functools.cache
+def model_names() -> frozenset:
+    """The names of the request shapes (pydantic models), which pydantic writes into an error's path."""
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+    return frozenset(cls.__name__ for cls in subclasses(BaseModel))
+
+
+class HeadAsGet:
+    """ASGI middleware: HEAD is answered as GET would be, without the body (an uptime check sends
+    HEAD /; RFC 9110 asks every GET route to take it). The headers, Content-Length included, are GET's."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(message):
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
 
 
 class BodyLimit:

@@ -4,6 +4,7 @@ prompt that is not empty, documents to rerank, token ids in the vocabulary, fiel
 another field). A body the schema allows is served; one it refuses is a 400 (schemathesis checks
 both ways: tests/test_server_openapi.py).
 """
+from .protocol import MAX_CHOICES
 from .protocol_responses import INCLUDES_ACCEPTED
 
 BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
@@ -72,6 +73,34 @@ def without_media(node):
             without_media(value)
 
 
+# the blocks each role of a Messages conversation may hold (serving_messages.to_messages refuses the others)
+BLOCKS_OF_ROLE = {"user": ("TextBlock", "ToolResultBlock"), "system": ("TextBlock",),
+                  "assistant": ("TextBlock", "ThinkingBlock", "RedactedThinkingBlock", "ToolUseBlock")}
+
+
+def messages_api(components: dict):
+    """The Messages API's limits: each role's blocks, no image or document anywhere (MediaBlock is in
+    pydantic's schema only to be refused with the reason), no server tools, no thread."""
+    if "InputMessage" not in components:
+        return
+    components.pop("MediaBlock", None)
+    components.pop("ServerTool", None)
+    ref = "#/components/schemas/"
+    components["InputMessage"] = {"title": "InputMessage", "oneOf": [{
+        "type": "object", "required": ["role", "content"], "additionalProperties": False, "properties": {
+            "role": {"const": role}, "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+                "oneOf": [{"$ref": ref + block} for block in blocks]}}]}}} for role, blocks in BLOCKS_OF_ROLE.items()]}
+    result = components["ToolResultBlock"]["properties"]["content"]
+    result["anyOf"] = [{"type": "string"}, {"type": "array", "items": {"$ref": ref + "TextBlock"}}, {"type": "null"}]
+    for name in ("CountTokensRequest", "MessagesRequest"):
+        properties = components.get(name, {}).get("properties", {})
+        if "tools" in properties:
+            properties["tools"] = {"anyOf": [{"type": "array", "items": {"$ref": ref + "CustomTool"}},
+                                             {"type": "null"}]}
+        if "thread" in properties:
+            properties["thread"] = {"anyOf": [{"const": False}, {"type": "null"}]}
+
+
 def tell_the_truth(schema: dict, config=None, empty_input: bool = False, rerank: bool = True):
     """The limits the handlers check, written into the schema (in place). `empty_input`: the embedding
     tokenizer adds a token of its own, so an empty input is served; `rerank`: the model has the
@@ -121,6 +150,18 @@ def tell_the_truth(schema: dict, config=None, empty_input: bool = False, rerank:
         responses["background"] = {"anyOf": [{"const": False}, {"type": "null"}]}
         responses["include"] = {"anyOf": [{"type": "array", "items": {"enum": list(INCLUDES_ACCEPTED)}},
                                           {"type": "null"}]}
+    if responses is not None:   # no items: nothing to answer (a string may be empty: it is one user message)
+        for branch in alternatives(responses["input"]):
+            if branch.get("type") == "array":
+                branch["minItems"] = 1
+    completion = components.get("CompletionRequest")
+    if completion is not None:   # best_of only as n (CompletionRequest.check_supported): n's values spelled out
+        completion["allOf"] = completion.get("allOf", []) + [{"anyOf": [
+            {"not": {"required": ["best_of"]}}, {"properties": {"best_of": {"type": "null"}}},
+            {"not": {"required": ["n"]}, "properties": {"best_of": {"const": 1}}},
+            *({"required": ["n"], "properties": {"n": {"const": k}, "best_of": {"const": k}}}
+              for k in range(1, MAX_CHOICES + 1))]}]
+    messages_api(components)
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         body = components.get(name)
         if body is None:

@@ -27,10 +27,11 @@ class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict | None = None):
+                 type: str = "invalid_request_error", headers: dict | None = None, details: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
         self.headers = headers   # HTTP headers of the answer (a 429's Retry-After, a 405's Allow)
+        self.details = details   # Anthropic's error.details (a thread refused), for a client that acts on it
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -121,6 +122,7 @@ class NamedToolChoice(Strict):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None                # OpenAI pads chunks (size analysis); npqwen adds none
 
 
 class ChatTemplateKwargs(Strict):

@@ -18,7 +18,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 
 ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
     "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
-        "type": {"type": "string", "enum": sorted(set(ERROR_TYPES.values()))}, "message": {"type": "string"}}}}}
+        "type": {"type": "string", "enum": sorted(set(ERROR_TYPES.values()))}, "message": {"type": "string"},
+        "details": {"type": "object"}}}}}
 
 
 def anthropic_error(e: APIError) -> tuple[int, dict]:
@@ -27,7 +28,8 @@ def anthropic_error(e: APIError) -> tuple[int, dict]:
     status = 529 if e.status == 503 else e.status
     kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     message = e.message if not e.param or e.param in e.message else f"{e.param}: {e.message}"
-    return status, {"type": "error", "error": {"type": kind, "message": message}}
+    details = {"details": e.details} if e.details else {}
+    return status, {"type": "error", "error": {"type": kind, "message": message, **details}}
 
 
 class TextBlock(Strict):
@@ -76,7 +78,9 @@ Block = Annotated[TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlo
 
 
 class InputMessage(Strict):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code (for a model it does not know as Claude) and the SDK's types put system
+    # entries among the messages; read where they stand, as the chat template reads a later system message
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -87,6 +91,10 @@ class CustomTool(Strict):
     type: Literal["custom"] | None = None
     cache_control: dict | None = None
     strict: bool | None = None                             # forced calls are checked against the schema either way
+    input_examples: list[dict] | None = None               # shown to the model after the description (tool_text)
+    eager_input_streaming: bool | None = None              # a call's input is streamed whole once it is complete
+    defer_loading: bool | None = None                      # no tool search here: the tool is shown from the start
+    allowed_callers: list[str] | None = None               # only "direct" calls happen here (no code execution)
 
 
 class ServerTool(BaseModel):
@@ -132,6 +140,7 @@ class CountTokensRequest(Strict):
     output_config: OutputConfig | None = None
     output_format: JSONOutputFormat | None = None          # the structured-outputs beta's name for output_config.format
     context_management: dict | None = None                 # a beta's field: nothing is cleared here
+    thread: dict | bool | None = None                      # refused with Anthropic's thread_unsupported_request
 
 
 class MessagesRequest(CountTokensRequest):

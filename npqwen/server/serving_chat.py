@@ -69,11 +69,7 @@ class ServingChat(Serving):
         response_format, structured_outputs, or tool_choice "required" / named / strict functions
         constrain the answer (after its reasoning, with thinking on): constraints.py."""
         constraint = chat_constraint(body, self.tokenizer, self.config.vocab_size, self.llm.eos_token_ids)
-        texts = [m.content if isinstance(m.content, str) else "".join(getattr(p, "text", "") for p in m.content)
-                 for m in body.messages if m.content]
-        if sum(map(len, texts)) > LONG_TEXT_CHARS:   # the template only adds text: a bound before it runs
-            fewest = sum(self.tokenizer.fewest_tokens(t) for t in texts)
-            self.check_room(fewest, body.max_new_tokens, "messages", f"{sum(map(len, texts))} characters, so at least ")
+        self.check_messages_size(body, body.max_new_tokens)
         try:
             prompt = self.chat_text(body, template_messages(body.messages), thinking, tools)
         except NpqwenError as e:
@@ -81,6 +77,15 @@ class ServingChat(Serving):
         opened = thinking and opens_reasoning(prompt)   # a template that opens the reasoning
         return opened, self.requests(prompt, body, body.max_new_tokens, top, "messages", body.prompt_logprobs,
                                      constraint, thinking, self.budget(body))
+
+    def check_messages_size(self, body: ChatCompletionRequest, max_tokens: int | None):
+        """Refuse messages that cannot fit before the template runs and they are tokenized: the template
+        only adds text, so their texts' Tokenizer.fewest_tokens is a lower bound."""
+        texts = [m.content if isinstance(m.content, str) else "".join(getattr(p, "text", "") for p in m.content)
+                 for m in body.messages if m.content]
+        if sum(map(len, texts)) > LONG_TEXT_CHARS:
+            fewest = sum(self.tokenizer.fewest_tokens(t) for t in texts)
+            self.check_room(fewest, max_tokens, "messages", f"{sum(map(len, texts))} characters, so at least ")
 
     def thinking(self, body: ChatCompletionRequest) -> bool:
         """chat_template_kwargs.enable_thinking if given; else off for reasoning_effort "none" or "minimal"

@@ -52,15 +52,27 @@ def block_text(blocks, where: str) -> str:
     return "".join(block.text for block in blocks)
 
 
+def system_text(system, where: str) -> str:
+    """A system prompt's text: a string, or its text blocks joined (Claude Code's billing header left out)."""
+    if isinstance(system, str):
+        return system
+    for j, block in enumerate(system):
+        if block.type != "text":
+            raise refused(block, f"{where}[{j}]", "a system message")
+    return "\n\n".join(block.text for block in system if not block.text.startswith(BILLING_HEADER))
+
+
 def to_messages(body: CountTokensRequest) -> list[dict]:
-    """The conversation as chat messages: system first (its blocks joined, Claude Code's billing header
-    left out); a user's tool_result blocks become tool messages and its text blocks a user message,
-    in their order; an assistant's thinking, text and tool_use blocks become one assistant message
-    (reasoning_content, content, tool_calls)."""
-    system = body.system if isinstance(body.system, str) or body.system is None else \
-        "\n\n".join(block.text for block in body.system if not block.text.startswith(BILLING_HEADER))
+    """The conversation as chat messages: system first; a system message among the messages stays where
+    it stands (the template writes it as a system turn there); a user's tool_result blocks become
+    tool messages and its text blocks a user message, in their order; an assistant's thinking, text
+    and tool_use blocks become one assistant message (reasoning_content, content, tool_calls)."""
+    system = system_text(body.system, "system") if body.system is not None else ""
     messages = [{"role": "system", "content": system}] if system else []
     for i, m in enumerate(body.messages):
+        if m.role == "system":
+            messages.append({"role": "system", "content": system_text(m.content, f"messages[{i}].content")})
+            continue
         if isinstance(m.content, str):
             messages.append({"role": m.role, "content": m.content})
             continue
@@ -107,6 +119,10 @@ def refused(block, where: str, place: str) -> APIError:
 
 def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat completion request a Messages call runs as (so that every check a chat gets applies)."""
+    if body.thread not in (None, False):   # the SDK's tool runner sends one, and goes on without on this answer
+        raise APIError(400, "npqwen keeps no message threads: send the whole conversation without 'thread'",
+                       "thread", "unsupported", details={"error_code": "thread_unsupported_request",
+                                                         "unsupported": []})
     chat = {"model": body.model, "messages": to_messages(body)}
     thinking = body.thinking is not None and body.thinking.type != "disabled"   # off unless asked, as Anthropic's
     chat["chat_template_kwargs"] = {"enable_thinking": thinking}
@@ -123,7 +139,7 @@ def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
                            "unsupported")
     if body.tools:
         chat["tools"] = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
-                                                           **({"description": t.description} if t.description
+                                                           **({"description": tool_text(t)} if tool_text(t)
                                                               else {})}} for t in body.tools]
     choice = body.tool_choice
     if choice is not None:
@@ -151,6 +167,15 @@ def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     except APIError as e:
         raise in_messages_names(e) from None
     return request
+
+
+def tool_text(tool: CustomTool) -> str:
+    """A tool's description as the model reads it: its input_examples, if any, follow it (Anthropic puts
+    them in the prompt beside the tool's schema), one JSON object a line."""
+    if not tool.input_examples:
+        return tool.description or ""
+    examples = "\n".join(json.dumps(example, ensure_ascii=False) for example in tool.input_examples)
+    return f"{tool.description}\n\nInput examples:\n{examples}" if tool.description else f"Input examples:\n{examples}"
 
 
 def enabled_budget(body: MessagesRequest) -> int:
@@ -227,6 +252,7 @@ class ServingMessages(ServingChat):
         return room if max_tokens is None else min(max_tokens, room)
 
     def prompt_ids(self, chat: ChatCompletionRequest, tools) -> list[int]:
+        self.check_messages_size(chat, None)   # count_tokens too refuses what cannot fit, before tokenizing it
         try:
             return self.encode(self.chat_text(chat, template_messages(chat.messages), self.thinking(chat), tools))
         except NpqwenError as e:

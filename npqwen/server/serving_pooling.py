@@ -9,6 +9,7 @@ Each input (or document) is one engine request that reads its prompt and returns
 are those of llm.embed and the scores those of llm.rerank (npqwen/embed.py, npqwen/rerank.py).
 """
 import base64
+import functools
 import uuid
 
 import numpy as np
@@ -49,7 +50,9 @@ class ServingPooling(Serving):
                 raise NpqwenError(llm.embedding_config.problem)
             inputs = body.inputs()
             check_count(len(inputs), "input")
-            ids = await self.off_loop(embedding_inputs, llm, inputs)   # (megabytes of text take seconds)
+            # off the event loop, a long text in the tokenizer process (Serving.encode); one too long to
+            # embed is refused by its size first
+            ids = await self.off_loop(functools.partial(embedding_inputs, llm, inputs, encode=self.encode))
             requests = [engine.new_embedding_request(x, llm.embedding_config.pooling) for x in ids]
         except NpqwenError as e:
             raise refused(e, "input") from None

@@ -8,9 +8,11 @@ arenas for a tenth of a second, long enough to stall the engine thread and every
 a long text is tokenized in one child process, which gives its memory back after each prompt
 (there nobody waits on its locks), and the server only ever holds the ids. vLLM and SGLang also
 tokenize in worker processes. The child is started on the first long text, by spawning a fresh
-interpreter (forking a process that runs threads is unsafe).
+interpreter (forking a process that runs threads is unsafe), and ends when the server's process ends.
 """
 import multiprocessing
+import multiprocessing.connection
+import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -56,11 +58,20 @@ _tokenizer: Tokenizer | None = None
 
 
 def load(spec: str):
-    """The child's copy of the tokenizer, from its tokenizer.json text."""
+    """The child's copy of the tokenizer, from its tokenizer.json text; the child ends with its parent."""
     global _tokenizer
     from tokenizers import Tokenizer as Backend
 
+    threading.Thread(target=end_with_parent, daemon=True).start()
     _tokenizer = Tokenizer(Backend.from_str(spec))
+
+
+def end_with_parent():
+    """Wait for the server's process to end, however it ended (kill -9, the kernel's OOM killer), then
+    end this one: a server that is killed closes no pool, and the child would live on, holding its
+    memory. multiprocessing's sentinel is a pipe end the parent holds, readable once it has gone."""
+    multiprocessing.connection.wait([multiprocessing.parent_process().sentinel])
+    os._exit(1)
 
 
 def encode(text: str, add_special_tokens: bool) -> list[int]:
