@@ -280,8 +280,16 @@ class Qwen3:
         g, beta = la.decay_and_beta(a, b, W[f"{p}.A_log"], W[f"{p}.dt_bias"])   # (T, Hv) each, float32
         kernel = W[f"{p}.conv1d.weight"][:, 0]                                  # (C, W)
         out = xp.empty((T, Hv, dv), dtype=state.dtype)                          # float32 (float64 for float64)
-        for (row, n), slot in zip(batch.rows, batch.slots):
-            if n > 1:   # a prompt's chunk: the convolution, then the chunked delta rule, from this sequence's states
+        for (row, n), slot, verify in zip(batch.rows, batch.slots, batch.verifying):
+            if n > 1 and verify:   # speculative verification: token by token, each token's states kept to roll back to
+                r = slice(row, row + n)
+                inputs = xp.concatenate([conv[slot].astype(mixed.dtype), mixed[r]])     # (W-1+n, C) the conv's inputs
+                mixed_r, conv_r = la.causal_conv1d(mixed[None, r], kernel, conv[slot][None])   # (1, n, C), (1, W-1, C)
+                q, k, v = la.queries_keys_values(mixed_r[0], *heads)                # (n, Hv, dk), (n, Hv, dv)
+                out[r], states = la.delta_rule_states(q, k, v, g[r], beta[r], state[slot])   # (n, Hv, dk, dv)
+                conv[slot], state[slot] = conv_r[0], states[-1]
+                kv.states.verified.setdefault(slot, {})[cfg.cache_index(i)] = (inputs, states)
+            elif n > 1:   # a prompt's chunk: the convolution, then the chunked delta rule, from this sequence's states
                 r = slice(row, row + n)
                 mixed_r, conv_r = la.causal_conv1d(mixed[None, r], kernel, conv[slot][None])   # (1, n, C), (1, W-1, C)
                 conv[slot] = conv_r[0]

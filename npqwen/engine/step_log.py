@@ -19,10 +19,12 @@ class Scheduled:
     start: int                 # positions whose keys/values it had cached before the step
     prompt_tokens: int         # prompt positions computed in this step (a chunk of prefill)
     decode_tokens: int         # generated positions computed in this step: 1 when decoding
+    draft_tokens: int = 0      # speculative decoding: drafts verified beside its last token (2. verify)
+    accepted_tokens: int | None = None   # ... and how many of them it kept (3. accept); None: no drafts
 
     @property
     def tokens(self) -> int:
-        return self.prompt_tokens + self.decode_tokens
+        return self.prompt_tokens + self.decode_tokens + self.draft_tokens
 
 
 def scheduled(plan) -> list[Scheduled]:
@@ -30,5 +32,6 @@ def scheduled(plan) -> list[Scheduled]:
     rows = []
     for req, n in plan:
         prompt = max(0, min(req.cached_len + n, len(req.prompt_ids)) - req.cached_len)
-        rows.append(Scheduled(req.request_id, req.cached_len, prompt, n - prompt))
+        drafts = len(req.drafts)
+        rows.append(Scheduled(req.request_id, req.cached_len, prompt, n - prompt - drafts, drafts))
     return rows
