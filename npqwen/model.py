@@ -146,16 +146,21 @@ class Qwen3:
         cache.length = start + T
         return out.logits
 
-    def forward_batch(self, batch: Batch, kv: KVCache, recorder=no_recorder) -> BatchOutput:
+    def forward_batch(self, batch: Batch, kv: KVCache, recorder=no_recorder, embeds=None) -> BatchOutput:
         """One packed forward pass: each sequence's new keys/values go to its pages; the logits of the
-        rows that sample, and the hidden states and scores prefill-only requests asked for, come back."""
+        rows that sample, and the hidden states and scores prefill-only requests asked for, come back.
+        `embeds` (T, D), when given, enter the first layer instead of the tokens' embeddings (HF's
+        inputs_embeds; the MTP head, npqwen/mtp.py)."""
         cfg, W, xp = self.config, self.weights, self.xp
         recorder = as_hook(recorder)   # returns the value, or a hook's replacement of it
         # 0. tensor parallel: every rank runs rank 0's batch (rank 0 sends it to the others)
         batch = share_batch(self, batch, kv, recorder is not no_recorder)
         # 1. embedding lookup: a token's row is on one rank, the others add zeros
-        x = ops.embed(W["model.embed_tokens.weight"], xp.asarray(batch.token_ids), self.vocab_start)   # (T, D)
-        x = self.comm.all_reduce(x)
+        if embeds is None:
+            x = ops.embed(W["model.embed_tokens.weight"], xp.asarray(batch.token_ids), self.vocab_start)   # (T, D)
+            x = self.comm.all_reduce(x)
+        else:
+            x = embeds                                                                     # (T, D)
         x = recorder("model.embed_tokens", x)
         # 2. RoPE tables for each token's own position, shared by every layer
         cos, sin = ops.rope_cos_sin(self.inv_freq, xp.asarray(batch.positions), self.rope_scale, self.dtype)  # (T, Dh)

@@ -95,6 +95,7 @@ class Engine:
         self.step_log: list | None = [] if record_steps else None   # per step, who ran with how many tokens
         self.masks = Masks(self.config.vocab_size)   # constrained rows' masks, filled beside the forward pass
         self._ids = itertools.count()
+        self._mtp = None                             # the MTP head (npqwen/mtp.py), read when a request asks for it
         # speculative decoding's counts, vLLM's spec_decode_* metrics: verifications, drafts, drafts kept
         self.spec_decode = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
 
@@ -122,6 +123,8 @@ class Engine:
         adapter = None if lora is None else self.llm.lora_adapter(lora)   # the LoraAdapter travels with the request
         ids = self.llm.prompt_ids(prompt)
         max_new_tokens = self.fit(ids, params.max_new_tokens)
+        if params.speculative is not None and params.speculative.method == "mtp":
+            self.mtp_head()   # a checkpoint without the head says so now
         tokenizer = self.llm.tokenizer
         constraint = build_constraint(tokenizer, self.config.vocab_size, self.llm.eos_token_ids, params.constraint,
                                       params.thinking, ids)
@@ -216,11 +219,17 @@ class Engine:
                                    in zip(plan, ends, samples) if sample] or [[]]).astype(np.int64)
         rows = np.sort(np.concatenate([sampling, *scoring])).astype(np.int64)
         prefill_only = PrefillRows(plan, ends)   # the rows embeddings and scores read instead of sampling
+        # speculative method "mtp": the MTP head drafts from the final-norm states of every position computed
+        mtp_rows = [np.arange(end - n, end) for (req, n), end in zip(plan, ends) if drafts_by_mtp(req)]
+        hidden_rows = prefill_only.batch_fields.pop("hidden_rows")
+        mtp_first = len(hidden_rows)                # its states follow the embeddings' in the step's hidden states
+        hidden_rows = np.concatenate([hidden_rows, *mtp_rows]).astype(np.int64)
         batch = Batch(np.array([t for req, n in plan for t in (req.tokens[req.cached_len:] + req.drafts)[:n]]),
                       starts=[req.cached_len for req, _ in plan], lengths=lengths,
                       page_tables=[np.array(req.page_table) for req, _ in plan], page_size=self.page_size,
                       sample_rows=rows, loras=[req.lora for req, _ in plan],
-                      state_slots=[req.state_slot for req, _ in plan], **prefill_only.batch_fields,
+                      state_slots=[req.state_slot for req, _ in plan], hidden_rows=hidden_rows,
+                      **prefill_only.batch_fields,
                       verify=[bool(req.drafts) for req, _ in plan],
                       steering=batch_steering([(req.steering, end - n, n) for (req, n), end in zip(plan, ends)
                                                if req.steering], int(ends[-1]), self.config.hidden_size,
@@ -235,7 +244,11 @@ class Engine:
         logits, prompt_scores = self._score_prompts(plan, scoring, rows, logits, sampling)
         # 3. each request takes its tokens' keys/values as computed and, if its turn, samples
         outputs, row = [], 0
+        mtp_states = to_numpy(computed.hidden[mtp_first:]) if mtp_rows else None   # (rows of mtp requests, D)
         for (req, n), sample in zip(plan, samples):
+            if drafts_by_mtp(req):   # the states of this step's positions, for the MTP head's next drafts
+                req.mtp_hidden.update(zip(range(req.cached_len, req.cached_len + n), mtp_states[:n]))
+                mtp_states = mtp_states[n:]
             if req.drafts:   # speculative decoding, 3. accept and 4. roll back
                 outputs.append(self.accept(req, logits[row:row + n]))
                 row += n
@@ -324,7 +337,27 @@ class Engine:
                           else None)
 
     def mtp_drafts(self, req: Request, k: int) -> list[int]:
-        raise NpqwenError("speculative method 'mtp' needs a Qwen3.5 checkpoint with its MTP head (mtp.* weights)")
+        """k drafts from Qwen3.5's MTP head (npqwen/mtp.py): the positions computed since the last call are
+        fed to its own cache (each position's final-norm state and the token after it), then it runs k
+        times in a chain from the last one; the chained positions are not kept."""
+        head = self.mtp_head()
+        if req.mtp_cache is None:
+            req.mtp_cache = head.new_cache(len(req.prompt_ids) + req.max_new_tokens + 64)
+        cache = req.mtp_cache
+        start, end = cache.length, req.cached_len   # positions computed but not fed (the refused drafts' are gone)
+        if any(p not in req.mtp_hidden for p in range(start, end)) or end <= start:
+            return []
+        states, logits = head.forward(np.stack([req.mtp_hidden[p] for p in range(start, end)]),
+                                      req.tokens[start + 1:end + 1], cache)   # the last row guesses token end + 1
+        req.mtp_hidden.clear()
+        return head.chain(to_numpy(states[-1]), int(np.argmax(to_numpy(logits[-1]))), cache, k)
+
+    def mtp_head(self):
+        """Qwen3.5's MTP head, read from the checkpoint the first time a request asks for it."""
+        if self._mtp is None:
+            from ..mtp import load_mtp
+            self._mtp = load_mtp(self.llm.path, self.model)
+        return self._mtp
 
     @rank_0_leads
     def abort(self, request_id: str) -> StepOutput:
@@ -422,6 +455,10 @@ class Engine:
         req.finish_reason, req.error = "error", message
         self._finish(req)
         return StepOutput(req.request_id, [], "", True, "error", req.result())
+
+
+def drafts_by_mtp(req: Request) -> bool:
+    return req.params.speculative is not None and req.params.speculative.method == "mtp" and req.task is None
 
 
 def hold_back_probes(plan: list) -> tuple[list, list]:
