@@ -74,10 +74,10 @@ class MTPHead:
 
 def load_mtp(directory, model: Qwen3) -> MTPHead:
     """The MTP head of the checkpoint in `directory` for `model` (its embedding and lm_head are shared)."""
-    found = index_checkpoint(directory)
     cfg = model.config
-    if not cfg.hybrid or not any(name.startswith("mtp.") for name in found):
-        raise NpqwenError(f"{directory}: no multi-token-prediction head (mtp.* tensors) in this checkpoint; "
+    found = index_checkpoint(directory) if directory is not None and cfg.hybrid else {}
+    if not any(name.startswith("mtp.") for name in found):
+        raise NpqwenError(f"{directory or 'this model'}: no multi-token-prediction head (mtp.* tensors); "
                           f"speculative method 'mtp' needs a Qwen3.5 / Qwen3-Next checkpoint that ships one, "
                           f"else use method 'ngram'")
     config = dataclasses.replace(cfg, num_hidden_layers=1, layer_types=("full_attention",), mlp_only_layers=())
