@@ -179,3 +179,16 @@ def test_sampling_with_drafts_keeps_the_distribution(monkeypatch):
     statistic, p_wrong = chi_square(law, sample_with_drafts(llm, prompt, params, range(400), propose))
     print(f"keeping every draft: chi-square {statistic:.1f}, p = {p_wrong:.2g}")
     assert p_wrong < 1e-6
+
+
+def test_bench_suite_measures_on_the_tiny_model():
+    from tools.bench import speculative as suite
+
+    llm = npqwen.load("tiny")
+    times = suite.verify_times(llm, context=16, k_max=3, steps=2)
+    out = {**{f"spec_verify_{n}_s": t for n, t in times.items()}, **suite.speedups(llm, k=3, new_tokens=12)}
+    figures = suite.figures({"engines": {"npqwen": out}})
+    print(figures)
+    assert set(figures) == {"spec_verify_2_over_1", "spec_verify_3_over_1", "spec_verify_4_over_1",
+                            "spec_speedup_100", "spec_speedup_80", "spec_speedup_60"}
+    assert out["spec_100_kept_pct"] == 100 and out["spec_60_kept_pct"] < 100

@@ -86,7 +86,8 @@ prefix run in another worker per engine, once whatever --rounds says, so their p
 #   tables(report)        tables of its own: [(column names, rows)]
 #   notes(report)         sentences printed under the tables
 # The order here is the order of the rows, tables, notes and targets, and of the runs in a worker.
-from tools.bench import batch1, decode, embed, hybrid, lora, moe, prefill, prefix, serving, step, structured, tp
+from tools.bench import (batch1, decode, embed, hybrid, lora, moe, prefill, prefix, serving, speculative, step,
+                         structured, tp)
 
 SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe, hybrid, structured, tp,
-                                          embed, lora)}
+                                          embed, lora, speculative)}
