@@ -55,6 +55,20 @@ def oracle(llm, corrupt: float = 0.0, seed: int = 0):
     return propose
 
 
+def continuation(prompts, answers, vocab: int, corrupt: float, seed: int = 0):
+    """The oracle from answers already known (decoding without drafts): the drafts are what followed,
+    each replaced by a random token with probability `corrupt`."""
+    rng, known = np.random.default_rng(seed), {tuple(p): a for p, a in zip(prompts, answers)}
+
+    def propose(engine, req):
+        if req.params.speculative is None or req.uncomputed != 1:
+            return []
+        have = len(req.output_ids)
+        drafts = known[tuple(req.prompt_ids)][have:have + min(req.params.speculative.k, req.max_new_tokens - have - 1)]
+        return [int(rng.integers(vocab)) if rng.random() < corrupt else t for t in drafts]
+    return propose
+
+
 def generate(llm, prompts, spec, propose=None, **engine_args):
     """Every prompt at once, the even ones speculating; (tokens per prompt, engine)."""
     engine = Engine(llm, **{"page_size": 16, "max_batched_tokens": 64, **engine_args})
@@ -86,9 +100,11 @@ def test_greedy_equals_decoding_without_drafts(name):
     prompts = [list(range(65, 75)) * 4, rng.integers(0, 256, 130).tolist(), rng.integers(0, 256, 17).tolist(),
                [72, 101, 108, 108, 111, 32] * 5]
     plain, _ = generate(llm, prompts, None, kv_cache_tokens=4096)
+    V = llm.config.vocab_size
     for spec, propose, args in [({"method": "ngram", "k": 4}, None, {}),
-                                ({"method": "ngram", "k": 3}, oracle(llm, 0.3), {}),
-                                ({"method": "ngram", "k": 5}, oracle(llm, 0.1), {"kv_cache_tokens": 11 * 16})]:
+                                ({"method": "ngram", "k": 3}, continuation(prompts, plain, V, 0.3), {}),
+                                ({"method": "ngram", "k": 5}, continuation(prompts, plain, V, 0.1),
+                                 {"kv_cache_tokens": 11 * 16})]:
         drafted, engine = generate(llm, prompts, spec, propose, **{"kv_cache_tokens": 4096, **args})
         counts = {k: v for k, v in engine.stats.items() if k.startswith("spec") or k == "preemptions"}
         print(name, spec, "oracle" if propose else "", counts)
@@ -116,7 +132,10 @@ def test_prefix_cache_and_step_log():
     assert outs[0] == outs[1] == llm.generate(prompt, max_new_tokens=30, temperature=0).token_ids
     assert engine.stats["prefix_cache_hit_tokens"] >= 48
     rows = [r for step in engine.step_log for r in step if r.draft_tokens]
-    assert rows and all(r.decode_tokens == 1 and 0 <= r.accepted_tokens <= r.draft_tokens for r in rows)
+    assert rows and all(r.decode_tokens == 1 and 0 <= r.accepted_tokens <= r.draft_tokens == len(r.drafts)
+                        for r in rows)
+    kept = [t for r in rows for t in r.drafts[:r.accepted_tokens]]   # every kept draft is in the answers
+    assert kept and all(t in outs[0] for t in kept)
     assert sum(r.accepted_tokens for r in rows) == engine.stats["spec_decode_num_accepted_tokens"]
 
 
