@@ -123,6 +123,9 @@ class Engine:
         adapter = None if lora is None else self.llm.lora_adapter(lora)   # the LoraAdapter travels with the request
         ids = self.llm.prompt_ids(prompt)
         max_new_tokens = self.fit(ids, params.max_new_tokens)
+        if params.speculative is not None and self.llm.comm.size > 1:
+            raise NpqwenError("speculative decoding does not run under tensor parallelism yet (the other ranks would "
+                              "not roll back); leave speculative unset")
         if params.speculative is not None and params.speculative.method == "mtp":
             self.mtp_head()   # a checkpoint without the head says so now
         tokenizer = self.llm.tokenizer

@@ -42,6 +42,9 @@ class Scheduler:
             if req not in self.running:          # preempted a moment ago to make room for an older one
                 continue
             n = self.chunk(req, budget)
+            if req.drafts and not self.room_for(req, req.cached_len + n):   # drafts never preempt anyone:
+                req.drafts = []                                            # without pages for them, none
+                n = self.chunk(req, budget)
             victims = self.make_room(req, req.cached_len + n)
             preempted |= bool(victims)
             plan = [(r, k) for r, k in plan if r not in victims]
@@ -119,6 +122,11 @@ class Scheduler:
             if victim is req:
                 break
         return victims
+
+    def room_for(self, req: Request, positions: int) -> bool:
+        """Whether req's table can cover `positions` from free or cached pages, without preempting anyone."""
+        need = -(-positions // self.page_size) - len(req.page_table)
+        return need <= len(self.cache.pool.free) + self.cache.cached_pages
 
     def grow(self, req: Request, positions: int) -> bool:
         """Add pages to req's table until it covers `positions`; False (keeping what it took) when none is left."""

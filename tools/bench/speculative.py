@@ -50,7 +50,7 @@ def verify_times(llm, context: int, k_max: int, steps: int) -> dict:
     for _ in range(steps):
         for n in times:   # in turn, so a busy moment blurs every n alike
             batch = Batch(rng.integers(0, llm.config.vocab_size, n), [context], [n], [cache.page_table],
-                          cache.kv.page_size, sample_rows=np.arange(n))
+                          cache.kv.page_size, sample_rows=np.arange(n), verify=[n > 1])   # (Qwen3.5: states kept)
             started = time.perf_counter()
             model.forward_batch(batch, cache.kv)
             times[n].append(time.perf_counter() - started)
@@ -128,22 +128,25 @@ def notes(report) -> list[str]:
     return []
 
 
-def shape_model(layers: int, dtype: str = "float32"):
-    """Qwen3-0.6B's shape with `layers` layers and random weights (no checkpoint), as an LLM."""
-    import dataclasses
-
+def shape_model(layers: int, shape: str = "0.6b", dtype: str = "float32"):
+    """Qwen3-0.6B's shape (or Qwen3.5-0.8B's, "0.8b": its first `layers` layer types) with `layers` layers and
+    random weights (no checkpoint), as an LLM."""
     import numpy as np
 
     from npqwen.checkpoint import allocate_weights, tie_lm_head
-    from npqwen.config import QWEN3_0_6B_CONFIG, Qwen3Config
+    from npqwen.config import QWEN3_0_6B_CONFIG, QWEN3_5_0_8B_TEXT_CONFIG, Qwen3Config
     from npqwen.llm import LLM
     from npqwen.model import Qwen3
 
-    config = dataclasses.replace(Qwen3Config.from_dict(QWEN3_0_6B_CONFIG), num_hidden_layers=layers)
+    raw = dict(QWEN3_0_6B_CONFIG if shape == "0.6b" else QWEN3_5_0_8B_TEXT_CONFIG, num_hidden_layers=layers)
+    if "layer_types" in raw:
+        raw["layer_types"] = raw["layer_types"][:layers - 1] + ["full_attention"]   # at least one full layer
+    config = Qwen3Config.from_dict(raw)
     weights, fused = allocate_weights(config, np, np.dtype(dtype))
     rng = np.random.default_rng(0)
-    for name, array in weights.items():
-        array[...] = 1.0 if name.endswith("norm.weight") else rng.standard_normal(array.shape, np.float32) * 0.02
+    for name, array in weights.items():   # norms scale by 1 (a Qwen3.5's by 1 + weight)
+        norm = 1.0 if name.endswith("linear_attn.norm.weight") else 1.0 - config.norm_offset
+        array[...] = norm if name.endswith("norm.weight") else rng.standard_normal(array.shape, np.float32) * 0.02
     return LLM(Qwen3(config, tie_lm_head(config, weights), fused))
 
 
@@ -151,12 +154,14 @@ def main(argv=None):
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m tools.bench.speculative", description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=4, help="layers of the Qwen3-0.6B shape (default 4)")
+    p.add_argument("--layers", type=int, default=4, help="layers of the shape (default 4)")
+    p.add_argument("--shape", choices=("0.6b", "0.8b"), default="0.6b", help="Qwen3-0.6B's or Qwen3.5-0.8B's")
     add_arguments(p)
     args = p.parse_args(argv)
-    llm = shape_model(args.layers)
+    llm = shape_model(args.layers, args.shape)
     times = verify_times(llm, args.spec_context, args.spec_k_max, args.spec_steps)
-    print(f"Qwen3-0.6B shape, {args.layers} layers, float32, {args.spec_context} cached positions")
+    print(f"{'Qwen3-0.6B' if args.shape == '0.6b' else 'Qwen3.5-0.8B'} shape, {args.layers} layers, float32, "
+          f"{args.spec_context} cached positions")
     for n, t in times.items():
         print(f"  verify 1 + {n - 1} tokens: {t * 1e3:7.2f} ms  ({t / times[1]:.2f}x a 1-token step)")
     out = speedups(llm, args.spec_k, args.spec_new_tokens)
