@@ -211,3 +211,22 @@ def test_bench_suite_measures_on_the_tiny_model():
     assert set(figures) == {"spec_verify_2_over_1", "spec_verify_3_over_1", "spec_verify_4_over_1",
                             "spec_speedup_100", "spec_speedup_80", "spec_speedup_60"}
     assert out["spec_100_kept_pct"] == 100 and out["spec_60_kept_pct"] < 100
+
+
+def test_logprobs_with_drafts_equal_without():
+    llm = npqwen.load("tiny")
+    prompt = list(range(65, 75)) * 3
+    answer = llm.generate(prompt, max_new_tokens=20, temperature=0).token_ids
+    got = {}
+    for spec in (None, {"method": "ngram", "k": 4}):
+        engine = Engine(llm, kv_cache_tokens=1024, page_size=16)
+        engine.propose = lambda req: continuation([prompt], [answer], 512, 0.2)(engine, req)
+        engine.add_request(prompt, max_new_tokens=20, temperature=0, logprobs=2, speculative=spec)
+        pairs = []
+        while engine.has_unfinished():
+            pairs += [(t, lp) for out in engine.step() for t, lp in zip(out.token_ids, out.logprobs or [])]
+        got[spec is None] = pairs
+        assert engine.stats["spec_decode_num_accepted_tokens"] > 0 or spec is None
+    assert [t for t, _ in got[False]] == answer
+    for (t, (lp, top)), (u, (lq, topq)) in zip(got[False], got[True]):
+        assert t == u and abs(lp - lq) < 1e-4 and [i for i, _ in top] == [i for i, _ in topq]
