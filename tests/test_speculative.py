@@ -208,8 +208,8 @@ def test_bench_suite_measures_on_the_tiny_model():
     out = {**{f"spec_verify_{n}_s": t for n, t in times.items()}, **suite.speedups(llm, k=3, new_tokens=12)}
     figures = suite.figures({"engines": {"npqwen": out}})
     print(figures)
-    assert set(figures) == {"spec_verify_2_over_1", "spec_verify_3_over_1", "spec_verify_4_over_1",
-                            "spec_speedup_100", "spec_speedup_80", "spec_speedup_60"}
+    assert set(figures) == {"spec_verify_2_vs_1", "spec_verify_3_vs_1", "spec_verify_4_vs_1",
+                            "spec_100_vs_plain", "spec_80_vs_plain", "spec_60_vs_plain"}
     assert out["spec_100_kept_pct"] == 100 and out["spec_60_kept_pct"] < 100
 
 
