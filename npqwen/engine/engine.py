@@ -397,6 +397,12 @@ class Engine:
             self.states.check([r.state_slot for r in self.scheduler.running])
             if any(r.state_slot is not None for r in self.scheduler.waiting):
                 raise NpqwenError("a waiting request holds a state slot")
+        # speculative decoding: between steps no request holds drafts and no verification's states are left
+        if any(r.drafts for r in self.scheduler.running + list(self.scheduler.waiting)):
+            raise NpqwenError("a request holds drafts between steps: its verification was not accepted")
+        if self.kv.states is not None and self.kv.states.verified:
+            raise NpqwenError(f"linear-attention states of verifications not rolled back: slots "
+                              f"{sorted(self.kv.states.verified)}")
         for req in self.scheduler.running + list(self.scheduler.waiting):   # a preempted one keeps its matcher
             if req.constraint is not None:
                 req.constraint.check(len(req.output_ids))
