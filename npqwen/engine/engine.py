@@ -27,6 +27,7 @@ from ..errors import NpqwenError
 from ..generate import StopStrings
 from ..kv_cache import Batch, KVCache, LinearStates
 from ..model import check_lm_head
+from ..mtp import load_mtp
 from ..parallel import rank_0_leads
 from ..sampling import candidates, draw, score_rows
 from ..sampling import logprobs as sampling_logprobs
@@ -315,7 +316,7 @@ class Engine:
             draft = drafts[i] if i < len(drafts) else None
             ids, candidate_logits = candidates(no_eos_yet(req, row_logits), req.params, req.prompt_ids, req.output_ids)
             token, accepted = accept_or_replace(ids, candidate_logits, draft, req.params.greedy, req.rng,
-                                                lambda i, x, rng: draw(i, x, req.params, rng))
+                                                lambda ids_, logits_, rng: draw(ids_, logits_, req.params, rng))
             out = req.append(token)
             tokens.append(token)
             text += out.text
@@ -358,7 +359,6 @@ class Engine:
     def mtp_head(self):
         """Qwen3.5's MTP head, read from the checkpoint the first time a request asks for it."""
         if self._mtp is None:
-            from ..mtp import load_mtp
             self._mtp = load_mtp(self.llm.path, self.model)
         return self._mtp
 
