@@ -293,7 +293,8 @@ def check_experts_match(config: Qwen3Config, found: dict[str, TensorInfo], sourc
 
 def warn_unused(found: dict[str, TensorInfo], config: Qwen3Config, shapes: dict, directory) -> None:
     """As transformers does: tensors the config does not use are loaded past, with one warning."""
-    unused = sorted(set(found) - set(shapes) - {"lm_head.weight"})   # a tied lm_head is expected
+    unused = sorted(n for n in set(found) - set(shapes) - {"lm_head.weight"}   # a tied lm_head is expected
+                    if not (config.hybrid and n.startswith("mtp.")))   # Qwen3.5's MTP head: read on demand (mtp.py)
     if unused:
         listed = ", ".join(short(n, 100) for n in unused[:MAX_NAMES_IN_WARNING])
         more = f" ... and {len(unused) - MAX_NAMES_IN_WARNING} more" if len(unused) > MAX_NAMES_IN_WARNING else ""

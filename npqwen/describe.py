@@ -66,7 +66,8 @@ def hybrid_lines(config: Qwen3Config, unread, dtype) -> list[str]:
              f"  a 32k-token context        {(32768 * per_token + per_request) / 2**20:,.1f} MiB"]
     if unread:
         lines.append(f"  used for text: {len(unread)} tensors of the vision tower (model.visual.*) and the "
-                     f"multi-token-prediction head (mtp.*) stay unread on disk")
+                     f"multi-token-prediction head (mtp.*) stay unread on disk (the head is read when a request "
+                     f"speculates with it: docs/speculative.md)")
     return lines
 
 

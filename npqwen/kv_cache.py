@@ -86,6 +86,17 @@ class LinearStates:
         self.recurrent = xp.zeros((Ll, num_slots, *recurrent_state_shape(config, heads)),
                                   dtype=np.promote_types(dtype, np.float32))          # (Ll, S, Hv, dk, dv)
         self.num_slots = num_slots
+        # speculative decoding: a verifying sequence's slot -> per linear layer (the conv's inputs (W-1+n, C) from
+        # its state on, the delta rule's state after each of its n tokens (n, Hv, dk, dv)), until roll_back
+        self.verified: dict[int, dict] = {}
+
+    def roll_back(self, slot: int, kept: int):
+        """A verification kept its first `kept` tokens: the slot's states become those after them (the
+        convolution's last W-1 inputs up to there, the delta rule's state after token kept - 1)."""
+        for layer, (inputs, states) in self.verified.pop(slot).items():
+            W1 = self.conv.shape[2]
+            self.conv[layer, slot] = inputs[kept:kept + W1]                  # (W-1, C)
+            self.recurrent[layer, slot] = states[kept - 1]                   # (Hv, dk, dv)
 
     def reset(self, slots):
         """A sequence that starts (position 0) starts from zero states."""
@@ -164,6 +175,8 @@ class Batch:
     steering: dict = field(default_factory=dict)   # layer -> (T, D) added after that block (npqwen/steering.py)
     loras: list = field(default_factory=list)     # per sequence: its LoRA adapter (npqwen/lora.py) or None; [] none
     state_slots: list[int] | None = None  # per sequence: its LinearStates slot (hybrid models); None: 0, 1, 2, ...
+    verify: list[bool] | None = None      # per sequence: a speculative verification (its last token and drafts), whose
+                                          # linear-attention states after each token are kept (LinearStates.verified)
     positions: np.ndarray = field(init=False)      # (T,) each token's position in its own sequence
     write_pages: np.ndarray = field(init=False)    # (T,) the page each token's keys/values go to
     write_offsets: np.ndarray = field(init=False)  # (T,) ... and the position within that page
@@ -199,6 +212,10 @@ class Batch:
     def new_slots(self) -> list[int]:
         """The slots of sequences that start at position 0: their states start from zero."""
         return [slot for slot, start in zip(self.slots, self.starts) if start == 0]
+
+    @cached_property
+    def verifying(self) -> list[bool]:
+        return [False] * len(self.lengths) if self.verify is None else list(self.verify)
 
     @cached_property
     def decode_slots(self) -> list[int]:

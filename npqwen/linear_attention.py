@@ -66,6 +66,20 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     return out, state
 
 
+def delta_rule_states(q, k, v, g, beta, state):
+    """The delta rule token by token over one sequence, keeping the state after each token (speculative
+    decoding rolls back to one of them): q, k (T, Hv, dk), v (T, Hv, dv), g, beta (T, Hv), state (Hv, dk, dv)
+    -> outputs (T, Hv, dv), states (T, Hv, dk, dv). The same step as decoding, one token at a time."""
+    xp, T = xp_of(q), q.shape[0]
+    out = xp.empty(v.shape, dtype=state.dtype)                               # (T, Hv, dv)
+    states = xp.empty((T, *state.shape), dtype=state.dtype)                  # (T, Hv, dk, dv)
+    s = state[None]                                                          # (1, Hv, dk, dv)
+    for t in range(T):
+        o, s = delta_rule_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s)
+        out[t], states[t] = o[0], s[0]
+    return out, states
+
+
 def solve_unit_lower(A, B):
     """X with (I + strictly_lower(A)) X = B, by forward substitution over the rows: A (..., C, C), B (..., C, d)."""
     xp = xp_of(A)

@@ -146,16 +146,21 @@ class Qwen3:
         cache.length = start + T
         return out.logits
 
-    def forward_batch(self, batch: Batch, kv: KVCache, recorder=no_recorder) -> BatchOutput:
+    def forward_batch(self, batch: Batch, kv: KVCache, recorder=no_recorder, embeds=None) -> BatchOutput:
         """One packed forward pass: each sequence's new keys/values go to its pages; the logits of the
-        rows that sample, and the hidden states and scores prefill-only requests asked for, come back."""
+        rows that sample, and the hidden states and scores prefill-only requests asked for, come back.
+        `embeds` (T, D), when given, enter the first layer instead of the tokens' embeddings (HF's
+        inputs_embeds; the MTP head, npqwen/mtp.py)."""
         cfg, W, xp = self.config, self.weights, self.xp
         recorder = as_hook(recorder)   # returns the value, or a hook's replacement of it
         # 0. tensor parallel: every rank runs rank 0's batch (rank 0 sends it to the others)
         batch = share_batch(self, batch, kv, recorder is not no_recorder)
         # 1. embedding lookup: a token's row is on one rank, the others add zeros
-        x = ops.embed(W["model.embed_tokens.weight"], xp.asarray(batch.token_ids), self.vocab_start)   # (T, D)
-        x = self.comm.all_reduce(x)
+        if embeds is None:
+            x = ops.embed(W["model.embed_tokens.weight"], xp.asarray(batch.token_ids), self.vocab_start)   # (T, D)
+            x = self.comm.all_reduce(x)
+        else:
+            x = embeds                                                                     # (T, D)
         x = recorder("model.embed_tokens", x)
         # 2. RoPE tables for each token's own position, shared by every layer
         cos, sin = ops.rope_cos_sin(self.inv_freq, xp.asarray(batch.positions), self.rope_scale, self.dtype)  # (T, Dh)
@@ -280,8 +285,16 @@ class Qwen3:
         g, beta = la.decay_and_beta(a, b, W[f"{p}.A_log"], W[f"{p}.dt_bias"])   # (T, Hv) each, float32
         kernel = W[f"{p}.conv1d.weight"][:, 0]                                  # (C, W)
         out = xp.empty((T, Hv, dv), dtype=state.dtype)                          # float32 (float64 for float64)
-        for (row, n), slot in zip(batch.rows, batch.slots):
-            if n > 1:   # a prompt's chunk: the convolution, then the chunked delta rule, from this sequence's states
+        for (row, n), slot, verify in zip(batch.rows, batch.slots, batch.verifying):
+            if n > 1 and verify:   # speculative verification: token by token, each token's states kept to roll back to
+                r = slice(row, row + n)
+                inputs = xp.concatenate([conv[slot].astype(mixed.dtype), mixed[r]])     # (W-1+n, C) the conv's inputs
+                mixed_r, conv_r = la.causal_conv1d(mixed[None, r], kernel, conv[slot][None])   # (1, n, C), (1, W-1, C)
+                q, k, v = la.queries_keys_values(mixed_r[0], *heads)                # (n, Hv, dk), (n, Hv, dv)
+                out[r], states = la.delta_rule_states(q, k, v, g[r], beta[r], state[slot])   # (n, Hv, dk, dv)
+                conv[slot], state[slot] = conv_r[0], states[-1]
+                kv.states.verified.setdefault(slot, {})[cfg.cache_index(i)] = (inputs, states)
+            elif n > 1:   # a prompt's chunk: the convolution, then the chunked delta rule, from this sequence's states
                 r = slice(row, row + n)
                 mixed_r, conv_r = la.causal_conv1d(mixed[None, r], kernel, conv[slot][None])   # (1, n, C), (1, W-1, C)
                 conv[slot] = conv_r[0]

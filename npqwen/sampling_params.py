@@ -27,6 +27,7 @@ import numpy as np
 
 from .errors import NpqwenError
 from .checks import is_integer
+from .speculative import speculative_of
 from .structured import grammar_entry
 
 DEFAULT_MAX_NEW_TOKENS = 512
@@ -66,6 +67,8 @@ class SamplingParams:
     thinking_budget: int | None = None   # with thinking: the most reasoning tokens, then "\n</think>\n\n" is written
                                          # for the model (engine/thinking.py); None: unlimited, but a constrained
                                          # request's reasoning ends at the latest at half its max_new_tokens
+    # speculative decoding (speculative.py): {"method": "ngram" | "mtp", "k": drafts per step}; None: off
+    speculative: dict | None = None   # stored as a checked speculative.Speculative
     # made here from the four above: (kind, llguidance grammar entry), None without a constraint
     constraint: tuple | None = field(init=False, default=None, repr=False, compare=False)
 
@@ -127,6 +130,7 @@ class SamplingParams:
                 raise NpqwenError(f"thinking_budget must be None or an integer >= 0 (reasoning tokens), got "
                                   f"{self.thinking_budget!r}")
             put("thinking_budget", int(self.thinking_budget))
+        put("speculative", speculative_of(self.speculative))
 
     @property
     def greedy(self) -> bool:

@@ -108,6 +108,10 @@ def sampling_options() -> argparse.ArgumentParser:
     sampling.add_argument("--no-think", action="store_true",
                           help="enable_thinking=False in the chat template (default: thinking on)")
     add_thinking_budget(sampling)
+    sampling.add_argument("--speculative", metavar="METHOD[:K]",
+                          help="speculative decoding: 'ngram' (prompt lookup) or 'mtp' (Qwen3.5's MTP head), K drafts "
+                               "per step (default 4), or vLLM's JSON ({\"method\": \"ngram\", \"k\": 4}); the output "
+                               "is the same, only the speed changes (default: off; docs/speculative.md)")
     sampling.add_argument("--system", help="system message (default: none)")
     return sampling
 
@@ -302,7 +306,24 @@ def sampling_kwargs(args) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                 presence_penalty=args.presence_penalty, seed=args.seed, stop=args.stop,
-                frequency_penalty=args.frequency_penalty, thinking_budget=args.thinking_budget)
+                frequency_penalty=args.frequency_penalty, thinking_budget=args.thinking_budget,
+                speculative=speculative_option(getattr(args, "speculative", None)))
+
+
+def speculative_option(text: str | None) -> dict | None:
+    """--speculative: "ngram", "mtp:2", or a JSON object of vLLM's speculative_config fields."""
+    if text is None:
+        return None
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise NpqwenError(f"--speculative: not valid JSON ({e})") from None
+        return value
+    method, _, k = text.partition(":")
+    if k and not k.isdigit():
+        raise NpqwenError(f"--speculative: K must be a whole number, got {k!r} (write METHOD:K, e.g. ngram:4)")
+    return {"method": method, **({"k": int(k)} if k else {})}
 
 
 def load_model(args, chat_template: bool = False):

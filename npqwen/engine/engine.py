@@ -14,6 +14,7 @@ has one: structured.py); finished requests give their pages back at once, and th
 admit a waiting request in their place. Prefill-only requests (embeddings, rerank scores:
 prefill_only.py) ride in the same batches and never sample.
 """
+import dataclasses
 import itertools
 import math
 
@@ -26,10 +27,12 @@ from ..errors import NpqwenError
 from ..generate import StopStrings
 from ..kv_cache import Batch, KVCache, LinearStates
 from ..model import check_lm_head
+from ..mtp import load_mtp
 from ..parallel import rank_0_leads
 from ..sampling import candidates, draw, score_rows
 from ..sampling import logprobs as sampling_logprobs
 from ..sampling_params import SamplingParams, params_of
+from ..speculative import accept_or_replace, propose_ngram
 from ..steering import batch_steering, check_steering, prefix_key
 from ..structured import ConstraintFailed, Masks, build_constraint
 from .pages import PagePool
@@ -93,6 +96,9 @@ class Engine:
         self.step_log: list | None = [] if record_steps else None   # per step, who ran with how many tokens
         self.masks = Masks(self.config.vocab_size)   # constrained rows' masks, filled beside the forward pass
         self._ids = itertools.count()
+        self._mtp = None                             # the MTP head (npqwen/mtp.py), read when a request asks for it
+        # speculative decoding's counts, vLLM's spec_decode_* metrics: verifications, drafts, drafts kept
+        self.spec_decode = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
 
     @rank_0_leads
     def add_request(self, prompt, params: SamplingParams | int | None = None, steering=None, *,
@@ -119,6 +125,11 @@ class Engine:
         adapter = None if lora is None else self.llm.lora_adapter(lora)   # the LoraAdapter travels with the request
         ids = self.llm.prompt_ids(prompt)
         max_new_tokens = self.fit(ids, params.max_new_tokens)
+        if params.speculative is not None and self.llm.comm.size > 1:
+            raise NpqwenError("speculative decoding does not run under tensor parallelism yet (the other ranks would "
+                              "not roll back); leave speculative unset")
+        if params.speculative is not None and params.speculative.method == "mtp":
+            self.mtp_head()   # a checkpoint without the head says so now
         tokenizer = self.llm.tokenizer
         constraint = build_constraint(tokenizer, self.config.vocab_size, self.llm.eos_token_ids, params.constraint,
                                       params.thinking, ids)
@@ -193,25 +204,40 @@ class Engine:
         """Run one scheduling step; one output per request that advanced, in the order of its sequences
         in the step's Batch (self.last_batch), then one per probe that ended (its last token ran alone,
         Engine._probe_pass)."""
+        for req in self.scheduler.running:   # speculative decoding, 1. propose: drafts after its last token
+            req.drafts = self.propose(req)
         plan = self.scheduler.schedule()
+        planned = dict(plan)                 # drafts the budget left out (or of a request preempted) are dropped
+        for req in self.scheduler.running:
+            req.drafts = req.drafts[:max(0, planned.get(req, 0) - req.uncomputed)]
         if self.step_log is not None:   # record_steps: the plan as rows (step_log.py); nothing else changes
             self.step_log.append(scheduled(plan))
         plan, probes = hold_back_probes(plan)   # a probe's last token runs alone, after the batch
         if not plan:
             return [self._probe_pass(req) for req in probes]
         # 1. pack: each request's next n tokens, its cached length and its pages
-        samples = [req.cached_len + n == len(req.tokens) and req.task is None   # its last known token is in?
-                   for req, n in plan]
+        samples = [req.cached_len + n == len(req.tokens) + len(req.drafts) and req.task is None   # its last known
+                   for req, n in plan]                                                        # token is in?
         lengths = [n for _, n in plan]
         ends = np.cumsum(lengths)
         scoring = [prompt_rows(req, n, end - n) for (req, n), end in zip(plan, ends)]   # rows scoring a prompt token
-        rows = np.sort(np.concatenate([(ends - 1)[samples], *scoring])).astype(np.int64)
+        # a sampling request's last row, and with drafts (2. verify) the rows of its last token and each draft
+        sampling = np.concatenate([np.arange(end - 1 - len(req.drafts), end) for (req, _), end, sample
+                                   in zip(plan, ends, samples) if sample] or [[]]).astype(np.int64)
+        rows = np.sort(np.concatenate([sampling, *scoring])).astype(np.int64)
         prefill_only = PrefillRows(plan, ends)   # the rows embeddings and scores read instead of sampling
-        batch = Batch(np.array([t for req, n in plan for t in req.tokens[req.cached_len:req.cached_len + n]]),
+        # speculative method "mtp": the MTP head drafts from the final-norm states of every position computed
+        mtp_rows = [np.arange(end - n, end) for (req, n), end in zip(plan, ends) if drafts_by_mtp(req)]
+        hidden_rows = prefill_only.batch_fields.pop("hidden_rows")
+        mtp_first = len(hidden_rows)                # its states follow the embeddings' in the step's hidden states
+        hidden_rows = np.concatenate([hidden_rows, *mtp_rows]).astype(np.int64)
+        batch = Batch(np.array([t for req, n in plan for t in (req.tokens[req.cached_len:] + req.drafts)[:n]]),
                       starts=[req.cached_len for req, _ in plan], lengths=lengths,
                       page_tables=[np.array(req.page_table) for req, _ in plan], page_size=self.page_size,
                       sample_rows=rows, loras=[req.lora for req, _ in plan],
-                      state_slots=[req.state_slot for req, _ in plan], **prefill_only.batch_fields,
+                      state_slots=[req.state_slot for req, _ in plan], hidden_rows=hidden_rows,
+                      **prefill_only.batch_fields,
+                      verify=[bool(req.drafts) for req, _ in plan],
                       steering=batch_steering([(req.steering, end - n, n) for (req, n), end in zip(plan, ends)
                                                if req.steering], int(ends[-1]), self.config.hidden_size,
                                               self.model.xp, self.model.dtype))
@@ -222,10 +248,20 @@ class Engine:
         self.masks.start([req.constraint for (req, _), s in zip(plan, samples) if s and req.constraint])
         computed = self.model.forward_batch(batch, self.kv)                           # model.BatchOutput
         logits = to_numpy(computed.logits)                                            # (sampling requests, V)
-        logits, prompt_scores = self._score_prompts(plan, scoring, rows, logits, (ends - 1)[samples])
+        logits, prompt_scores = self._score_prompts(plan, scoring, rows, logits, sampling)
         # 3. each request takes its tokens' keys/values as computed and, if its turn, samples
         outputs, row = [], 0
+        mtp_states = to_numpy(computed.hidden[mtp_first:]) if mtp_rows else None   # (rows of mtp requests, D)
         for (req, n), sample in zip(plan, samples):
+            if drafts_by_mtp(req):   # the states of this step's positions, for the MTP head's next drafts
+                req.mtp_hidden.update(zip(range(req.cached_len, req.cached_len + n), mtp_states[:n]))
+                mtp_states = mtp_states[n:]
+            if req.drafts:   # speculative decoding, 3. accept and 4. roll back
+                outputs.append(self.accept(req, logits[row:row + n]))
+                row += n
+                if req.finished:
+                    self._finish(req)
+                continue
             req.cached_len += n
             self._remember_full_pages(req)
             if req.task is not None:   # prefill-only: its rows folded in; finished once the prompt is read
@@ -256,6 +292,79 @@ class Engine:
             outputs[i].prompt_logprobs = scores
         return outputs + [self._probe_pass(req) for req in probes]
 
+    def propose(self, req: Request) -> list[int]:
+        """Speculative decoding, 1. propose: the drafts a decoding request guesses after its last token
+        (speculative.py); [] for a request that does not speculate, or whose draws the engine steers
+        token by token (a constraint, a thinking budget), or with no room left for a draft."""
+        spec = req.params.speculative
+        if spec is None or req.uncomputed != 1 or req.constraint is not None or req.thinking is not None \
+                or req.probe is not None or req.task is not None:
+            return []
+        k = min(spec.k, req.max_new_tokens - len(req.output_ids) - 1)   # the step's own token comes on top
+        if k <= 0:
+            return []
+        if spec.method == "ngram":
+            return propose_ngram(req.tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min)
+        return self.mtp_drafts(req, k)
+
+    def accept(self, req: Request, logits: np.ndarray) -> StepOutput:
+        """Speculative decoding, 3. accept: logits (1 + drafts, V) are the rows of req's last token and of each
+        draft (2. verify, the step's forward pass). Row i's distribution keeps draft i or replaces it
+        (speculative.accept_or_replace); the first replaced draft ends it, and after the last kept draft its
+        row gives one more token. 4. roll back: the keys/values and linear-attention states of its last token and
+        the kept drafts stay, those of the refused ones go (Scheduler.roll_back, LinearStates.roll_back)."""
+        start, drafts = req.cached_len, req.drafts
+        tokens, text, logprobs, kept = [], "", [], 0
+        for i, row_logits in enumerate(logits):
+            draft = drafts[i] if i < len(drafts) else None
+            ids, candidate_logits = candidates(no_eos_yet(req, row_logits), req.params, req.prompt_ids, req.output_ids)
+            token, accepted = accept_or_replace(ids, candidate_logits, draft, req.params.greedy, req.rng,
+                                                lambda ids_, logits_, rng: draw(ids_, logits_, req.params, rng))
+            out = req.append(token)
+            tokens.append(token)
+            text += out.text
+            if req.logprobs is not None:
+                logprobs.append(sampling_logprobs(ids, candidate_logits, token, req.logprobs))
+            kept += accepted
+            if not accepted or req.finished:
+                break
+        self.spec_decode["num_drafts"] += 1
+        self.spec_decode["num_draft_tokens"] += len(drafts)
+        self.spec_decode["num_accepted_tokens"] += kept
+        req.drafts = []
+        self.scheduler.roll_back(req, start + 1 + kept)
+        if req.state_slot is not None:
+            self.kv.states.roll_back(req.state_slot, 1 + kept)
+        self._remember_full_pages(req)
+        if self.step_log is not None:   # the recorder's row of this request: how many of its drafts it kept
+            self.step_log[-1] = [dataclasses.replace(r, accepted_tokens=kept) if r.request_id == req.request_id
+                                 else r for r in self.step_log[-1]]
+        return StepOutput(req.request_id, tokens, text, req.finished, req.finish_reason,
+                          req.result() if req.finished else None, logprobs=logprobs if req.logprobs is not None
+                          else None)
+
+    def mtp_drafts(self, req: Request, k: int) -> list[int]:
+        """k drafts from Qwen3.5's MTP head (npqwen/mtp.py): the positions computed since the last call are
+        fed to its own cache (each position's final-norm state and the token after it), then it runs k
+        times in a chain from the last one; the chained positions are not kept."""
+        head = self.mtp_head()
+        if req.mtp_cache is None:
+            req.mtp_cache = head.new_cache(len(req.prompt_ids) + req.max_new_tokens + 64)
+        cache = req.mtp_cache
+        start, end = cache.length, req.cached_len   # positions computed but not fed (the refused drafts' are gone)
+        if any(p not in req.mtp_hidden for p in range(start, end)) or end <= start:
+            return []
+        states, logits = head.forward(np.stack([req.mtp_hidden[p] for p in range(start, end)]),
+                                      req.tokens[start + 1:end + 1], cache)   # the last row guesses token end + 1
+        req.mtp_hidden.clear()
+        return head.chain(to_numpy(states[-1]), int(np.argmax(to_numpy(logits[-1]))), cache, k)
+
+    def mtp_head(self):
+        """Qwen3.5's MTP head, read from the checkpoint the first time a request asks for it."""
+        if self._mtp is None:
+            self._mtp = load_mtp(self.llm.path, self.model)
+        return self._mtp
+
     @rank_0_leads
     def abort(self, request_id: str) -> StepOutput:
         """End a request now and give its pages back; its final output (finish_reason "abort")."""
@@ -277,7 +386,8 @@ class Engine:
                 "kv_pages_total": self.pool.num_pages, "kv_pages_free": len(self.pool.free),
                 "kv_pages_cached": self.cache.cached_pages, "page_size": self.page_size,
                 "prefix_cache_hit_tokens": self.cache.hit_tokens, "preemptions": self.scheduler.preemptions,
-                "state_snapshots": len(self.cache.snapshots.by_hash) if self.cache.snapshots is not None else 0}
+                "state_snapshots": len(self.cache.snapshots.by_hash) if self.cache.snapshots is not None else 0,
+                **{f"spec_decode_{name}": count for name, count in self.spec_decode.items()}}
 
     @rank_0_leads
     def check(self):
@@ -290,6 +400,12 @@ class Engine:
             self.states.check([r.state_slot for r in self.scheduler.running])
             if any(r.state_slot is not None for r in self.scheduler.waiting):
                 raise NpqwenError("a waiting request holds a state slot")
+        # speculative decoding: between steps no request holds drafts and no verification's states are left
+        if any(r.drafts for r in self.scheduler.running + list(self.scheduler.waiting)):
+            raise NpqwenError("a request holds drafts between steps: its verification was not accepted")
+        if self.kv.states is not None and self.kv.states.verified:
+            raise NpqwenError(f"linear-attention states of verifications not rolled back: slots "
+                              f"{sorted(self.kv.states.verified)}")
         for req in self.scheduler.running + list(self.scheduler.waiting):   # a preempted one keeps its matcher
             if req.constraint is not None:
                 req.constraint.check(len(req.output_ids))
@@ -351,6 +467,10 @@ class Engine:
         req.finish_reason, req.error = "error", message
         self._finish(req)
         return StepOutput(req.request_id, [], "", True, "error", req.result())
+
+
+def drafts_by_mtp(req: Request) -> bool:
+    return req.params.speculative is not None and req.params.speculative.method == "mtp" and req.task is None
 
 
 def hold_back_probes(plan: list) -> tuple[list, list]:

@@ -71,6 +71,11 @@ class Request:
     state_slot: int | None = None        # hybrid models: its linear-attention states' slot while it runs
     snapshot_points: list[int] = field(default_factory=list)   # hybrid: positions (page ends) after which a
                                          # copy of its states is kept for prefix hits (Scheduler.snapshot_points)
+    drafts: list[int] = field(default_factory=list)   # speculative decoding: tokens guessed after its last one,
+                                         # verified by this step beside it (speculative.py); [] when it does not speculate
+    mtp_cache: object = None             # speculative method "mtp": the MTP head's own KV cache (mtp.py), positions
+                                         # fed to it so far; and the main model's final-norm states not fed yet
+    mtp_hidden: dict = field(default_factory=dict)   # position -> (D,)
     text: str = ""
     finish_reason: str | None = None
     stop: str | None = None              # the stop string or eos token that ended it

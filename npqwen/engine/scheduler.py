@@ -42,6 +42,9 @@ class Scheduler:
             if req not in self.running:          # preempted a moment ago to make room for an older one
                 continue
             n = self.chunk(req, budget)
+            if req.drafts and not self.room_for(req, req.cached_len + n):   # drafts never preempt anyone:
+                req.drafts = []                                            # without pages for them, none
+                n = self.chunk(req, budget)
             victims = self.make_room(req, req.cached_len + n)
             preempted |= bool(victims)
             plan = [(r, k) for r, k in plan if r not in victims]
@@ -91,7 +94,7 @@ class Scheduler:
     def chunk(self, req: Request, budget: int) -> int:
         """How many of req's tokens the next step computes: as many as the budget allows, but never past
         its next snapshot point (a hybrid model's states can only be copied where a chunk ends)."""
-        n = min(req.uncomputed, budget)
+        n = min(req.uncomputed + len(req.drafts), budget)   # drafts: verified beside its last token
         stop = next((p for p in req.snapshot_points if p > req.cached_len), None)
         return n if stop is None else min(n, stop - req.cached_len)
 
@@ -120,6 +123,11 @@ class Scheduler:
                 break
         return victims
 
+    def room_for(self, req: Request, positions: int) -> bool:
+        """Whether req's table can cover `positions` from free or cached pages, without preempting anyone."""
+        need = -(-positions // self.page_size) - len(req.page_table)
+        return need <= len(self.cache.pool.free) + self.cache.cached_pages
+
     def grow(self, req: Request, positions: int) -> bool:
         """Add pages to req's table until it covers `positions`; False (keeping what it took) when none is left."""
         while len(req.page_table) * self.page_size < positions:
@@ -142,10 +150,19 @@ class Scheduler:
         a prefix without its first page could never be matched again."""
         for page in reversed(req.page_table):
             self.cache.release(page)
-        req.page_table, req.page_hashes, req.cached_len = [], [], 0
+        req.page_table, req.page_hashes, req.cached_len, req.drafts = [], [], 0, []
         if req.state_slot is not None:         # its states go with its pages: recomputed from position 0
             self.states.release(req.state_slot)
             req.state_slot = None
+
+    def roll_back(self, req: Request, cached_len: int):
+        """Speculative decoding refused some drafts: req keeps the keys/values of its first cached_len
+        positions; the pages past the one its next token goes to held only refused drafts, and go back."""
+        req.cached_len = cached_len
+        keep = -(-(cached_len + 1) // self.page_size)
+        for page in reversed(req.page_table[keep:]):
+            self.cache.release(page)
+        del req.page_table[keep:]
 
     def finish(self, req: Request):
         if req in self.running:

@@ -80,3 +80,8 @@ class EngineState:
                                   value=s["prefix_cache_hit_tokens"])
         yield CounterMetricFamily("npqwen:num_preemptions", "Requests preempted for lack of pages",
                                   value=s["preemptions"])
+        # speculative decoding, vLLM's spec_decode_* names: verification steps, drafts verified, drafts kept
+        for name, text in (("num_drafts", "Verification steps of speculating requests"),
+                           ("num_draft_tokens", "Draft tokens verified"),
+                           ("num_accepted_tokens", "Draft tokens accepted")):
+            yield CounterMetricFamily(f"npqwen:spec_decode_{name}", text, value=s[f"spec_decode_{name}"])

@@ -157,6 +157,16 @@ class Steer(Strict):
     scale: float = 1.0
 
 
+class Speculative(Strict):
+    """Speculative decoding for this request (npqwen/speculative.py), vLLM's speculative_config names; k is
+    num_speculative_tokens."""
+    method: Literal["ngram", "mtp"]
+    k: Whole | None = Field(None, ge=1, le=64)
+    num_speculative_tokens: Whole | None = Field(None, ge=1, le=64)
+    prompt_lookup_max: Whole | None = Field(None, ge=1, le=64)
+    prompt_lookup_min: Whole | None = Field(None, ge=1, le=64)
+
+
 class Sampling(Strict):
     """Fields shared by chat and completions."""
     model: str | None = None                              # None: the one model served (as llama.cpp's server)
@@ -190,13 +200,15 @@ class Sampling(Strict):
     include_stop_str_in_output: bool = False              # the stop string that ended the text stays in it
     structured_outputs: StructuredOutputs | None = None   # vLLM's: json, regex, choice or grammar
     steering: list[Steer] | None = None                   # npqwen's: vectors added after blocks, this request only
+    speculative: Speculative | None = None                # npqwen's: drafts verified a step at a time (same output)
 
     def sampling(self) -> dict:
         """The body's sampling values as SamplingParams fields (None: the checkpoint's default)."""
         return dict(temperature=self.temperature, top_p=self.top_p, min_p=self.min_p,
                     top_k=None if self.top_k is None else max(self.top_k, 0),
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                    repetition_penalty=self.repetition_penalty, stop=self.stop)
+                    repetition_penalty=self.repetition_penalty, stop=self.stop,
+                    speculative=None if self.speculative is None else self.speculative.model_dump(exclude_none=True))
 
     def check_supported(self):
         if self.logit_bias:

@@ -61,6 +61,11 @@ Suites (--suites, comma-separated, or all; the default is prefill,decode):
     lora      what LoRA adapters cost (npqwen): a batch-1 decode step through one adapter of rank --lora-rank (16)
               on all seven projections vs none, and a decode step of --lora-batch (32) sequences mixing 4
               adapters vs none (targets: at most 15% and 25% more time).
+    speculative
+              speculative decoding (npqwen, float32): one sequence's verify step of 1 + k tokens vs a 1-token
+              step (k to --spec-k-max), and a greedy request with oracle drafts (the model's own answer)
+              100/80/60% right vs without drafts (tok/s). `python -m tools.bench.speculative [--shape 0.8b]`
+              runs it on 4 layers of Qwen3-0.6B's (Qwen3.5-0.8B's) shape with random weights.
 
     python -m tools.bench --suites batch1,serving,prefix    # the serving benchmark alone
     python -m tools.bench --suites moe                      # the mixture-of-experts steps
@@ -86,7 +91,8 @@ prefix run in another worker per engine, once whatever --rounds says, so their p
 #   tables(report)        tables of its own: [(column names, rows)]
 #   notes(report)         sentences printed under the tables
 # The order here is the order of the rows, tables, notes and targets, and of the runs in a worker.
-from tools.bench import batch1, decode, embed, hybrid, lora, moe, prefill, prefix, serving, step, structured, tp
+from tools.bench import (batch1, decode, embed, hybrid, lora, moe, prefill, prefix, serving, speculative, step,
+                         structured, tp)
 
 SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe, hybrid, structured, tp,
-                                          embed, lora)}
+                                          embed, lora, speculative)}

@@ -1,0 +1,175 @@
+"""speculative: what speculative decoding costs and gives (npqwen, float32 on the given --model).
+
+Verify: one sequence with --spec-context cached positions runs 1 + k tokens in one forward pass (the
+verification of k drafts) for k = 0 .. --spec-k-max; each time is the median of --spec-steps, reported
+as a ratio to k = 0 (a plain decode step). On a CPU in float32 the ratio is the point: OpenBLAS packs
+the weights for any product of 2+ rows, so a 2-row step costs far more than a 1-row one.
+Speedup: one greedy request of --spec-new-tokens tokens with drafts from an oracle (the model's own
+greedy continuation, so every draft is kept), then with each draft replaced by a random token with
+probability 20% and 40% (acceptance 80% and 60% per draft), against the same request without drafts:
+tokens/s ratio, and the acceptance measured. Run it on a few layers of a real shape:
+
+    python -m tools.bench.speculative                  # Qwen3-0.6B's shape, 4 layers, random weights
+"""
+import statistics
+import sys
+import time
+
+NAME, WORKER, NEEDS = "speculative", "single", ()
+TARGETS = [("spec_verify_2_vs_1", ">=", 0, "verify step of 1 + 1 tokens vs a 1-token step (time ratio)"),
+           ("spec_verify_5_vs_1", ">=", 0, "verify step of 1 + 4 tokens vs a 1-token step (time ratio)"),
+           ("spec_100_vs_plain", ">=", 0, "speculative (k=4) vs plain decode, oracle drafts, 100% kept (tok/s ratio)"),
+           ("spec_80_vs_plain", ">=", 0, "... 80% of drafts right (tok/s ratio)"),
+           ("spec_60_vs_plain", ">=", 0, "... 60% of drafts right (tok/s ratio)")]
+ACCEPTANCE = (100, 80, 60)
+
+
+def add_arguments(p):
+    p.add_argument("--spec-context", type=int, default=256, help="speculative: cached positions of the sequence")
+    p.add_argument("--spec-k-max", type=int, default=8, help="speculative: most drafts verified in one step")
+    p.add_argument("--spec-k", type=int, default=4, help="speculative: drafts per step in the speedup runs")
+    p.add_argument("--spec-steps", type=int, default=9, help="speculative: steps timed per verify figure (median)")
+    p.add_argument("--spec-new-tokens", type=int, default=48, help="speculative: tokens generated per speedup run")
+
+
+def runs_on(engine, args) -> bool:
+    return engine == "npqwen"
+
+
+def verify_times(llm, context: int, k_max: int, steps: int) -> dict:
+    """{n: median seconds of a forward pass of n = 1 + k new tokens after `context` cached positions}."""
+    import numpy as np
+
+    from npqwen.kv_cache import Batch
+
+    model, rng = llm.model, np.random.default_rng(0)
+    cache = model.new_cache(context + k_max + 1)
+    cache.kv.keys.fill(0.01)   # (never-written zero pages would be read from the OS's zero page: too fast)
+    cache.kv.values.fill(0.01)
+    times = {n: [] for n in range(1, k_max + 2)}
+    for _ in range(steps):
+        for n in times:   # in turn, so a busy moment blurs every n alike
+            batch = Batch(rng.integers(0, llm.config.vocab_size, n), [context], [n], [cache.page_table],
+                          cache.kv.page_size, sample_rows=np.arange(n), verify=[n > 1])   # (Qwen3.5: states kept)
+            started = time.perf_counter()
+            model.forward_batch(batch, cache.kv)
+            times[n].append(time.perf_counter() - started)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def speedups(llm, k: int, new_tokens: int, seed: int = 0) -> dict:
+    """Tokens/s of one greedy request with oracle drafts (ACCEPTANCE % of them right) over the same without."""
+    import numpy as np
+
+    from npqwen import Engine
+
+    prompt = np.random.default_rng(seed).integers(0, llm.config.vocab_size, 32).tolist()
+
+    def generate(propose=None, spec=None):
+        engine = Engine(llm, kv_cache_tokens=1024, page_size=256)
+        if propose is not None:
+            engine.propose = lambda req: propose(req) if req.uncomputed == 1 else []
+        engine.add_request(prompt, max_new_tokens=new_tokens, temperature=0, speculative=spec)
+        tokens, started = [], None
+        while engine.has_unfinished():
+            out = engine.step()
+            tokens += [t for o in out for t in o.token_ids]
+            started = started or time.perf_counter()   # decoding only: from the first token on
+        return tokens, (len(tokens) - 1) / (time.perf_counter() - started), engine.stats
+
+    plain, plain_tps, _ = generate()
+    out = {"spec_plain_tps": plain_tps}
+    for accept in ACCEPTANCE:
+        rng = np.random.default_rng(accept)
+
+        def oracle(req):   # the continuation decoding without drafts gave, each token wrong with 1 - accept %
+            have = len(req.output_ids)
+            drafts = plain[have:have + min(k, req.max_new_tokens - have - 1)]
+            return [int(rng.integers(llm.config.vocab_size)) if rng.random() * 100 >= accept else t for t in drafts]
+        tokens, tps, stats = generate(oracle, {"method": "ngram", "k": k})
+        assert tokens == plain, "speculative decoding changed the greedy output"
+        out[f"spec_{accept}_tps"] = tps
+        out[f"spec_{accept}_kept_pct"] = 100 * stats["spec_decode_num_accepted_tokens"] / \
+            max(1, stats["spec_decode_num_draft_tokens"])
+    return out
+
+
+def run(engine, args, rng) -> dict:
+    times = verify_times(engine.llm, args.spec_context, args.spec_k_max, args.spec_steps)
+    out = {f"spec_verify_{n}_s": t for n, t in times.items()}
+    return {**out, **speedups(engine.llm, args.spec_k, args.spec_new_tokens)}
+
+
+def figures(report) -> dict:
+    ours, f = report["engines"].get("npqwen", {}), {}
+    if "spec_verify_1_s" in ours:
+        for key in ours:
+            if key.startswith("spec_verify_") and key != "spec_verify_1_s":
+                n = key.split("_")[2]
+                f[f"spec_verify_{n}_vs_1"] = ours[key] / ours["spec_verify_1_s"]
+    for accept in ACCEPTANCE:
+        if f"spec_{accept}_tps" in ours:
+            f[f"spec_{accept}_vs_plain"] = ours[f"spec_{accept}_tps"] / ours["spec_plain_tps"]
+    return f
+
+
+def rows(report) -> list:
+    from tools.bench.tables import row
+
+    keys = sorted({k for r in report["engines"].values() for k in r if k.startswith("spec_")})
+    return [row(report, k, k.replace("_", " "), "{:.4f}") for k in keys]
+
+
+def tables(report) -> list:
+    return []
+
+
+def notes(report) -> list[str]:
+    return []
+
+
+def shape_model(layers: int, shape: str = "0.6b", dtype: str = "float32"):
+    """Qwen3-0.6B's shape (or Qwen3.5-0.8B's, "0.8b": its first `layers` layer types) with `layers` layers and
+    random weights (no checkpoint), as an LLM."""
+    import numpy as np
+
+    from npqwen.checkpoint import allocate_weights, tie_lm_head
+    from npqwen.config import QWEN3_0_6B_CONFIG, QWEN3_5_0_8B_TEXT_CONFIG, Qwen3Config
+    from npqwen.llm import LLM
+    from npqwen.model import Qwen3
+
+    raw = dict(QWEN3_0_6B_CONFIG if shape == "0.6b" else QWEN3_5_0_8B_TEXT_CONFIG, num_hidden_layers=layers)
+    if "layer_types" in raw:
+        raw["layer_types"] = raw["layer_types"][:layers - 1] + ["full_attention"]   # at least one full layer
+    config = Qwen3Config.from_dict(raw)
+    weights, fused = allocate_weights(config, np, np.dtype(dtype))
+    rng = np.random.default_rng(0)
+    for name, array in weights.items():   # norms scale by 1 (a Qwen3.5's by 1 + weight)
+        norm = 1.0 if name.endswith("linear_attn.norm.weight") else 1.0 - config.norm_offset
+        array[...] = norm if name.endswith("norm.weight") else rng.standard_normal(array.shape, np.float32) * 0.02
+    return LLM(Qwen3(config, tie_lm_head(config, weights), fused))
+
+
+def main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m tools.bench.speculative", description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=4, help="layers of the shape (default 4)")
+    p.add_argument("--shape", choices=("0.6b", "0.8b"), default="0.6b", help="Qwen3-0.6B's or Qwen3.5-0.8B's")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    llm = shape_model(args.layers, args.shape)
+    times = verify_times(llm, args.spec_context, args.spec_k_max, args.spec_steps)
+    print(f"{'Qwen3-0.6B' if args.shape == '0.6b' else 'Qwen3.5-0.8B'} shape, {args.layers} layers, float32, "
+          f"{args.spec_context} cached positions")
+    for n, t in times.items():
+        print(f"  verify 1 + {n - 1} tokens: {t * 1e3:7.2f} ms  ({t / times[1]:.2f}x a 1-token step)")
+    out = speedups(llm, args.spec_k, args.spec_new_tokens)
+    print(f"  plain decode: {out['spec_plain_tps']:.1f} tok/s")
+    for accept in ACCEPTANCE:
+        print(f"  k={args.spec_k}, oracle drafts {accept}% right: {out[f'spec_{accept}_tps']:.1f} tok/s "
+              f"({out[f'spec_{accept}_tps'] / out['spec_plain_tps']:.2f}x), {out[f'spec_{accept}_kept_pct']:.0f}% kept")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
