@@ -1,0 +1,302 @@
+"""Gradients: the backward pass of the Qwen3 forward (model.py), written as plainly, in reverse.
+
+    value, grads = grad.gradients(llm, "The capital of France is", grad.log_prob(" Paris"))
+    grads["model.layers.3.mlp.act_fn"]           # (T, F): d value / d that activation
+    grads["model.layers.3.mlp.down_proj.weight"]  # (D, F): d value / d that weight
+
+The forward runs once with a `Tape`, a recorder (model.py) that keeps a copy of every step's array
+under its HF name; a recorder never changes which code runs, so the tape holds exactly what inference
+computes. `backward` then walks the steps in reverse, each operator's backward (ops.py, moe.py and
+linear_attention.py, each beside its forward) turning the gradient of a step's output into the
+gradients of its inputs and weights. The gradient of the scalar with respect to an activation is kept
+under the same name run_with_cache uses (npqwen/hooks.py step_names), and with respect to a weight under
+its HF name (a tied lm_head: both names hold the sum of both uses; Qwen3-MoE's experts also under
+transformers' fused names `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`).
+
+What is differentiated, from the value back: an objective (a token's log-probability, the loss over
+next tokens, a logit difference: each a function of the logits that returns the value and d value /
+d logits), lm_head, the final norm, each layer (MLP or sparse MLP, then attention or Gated DeltaNet,
+each behind its RMSNorm and its residual), the embedding. Not differentiated: the experts' choice and
+the positions (steps, not functions); cos/sin of RoPE. One sequence, one process (no tensor parallelism),
+without a LoRA adapter (npqwen/finetune.py differentiates one).
+
+Shapes as in model.py: T tokens, D hidden, H query heads, K kv heads, G = H/K, Dh head dim, F MLP width,
+V vocab.
+"""
+from typing import NamedTuple
+
+import numpy as np
+
+from . import moe, ops
+from .backend import to_numpy, xp_of
+from .errors import NpqwenError
+
+
+class Tape(dict):
+    """A recorder that keeps a copy of every array a forward pass records, on its device: tape[name]."""
+
+    def __call__(self, name: str, array):
+        if array is not None:
+            self[name] = array.copy()
+
+
+class Objective(NamedTuple):
+    """A scalar of the logits: fn(logits (T, V)) -> (value, d value / d logits (T, V)); its name for messages."""
+    fn: object
+    name: str
+
+
+def log_prob(token: int, position: int = -1) -> Objective:
+    """log p(token) at `position` (the next-token distribution after it)."""
+    def fn(logits):
+        logp = ops.log_softmax(logits[position])                                   # (V,)
+        d = -np.exp(to_numpy(logp))                                                # d log p_t / d z = 1[t] - p
+        d[token] += 1.0
+        return float(logp[token]), place(logits, position, d)
+    return Objective(fn, f"log p({token}) at {position}")
+
+
+def logit_diff(token: int, other: int, position: int = -1) -> Objective:
+    """logit[token] - logit[other] at `position`."""
+    def fn(logits):
+        d = np.zeros(logits.shape[1], dtype=np.float64)
+        d[token], d[other] = 1.0, -1.0
+        return float(logits[position, token] - logits[position, other]), place(logits, position, d)
+    return Objective(fn, f"logit {token} - logit {other} at {position}")
+
+
+def loss(targets=None) -> Objective:
+    """The mean cross-entropy of `targets` (T,), -100 where a row is not counted; by default each row's next
+    token (the last row uncounted): the language-model loss HF computes from labels = the input ids."""
+    def fn(logits, ids=None):
+        t = next_tokens(ids) if targets is None else np.asarray(targets)
+        xp_t = type_like(logits, t)
+        return ops.cross_entropy(logits, xp_t), ops.cross_entropy_backward(logits, xp_t)
+    fn.wants_ids = targets is None
+    return Objective(fn, "loss")
+
+
+def next_tokens(ids) -> np.ndarray:
+    """Row t's target is token t + 1; the last row has none (-100)."""
+    return np.append(np.asarray(ids)[1:], -100).astype(np.int64)
+
+
+def place(logits, position: int, d_row):
+    """A (T, V) gradient that is d_row at `position` and zero elsewhere, in the logits' dtype and array module."""
+    d = np.zeros(logits.shape, dtype=logits.dtype)
+    d[position] = d_row
+    return type_like(logits, d)
+
+
+def type_like(array, host):
+    """`host` (a NumPy array) on `array`'s device."""
+    return xp_of(array).asarray(host)
+
+
+class Gradients(dict):
+    """d value / d every activation (step_names' names) and every weight (HF names) of one pass: grads[name].
+    .value: the objective's value; .logits (T, V); .tape: the activations themselves, by the same names."""
+
+    def __init__(self, value: float, logits, tape: Tape):
+        super().__init__()
+        self.value, self.logits, self.tape = value, logits, tape
+        self.weight_names: list[str] = []
+
+    def add(self, name: str, d):
+        """Accumulate: a value used twice (a tied embedding's weight) gets the sum of both gradients."""
+        self[name] = d if name not in self else self[name] + d
+
+    def add_weight(self, name: str, d):
+        self.add(name, d)
+        if name not in self.weight_names:
+            self.weight_names.append(name)
+
+    def weights(self) -> dict:
+        return {name: self[name] for name in self.weight_names}
+
+    def activations(self) -> dict:
+        return {name: d for name, d in self.items() if name not in self.weight_names}
+
+
+def model_of(llm_or_model):
+    """The Qwen3 of an LLM (npqwen.load's result), or the Qwen3 itself."""
+    return getattr(llm_or_model, "model", llm_or_model)
+
+
+def gradients(llm, prompt, objective: Objective, hooks=None, weights: bool = True) -> Gradients:
+    """One forward pass over `prompt` (text or token ids) that keeps every activation, then one backward pass
+    from `objective`'s value: Gradients (a dict by name) with .value and .logits. `hooks` as run_with_hooks
+    (the gradient is then the patched model's); weights=False skips the weights' gradients (attribution)."""
+    from .hooks import Hooks, both
+
+    model = model_of(llm)
+    ids = np.asarray(llm.prompt_ids(prompt) if hasattr(llm, "prompt_ids") else prompt, dtype=np.int64)
+    tape = Tape()
+    recorder = tape if hooks is None else both(tape, Hooks(hooks, model.config))
+    logits = model.forward(ids, recorder=recorder)                                 # (T, V)
+    if getattr(objective.fn, "wants_ids", False):
+        value, d_logits = objective.fn(logits, ids)
+    else:
+        value, d_logits = objective.fn(logits)
+    if not np.isfinite(value):
+        raise NpqwenError(f"{objective.name} is {value}: there is no gradient to take")
+    return backward(model, tape, ids, d_logits, Gradients(value, logits, tape), weights)
+
+
+def backward(model, tape: Tape, ids, d_logits, grads: Gradients, weights: bool = True) -> Gradients:
+    """The forward pass in reverse: lm_head, the final norm, each layer from the last, the embedding."""
+    cfg, W = model.config, model.weights
+    if model.comm.size > 1:
+        raise NpqwenError("gradients run in one process; load the model without tensor_parallel")
+    L, eps, one = cfg.num_hidden_layers, cfg.rms_norm_eps, cfg.norm_offset
+    keep = grads.add_weight if weights else (lambda name, d: None)
+    # 5. lm_head: logits = norm(x) @ lm_head^T
+    grads.add("lm_head", d_logits)
+    d_norm, d_head = ops.linear_backward(d_logits, tape["model.norm"], model.lm_head_weight())   # (T, D), (V, D)
+    keep("lm_head.weight", d_head)
+    # 4. the final norm
+    grads.add("model.norm", d_norm)
+    d_x, d_w = ops.rms_norm_backward(d_norm, tape[f"model.layers.{L - 1}"], W["model.norm.weight"], eps, one)
+    keep("model.norm.weight", d_w)
+    # 3. the decoder layers, last first
+    for i in reversed(range(L)):
+        grads.add(f"model.layers.{i}", d_x)
+        d_x = decoder_layer_backward(model, i, tape, d_x, grads, keep)
+    # 1. the embedding: each token's row
+    grads.add("model.embed_tokens", d_x)
+    keep("model.embed_tokens.weight", ops.embed_backward(d_x, xp_of(d_x).asarray(ids), cfg.vocab_size))
+    if weights and cfg.tie_word_embeddings:   # one array used twice: both names hold the sum
+        grads["lm_head.weight"] = grads["model.embed_tokens.weight"] = \
+            grads["model.embed_tokens.weight"] + grads["lm_head.weight"]
+    return grads
+
+
+def decoder_layer_backward(model, i: int, tape: Tape, d_out, grads: Gradients, keep):
+    """out = h + mlp(norm(h)), h = x + attn(norm(x)): d_out (T, D) -> d_x (T, D)."""
+    p, W, cfg = f"model.layers.{i}", model.weights, model.config
+    eps, one = cfg.rms_norm_eps, cfg.norm_offset
+    x = tape[f"model.layers.{i - 1}" if i else "model.embed_tokens"]              # the layer's input (T, D)
+    h = tape[f"{p}.attn_residual"]
+    # the MLP's residual line: d_out reaches h directly and through the MLP and its norm
+    mlp = sparse_moe_backward if cfg.is_moe_layer(i) else mlp_backward
+    d_m = mlp(model, i, tape, d_out, grads, keep)                                 # (T, D)
+    grads.add(f"{p}.post_attention_layernorm", d_m)
+    d_h, d_w = ops.rms_norm_backward(d_m, h, W[f"{p}.post_attention_layernorm.weight"], eps, one)
+    keep(f"{p}.post_attention_layernorm.weight", d_w)
+    d_h = d_h + d_out
+    grads.add(f"{p}.attn_residual", d_h)
+    # the attention's residual line
+    attn = linear_attn_backward if cfg.is_linear_layer(i) else self_attn_backward
+    d_a = attn(model, i, tape, d_h, grads, keep)                                  # (T, D)
+    grads.add(f"{p}.input_layernorm", d_a)
+    d_x, d_w = ops.rms_norm_backward(d_a, x, W[f"{p}.input_layernorm.weight"], eps, one)
+    keep(f"{p}.input_layernorm.weight", d_w)
+    return d_x + d_h
+
+
+def mlp_backward(model, i: int, tape: Tape, d_out, grads: Gradients, keep, name: str = "mlp"):
+    """out = down_proj(silu(gate_proj(m)) * up_proj(m)): d_out (T, D) -> d_m (T, D)."""
+    p, lp, W = f"model.layers.{i}.{name}", f"model.layers.{i}", model.weights
+    m = tape[f"{lp}.post_attention_layernorm"]
+    gate, up, act = tape[f"{p}.gate_proj"], tape[f"{p}.up_proj"], tape[f"{p}.act_fn"]   # (T, F) each
+    grads.add(f"{p}.down_proj", d_out)
+    d_h, d_w = ops.linear_backward(d_out, act * up, W[f"{p}.down_proj.weight"])   # (T, F), (D, F)
+    keep(f"{p}.down_proj.weight", d_w)
+    grads.add(f"{p}.act_fn", d_h * up)
+    d_gate, d_up = ops.swiglu_backward(d_h, gate, up)                            # (T, F) each
+    grads.add(f"{p}.gate_proj", d_gate)
+    grads.add(f"{p}.up_proj", d_up)
+    d_gate_up = xp_of(m).concatenate([d_gate, d_up], axis=1)                       # (T, 2F): gate_proj | up_proj
+    d_m, d_w = ops.linear_backward(d_gate_up, m, model.fused[f"{p}.gate_up_proj.weight"])   # (T, D), (2F, D)
+    F = gate.shape[1]
+    keep(f"{p}.gate_proj.weight", d_w[:F])
+    keep(f"{p}.up_proj.weight", d_w[F:])
+    return d_m
+
+
+def sparse_moe_backward(model, i: int, tape: Tape, d_out, grads: Gradients, keep):
+    """out = experts(m, chosen, weights) (+ sigmoid(gate) * shared expert): d_out (T, D) -> d_m (T, D)."""
+    p, cfg, W = f"model.layers.{i}.mlp", model.config, model.weights
+    m = tape[f"model.layers.{i}.post_attention_layernorm"]
+    d_m = xp_of(m).zeros_like(m)
+    if cfg.shared_expert_intermediate_size:   # Qwen3.5-MoE: + sigmoid(gate) * shared_expert(m)
+        gate, shared = tape[f"{p}.shared_expert_gate"], tape[f"{p}.shared_expert.down_proj"]   # (T, 1), (T, D)
+        d_shared = d_out * ops.sigmoid(gate)
+        d_gate = ops.sigmoid_backward((d_out * shared).sum(axis=-1, keepdims=True), gate)       # (T, 1)
+        grads.add(f"{p}.shared_expert_gate", d_gate)
+        d_m_gate, d_w = ops.linear_backward(d_gate, m, W[f"{p}.shared_expert_gate.weight"])
+        keep(f"{p}.shared_expert_gate.weight", d_w)
+        d_m = d_m + d_m_gate + mlp_backward(model, i, tape, d_shared, grads, keep, name="mlp.shared_expert")
+    grads.add(f"{p}.experts", d_out)
+    chosen, weights = tape[f"{p}.gate.top_k_index"], tape[f"{p}.gate.top_k_weights"]   # (T, k) each
+    gate_up, down = model.fused[f"{p}.experts.gate_up_proj"], model.fused[f"{p}.experts.down_proj"]
+    d_x, d_weights, d_gate_up, d_down = moe.experts_backward(d_out, m, chosen, weights, gate_up, down)
+    grads.add(f"{p}.gate.top_k_weights", d_weights)
+    d_r, d_router, d_logits = moe.route_backward(d_weights, m, W[f"{p}.gate.weight"], tape[f"{p}.gate"], chosen,
+                                                 cfg.norm_topk_prob)
+    grads.add(f"{p}.gate", d_logits)
+    keep(f"{p}.gate.weight", d_router)
+    keep(f"{p}.experts.gate_up_proj", d_gate_up)
+    keep(f"{p}.experts.down_proj", d_down)
+    I = down.shape[2]
+    for e in range(down.shape[0]):   # the checkpoint's per-expert names: views of the fused gradients
+        keep(f"{p}.experts.{e}.gate_proj.weight", d_gate_up[e, :I])
+        keep(f"{p}.experts.{e}.up_proj.weight", d_gate_up[e, I:])
+        keep(f"{p}.experts.{e}.down_proj.weight", d_down[e])
+    return d_m + d_x + d_r
+
+
+def self_attn_backward(model, i: int, tape: Tape, d_o, grads: Gradients, keep):
+    """o = o_proj(attention(rope(q_norm(q)), rope(k_norm(k)), v)), q, k, v = qkv_proj(a) (Qwen3.5: the output
+    scaled by sigmoid of q_proj's gate half): d_o (T, D) -> d_a (T, D)."""
+    cfg, W, p = model.config, model.weights, f"model.layers.{i}.self_attn"
+    eps, one, Dh, H, K = cfg.rms_norm_eps, cfg.norm_offset, cfg.head_dim, model.heads, model.kv_heads
+    a = tape[f"model.layers.{i}.input_layernorm"]
+    xp, T = xp_of(a), a.shape[0]
+    cos, sin = tape["model.rotary_emb.cos"], tape["model.rotary_emb.sin"]
+    out = tape[f"{p}.attn_output"]                                                # (T, H*Dh)
+    q_proj = tape[f"{p}.q_proj"]
+    grads.add(f"{p}.o_proj", d_o)
+    if cfg.hybrid:   # out * sigmoid(gate), gate: the second Dh values of each head of q_proj
+        gate = q_proj.reshape(T, H, 2 * Dh)[..., Dh:].reshape(T, H * Dh)
+        d_gated, d_w = ops.linear_backward(d_o, out * ops.sigmoid(gate), W[f"{p}.o_proj.weight"])
+        d_gate = ops.sigmoid_backward(d_gated * out, gate)                        # (T, H*Dh)
+        d_out = d_gated * ops.sigmoid(gate)
+    else:
+        d_out, d_w = ops.linear_backward(d_o, out, W[f"{p}.o_proj.weight"])        # (T, H*Dh), (D, H*Dh)
+    keep(f"{p}.o_proj.weight", d_w)
+    grads.add(f"{p}.attn_output", d_out)
+    # attention: softmax(q k^T / sqrt(Dh) + mask) v, the probabilities as the forward recorded them
+    q, k, v = tape[f"{p}.q_rope"], tape[f"{p}.k_rope"], tape[f"{p}.v_proj"].reshape(T, K, Dh)
+    d_q, d_k, d_v = ops.causal_attention_backward(d_out, q, k, v, tape[f"{p}.attn_probs"])
+    grads.add(f"{p}.q_rope", d_q)
+    grads.add(f"{p}.k_rope", d_k)
+    # RoPE, then QK-norm
+    d_q, d_k = ops.apply_rope_backward(d_q, cos, sin), ops.apply_rope_backward(d_k, cos, sin)
+    grads.add(f"{p}.q_norm", d_q)
+    grads.add(f"{p}.k_norm", d_k)
+    q_in = q_proj.reshape(T, H, -1)[..., :Dh]                                     # (T, H, Dh) the query half
+    d_q, d_wq = ops.rms_norm_backward(d_q, q_in, W[f"{p}.q_norm.weight"], eps, one)
+    d_k, d_wk = ops.rms_norm_backward(d_k, tape[f"{p}.k_proj"].reshape(T, K, Dh), W[f"{p}.k_norm.weight"], eps, one)
+    keep(f"{p}.q_norm.weight", d_wq)
+    keep(f"{p}.k_norm.weight", d_wk)
+    if cfg.hybrid:   # q_proj's rows: each head's Dh query values, then its Dh gate values
+        d_q = xp.concatenate([d_q, d_gate.reshape(T, H, Dh)], axis=-1)            # (T, H, 2Dh)
+    d_q, d_k, d_v = d_q.reshape(T, -1), d_k.reshape(T, K * Dh), d_v.reshape(T, K * Dh)
+    grads.add(f"{p}.q_proj", d_q)
+    grads.add(f"{p}.k_proj", d_k)
+    grads.add(f"{p}.v_proj", d_v)
+    # q_proj, k_proj, v_proj: one matrix, qkv_proj, whose rows they are
+    d_a, d_w = ops.linear_backward(xp.concatenate([d_q, d_k, d_v], axis=1), a, model.fused[f"{p}.qkv_proj.weight"])
+    Q = d_q.shape[1]
+    keep(f"{p}.q_proj.weight", d_w[:Q])
+    keep(f"{p}.k_proj.weight", d_w[Q:Q + K * Dh])
+    keep(f"{p}.v_proj.weight", d_w[Q + K * Dh:])
+    return d_a
+
+
+def linear_attn_backward(model, i: int, tape: Tape, d_o, grads: Gradients, keep):
+    """Gated DeltaNet's backward (npqwen/linear_attention.py), the recurrent form: d_o (T, D) -> d_a (T, D)."""
+    raise NpqwenError("gradients through Gated DeltaNet layers (Qwen3.5, Qwen3-Next) are not written yet")
+
+
