@@ -23,10 +23,12 @@ without a LoRA adapter (npqwen/finetune.py differentiates one).
 Shapes as in model.py: T tokens, D hidden, H query heads, K kv heads, G = H/K, Dh head dim, F MLP width,
 V vocab.
 """
+import difflib
 from typing import NamedTuple
 
 import numpy as np
 
+from . import linear_attention as la
 from . import moe, ops
 from .backend import to_numpy, xp_of
 from .errors import NpqwenError
@@ -114,6 +116,13 @@ class Gradients(dict):
     def weights(self) -> dict:
         return {name: self[name] for name in self.weight_names}
 
+    def __missing__(self, name):
+        near = difflib.get_close_matches(str(name), list(self), n=3, cutoff=0.5)
+        hint = f"; did you mean {' or '.join(near)}?" if near else ""
+        weight = str(name).endswith((".weight", ".A_log", ".dt_bias", "experts.gate_up_proj", "experts.down_proj"))
+        weights = " (weights=False: no weight's gradient was taken)" if weight and not self.weight_names else ""
+        raise NpqwenError(f"no gradient named {name!r}{weights}{hint}")
+
     def activations(self) -> dict:
         return {name: d for name, d in self.items() if name not in self.weight_names}
 
@@ -164,10 +173,13 @@ def backward(model, tape: Tape, ids, d_logits, grads: Gradients, weights: bool =
         d_x = decoder_layer_backward(model, i, tape, d_x, grads, keep)
     # 1. the embedding: each token's row
     grads.add("model.embed_tokens", d_x)
-    keep("model.embed_tokens.weight", ops.embed_backward(d_x, xp_of(d_x).asarray(ids), cfg.vocab_size))
-    if weights and cfg.tie_word_embeddings:   # one array used twice: both names hold the sum
-        grads["lm_head.weight"] = grads["model.embed_tokens.weight"] = \
-            grads["model.embed_tokens.weight"] + grads["lm_head.weight"]
+    if weights:
+        d_embed = ops.embed_backward(d_x, xp_of(d_x).asarray(ids), cfg.vocab_size)      # (V, D)
+        if cfg.tie_word_embeddings:   # one array used twice: both names hold the sum of both uses
+            d_embed += grads.pop("lm_head.weight")
+            grads.weight_names.remove("lm_head.weight")
+            keep("lm_head.weight", d_embed)
+        keep("model.embed_tokens.weight", d_embed)
     return grads
 
 
@@ -296,7 +308,55 @@ def self_attn_backward(model, i: int, tape: Tape, d_o, grads: Gradients, keep):
 
 
 def linear_attn_backward(model, i: int, tape: Tape, d_o, grads: Gradients, keep):
-    """Gated DeltaNet's backward (npqwen/linear_attention.py), the recurrent form: d_o (T, D) -> d_a (T, D)."""
-    raise NpqwenError("gradients through Gated DeltaNet layers (Qwen3.5, Qwen3-Next) are not written yet")
+    """Gated DeltaNet (npqwen/linear_attention.py) of one sequence from position 0: out_proj(gated_norm(
+    delta_rule(conv(in_proj_qkv(a))), in_proj_z(a))), the decay and write strength from in_proj_a and in_proj_b;
+    d_o (T, D) -> d_a (T, D). The convolution, q/k/v and the decay are recomputed from the tape's projections;
+    the delta rule's backward is the recurrent form's."""
+    cfg, W, p = model.config, model.weights, f"model.layers.{i}.linear_attn"
+    if cfg.qwen3_next:
+        raise NpqwenError("gradients through Qwen3-Next's linear-attention layers (in_proj_qkvz) are not written "
+                          "yet; Qwen3.5's are")
+    a = tape[f"model.layers.{i}.input_layernorm"]
+    xp, T = xp_of(a), a.shape[0]
+    (Hk, Hv), dk, dv = model.linear_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    heads = (Hk, dk, Hv, dv)
+    mixed, z = tape[f"{p}.in_proj_qkv"], tape[f"{p}.in_proj_z"].reshape(T, Hv, dv)      # (T, C), (T, Hv, dv)
+    b, a_in = tape[f"{p}.in_proj_b"], tape[f"{p}.in_proj_a"]                              # (T, Hv) each
+    # out_proj, then the gated RMSNorm of each head's output
+    grads.add(f"{p}.out_proj", d_o)
+    d_h, d_w = ops.linear_backward(d_o, tape[f"{p}.norm"].reshape(T, Hv * dv), W[f"{p}.out_proj.weight"])
+    keep(f"{p}.out_proj.weight", d_w)
+    grads.add(f"{p}.norm", d_h.reshape(T, Hv, dv))
+    core = tape[f"{p}.core_attn_out"].astype(a.dtype)                                    # (T, Hv, dv)
+    d_core, d_z, d_w = la.gated_rms_norm_backward(d_h.reshape(T, Hv, dv), core, z, W[f"{p}.norm.weight"],
+                                                  cfg.rms_norm_eps)
+    keep(f"{p}.norm.weight", d_w)
+    grads.add(f"{p}.core_attn_out", d_core)
+    # the delta rule, token by token in reverse, from the convolved q, k, v (recomputed) and zero states
+    kernel = W[f"{p}.conv1d.weight"][:, 0]                                               # (C, W)
+    conv_state = xp.zeros((1, kernel.shape[1] - 1, mixed.shape[1]), dtype=mixed.dtype)  # (1, W-1, C)
+    convolved = la.causal_conv1d(mixed[None], kernel, conv_state)[0][0]                  # (T, C)
+    q, k, v = la.queries_keys_values(convolved, *heads)                                  # (T, Hv, dk|dv)
+    g, beta = la.decay_and_beta(a_in, b, W[f"{p}.A_log"], W[f"{p}.dt_bias"])             # (T, Hv) each
+    state = xp.zeros((1, Hv, dk, dv), dtype=q.dtype)
+    d_q, d_k, d_v, d_g, d_beta, _ = la.recurrent_gated_delta_rule_backward(
+        d_core[None], q[None], k[None], v[None], g[None], beta[None], state)
+    d_convolved = la.queries_keys_values_backward(d_q[0], d_k[0], d_v[0], convolved, *heads)   # (T, C)
+    d_mixed, d_kernel, _ = la.causal_conv1d_backward(d_convolved[None], mixed[None], kernel, conv_state)
+    keep(f"{p}.conv1d.weight", d_kernel[:, None, :])                                     # (C, 1, W)
+    d_a_in, d_b, d_A_log, d_dt_bias = la.decay_and_beta_backward(d_g[0], d_beta[0], a_in, b, W[f"{p}.A_log"],
+                                                                 W[f"{p}.dt_bias"])
+    keep(f"{p}.A_log", d_A_log)
+    keep(f"{p}.dt_bias", d_dt_bias)
+    # the four input projections
+    d_a = xp.zeros_like(a)
+    for name, d in (("in_proj_qkv", d_mixed[0]), ("in_proj_z", d_z.reshape(T, Hv * dv)), ("in_proj_b", d_b),
+                    ("in_proj_a", d_a_in)):
+        d = d.astype(a.dtype)
+        grads.add(f"{p}.{name}", d)
+        d_x, d_w = ops.linear_backward(d, a, W[f"{p}.{name}.weight"])
+        keep(f"{p}.{name}.weight", d_w)
+        d_a += d_x
+    return d_a
 
 
