@@ -29,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import linear_attention as la
-from . import moe, ops
+from . import lora, moe, ops
 from .backend import to_numpy, xp_of
 from .errors import NpqwenError
 
@@ -99,10 +99,13 @@ class Gradients(dict):
     """d value / d every activation (step_names' names) and every weight (HF names) of one pass: grads[name].
     .value: the objective's value; .logits (T, V); .tape: the activations themselves, by the same names."""
 
-    def __init__(self, value: float, logits, tape: Tape):
+    def __init__(self, value: float, logits, tape: Tape, lora=None, weights: bool = True):
         super().__init__()
         self.value, self.logits, self.tape = value, logits, tape
         self.weight_names: list[str] = []
+        self.want_weights = weights   # the base weights' gradients (skipped for attribution and LoRA training)
+        self.lora = lora              # a LoraAdapter the forward added (npqwen/lora.py), or None
+        self.lora_grads: dict = {}    # its lora_A / lora_B gradients, by the adapter's names
 
     def add(self, name: str, d):
         """Accumulate: a value used twice (a tied embedding's weight) gets the sum of both gradients."""
@@ -132,37 +135,38 @@ def model_of(llm_or_model):
     return getattr(llm_or_model, "model", llm_or_model)
 
 
-def gradients(llm, prompt, objective: Objective, hooks=None, weights: bool = True) -> Gradients:
+def gradients(llm, prompt, objective: Objective, hooks=None, weights: bool = True, lora=None) -> Gradients:
     """One forward pass over `prompt` (text or token ids) that keeps every activation, then one backward pass
     from `objective`'s value: Gradients (a dict by name) with .value and .logits. `hooks` as run_with_hooks
-    (the gradient is then the patched model's); weights=False skips the weights' gradients (attribution)."""
+    (the gradient is then the patched model's); weights=False skips the weights' gradients (attribution);
+    `lora`, a LoraAdapter: the forward adds it and .lora_grads holds its gradients (npqwen/finetune.py)."""
     from .hooks import Hooks, both
 
     model = model_of(llm)
     ids = np.asarray(llm.prompt_ids(prompt) if hasattr(llm, "prompt_ids") else prompt, dtype=np.int64)
     tape = Tape()
     recorder = tape if hooks is None else both(tape, Hooks(hooks, model.config))
-    logits = model.forward(ids, recorder=recorder)                                 # (T, V)
+    logits = model.forward(ids, recorder=recorder, lora=lora)                      # (T, V)
     if getattr(objective.fn, "wants_ids", False):
         value, d_logits = objective.fn(logits, ids)
     else:
         value, d_logits = objective.fn(logits)
     if not np.isfinite(value):
         raise NpqwenError(f"{objective.name} is {value}: there is no gradient to take")
-    return backward(model, tape, ids, d_logits, Gradients(value, logits, tape), weights)
+    return backward(model, tape, ids, d_logits, Gradients(value, logits, tape, lora, weights))
 
 
-def backward(model, tape: Tape, ids, d_logits, grads: Gradients, weights: bool = True) -> Gradients:
+def backward(model, tape: Tape, ids, d_logits, grads: Gradients) -> Gradients:
     """The forward pass in reverse: lm_head, the final norm, each layer from the last, the embedding."""
     cfg, W = model.config, model.weights
     if model.comm.size > 1:
         raise NpqwenError("gradients run in one process; load the model without tensor_parallel")
-    L, eps, one = cfg.num_hidden_layers, cfg.rms_norm_eps, cfg.norm_offset
+    L, eps, one, weights = cfg.num_hidden_layers, cfg.rms_norm_eps, cfg.norm_offset, grads.want_weights
     keep = grads.add_weight if weights else (lambda name, d: None)
     # 5. lm_head: logits = norm(x) @ lm_head^T
     grads.add("lm_head", d_logits)
-    d_norm, d_head = ops.linear_backward(d_logits, tape["model.norm"], model.lm_head_weight())   # (T, D), (V, D)
-    keep("lm_head.weight", d_head)
+    d_norm, d_head = linear_backward(grads, "lm_head", d_logits, tape["model.norm"], model.lm_head_weight())
+    keep("lm_head.weight", d_head)                                                 # (T, D), (V, D)
     # 4. the final norm
     grads.add("model.norm", d_norm)
     d_x, d_w = ops.rms_norm_backward(d_norm, tape[f"model.layers.{L - 1}"], W["model.norm.weight"], eps, one)
@@ -181,6 +185,20 @@ def backward(model, tape: Tape, ids, d_logits, grads: Gradients, weights: bool =
             keep("lm_head.weight", d_embed)
         keep("model.embed_tokens.weight", d_embed)
     return grads
+
+
+def linear_backward(grads: Gradients, matrix: str, d_y, x, weight):
+    """ops.linear_backward of one projection (its weight's gradient only when wanted, else None), plus the
+    path of the adapter being trained, if any (lora.add_backward): d_x (T, in), d_weight (out, in)."""
+    if grads.want_weights:
+        d_x, d_w = ops.linear_backward(d_y, x, weight)
+    else:
+        d_x, d_w = d_y @ weight, None                                              # (T, out) @ (out, in)
+    if grads.lora is not None:
+        d_lora_x, lora_grads = lora.add_backward(d_y, x, grads.lora, matrix)
+        d_x = d_x + d_lora_x
+        grads.lora_grads.update(lora_grads)
+    return d_x, d_w
 
 
 def decoder_layer_backward(model, i: int, tape: Tape, d_out, grads: Gradients, keep):
@@ -212,17 +230,18 @@ def mlp_backward(model, i: int, tape: Tape, d_out, grads: Gradients, keep, name:
     m = tape[f"{lp}.post_attention_layernorm"]
     gate, up, act = tape[f"{p}.gate_proj"], tape[f"{p}.up_proj"], tape[f"{p}.act_fn"]   # (T, F) each
     grads.add(f"{p}.down_proj", d_out)
-    d_h, d_w = ops.linear_backward(d_out, act * up, W[f"{p}.down_proj.weight"])   # (T, F), (D, F)
+    d_h, d_w = linear_backward(grads, f"{p}.down_proj", d_out, act * up, W[f"{p}.down_proj.weight"])   # (T, F), (D, F)
     keep(f"{p}.down_proj.weight", d_w)
     grads.add(f"{p}.act_fn", d_h * up)
     d_gate, d_up = ops.swiglu_backward(d_h, gate, up)                            # (T, F) each
     grads.add(f"{p}.gate_proj", d_gate)
     grads.add(f"{p}.up_proj", d_up)
     d_gate_up = xp_of(m).concatenate([d_gate, d_up], axis=1)                       # (T, 2F): gate_proj | up_proj
-    d_m, d_w = ops.linear_backward(d_gate_up, m, model.fused[f"{p}.gate_up_proj.weight"])   # (T, D), (2F, D)
-    F = gate.shape[1]
-    keep(f"{p}.gate_proj.weight", d_w[:F])
-    keep(f"{p}.up_proj.weight", d_w[F:])
+    d_m, d_w = linear_backward(grads, f"{p}.gate_up_proj", d_gate_up, m, model.fused[f"{p}.gate_up_proj.weight"])
+    if d_w is not None:   # (2F, D): gate_proj's rows, then up_proj's
+        F = gate.shape[1]
+        keep(f"{p}.gate_proj.weight", d_w[:F])
+        keep(f"{p}.up_proj.weight", d_w[F:])
     return d_m
 
 
@@ -236,7 +255,7 @@ def sparse_moe_backward(model, i: int, tape: Tape, d_out, grads: Gradients, keep
         d_shared = d_out * ops.sigmoid(gate)
         d_gate = ops.sigmoid_backward((d_out * shared).sum(axis=-1, keepdims=True), gate)       # (T, 1)
         grads.add(f"{p}.shared_expert_gate", d_gate)
-        d_m_gate, d_w = ops.linear_backward(d_gate, m, W[f"{p}.shared_expert_gate.weight"])
+        d_m_gate, d_w = linear_backward(grads, f"{p}.shared_expert_gate", d_gate, m, W[f"{p}.shared_expert_gate.weight"])
         keep(f"{p}.shared_expert_gate.weight", d_w)
         d_m = d_m + d_m_gate + mlp_backward(model, i, tape, d_shared, grads, keep, name="mlp.shared_expert")
     grads.add(f"{p}.experts", d_out)
@@ -271,11 +290,11 @@ def self_attn_backward(model, i: int, tape: Tape, d_o, grads: Gradients, keep):
     grads.add(f"{p}.o_proj", d_o)
     if cfg.hybrid:   # out * sigmoid(gate), gate: the second Dh values of each head of q_proj
         gate = q_proj.reshape(T, H, 2 * Dh)[..., Dh:].reshape(T, H * Dh)
-        d_gated, d_w = ops.linear_backward(d_o, out * ops.sigmoid(gate), W[f"{p}.o_proj.weight"])
+        d_gated, d_w = linear_backward(grads, f"{p}.o_proj", d_o, out * ops.sigmoid(gate), W[f"{p}.o_proj.weight"])
         d_gate = ops.sigmoid_backward(d_gated * out, gate)                        # (T, H*Dh)
         d_out = d_gated * ops.sigmoid(gate)
     else:
-        d_out, d_w = ops.linear_backward(d_o, out, W[f"{p}.o_proj.weight"])        # (T, H*Dh), (D, H*Dh)
+        d_out, d_w = linear_backward(grads, f"{p}.o_proj", d_o, out, W[f"{p}.o_proj.weight"])   # (T, H*Dh), (D, H*Dh)
     keep(f"{p}.o_proj.weight", d_w)
     grads.add(f"{p}.attn_output", d_out)
     # attention: softmax(q k^T / sqrt(Dh) + mask) v, the probabilities as the forward recorded them
@@ -299,11 +318,13 @@ def self_attn_backward(model, i: int, tape: Tape, d_o, grads: Gradients, keep):
     grads.add(f"{p}.k_proj", d_k)
     grads.add(f"{p}.v_proj", d_v)
     # q_proj, k_proj, v_proj: one matrix, qkv_proj, whose rows they are
-    d_a, d_w = ops.linear_backward(xp.concatenate([d_q, d_k, d_v], axis=1), a, model.fused[f"{p}.qkv_proj.weight"])
-    Q = d_q.shape[1]
-    keep(f"{p}.q_proj.weight", d_w[:Q])
-    keep(f"{p}.k_proj.weight", d_w[Q:Q + K * Dh])
-    keep(f"{p}.v_proj.weight", d_w[Q + K * Dh:])
+    d_qkv = xp.concatenate([d_q, d_k, d_v], axis=1)                               # (T, Q + 2K*Dh)
+    d_a, d_w = linear_backward(grads, f"{p}.qkv_proj", d_qkv, a, model.fused[f"{p}.qkv_proj.weight"])
+    if d_w is not None:   # (Q + 2K*Dh, D): q_proj's rows, k_proj's, v_proj's
+        Q = d_q.shape[1]
+        keep(f"{p}.q_proj.weight", d_w[:Q])
+        keep(f"{p}.k_proj.weight", d_w[Q:Q + K * Dh])
+        keep(f"{p}.v_proj.weight", d_w[Q + K * Dh:])
     return d_a
 
 
@@ -324,7 +345,8 @@ def linear_attn_backward(model, i: int, tape: Tape, d_o, grads: Gradients, keep)
     b, a_in = tape[f"{p}.in_proj_b"], tape[f"{p}.in_proj_a"]                              # (T, Hv) each
     # out_proj, then the gated RMSNorm of each head's output
     grads.add(f"{p}.out_proj", d_o)
-    d_h, d_w = ops.linear_backward(d_o, tape[f"{p}.norm"].reshape(T, Hv * dv), W[f"{p}.out_proj.weight"])
+    d_h, d_w = linear_backward(grads, f"{p}.out_proj", d_o, tape[f"{p}.norm"].reshape(T, Hv * dv),
+                               W[f"{p}.out_proj.weight"])
     keep(f"{p}.out_proj.weight", d_w)
     grads.add(f"{p}.norm", d_h.reshape(T, Hv, dv))
     core = tape[f"{p}.core_attn_out"].astype(a.dtype)                                    # (T, Hv, dv)
@@ -354,7 +376,7 @@ def linear_attn_backward(model, i: int, tape: Tape, d_o, grads: Gradients, keep)
                     ("in_proj_a", d_a_in)):
         d = d.astype(a.dtype)
         grads.add(f"{p}.{name}", d)
-        d_x, d_w = ops.linear_backward(d, a, W[f"{p}.{name}.weight"])
+        d_x, d_w = linear_backward(grads, f"{p}.{name}", d, a, W[f"{p}.{name}.weight"])
         keep(f"{p}.{name}.weight", d_w)
         d_a += d_x
     return d_a
