@@ -155,13 +155,81 @@ def train_step(model, adapter: LoraAdapter, examples: list[Example], optimizer: 
     total, losses = {n: np.zeros_like(a) for n, a in adapter.weights.items()}, []
     for ex in examples:
         # forward with the adapter, the loss on the answer tokens, backward (npqwen/grad.py)
-        g = grad.gradients(model, ex.ids, grad.loss(ex.targets), weights=False, lora=adapter)
+        try:
+            g = grad.gradients(model, ex.ids, grad.loss(ex.targets), weights=False, lora=adapter)
+        except NpqwenError as e:   # a loss of nan or inf: nothing to step with
+            raise NpqwenError(f"the loss is not finite at optimizer step {optimizer.t + 1} ({e}); the adapter was "
+                              f"not updated (lower --lr, or check the data)") from None
         losses.append(g.value)
         for name, d in g.lora_grads.items():
             total[name] += d / len(examples)
     loss = float(np.mean(losses))
-    if not math.isfinite(loss):
-        raise NpqwenError(f"the loss is {loss} at optimizer step {optimizer.t + 1}; the adapter was not updated "
-                          f"(lower --lr, or check the data)")
+    if not all(math.isfinite(float(np.abs(d).max())) for d in total.values()):
+        raise NpqwenError(f"the gradient is not finite at optimizer step {optimizer.t + 1} (loss {loss}); the adapter "
+                          f"was not updated (lower --lr, or check the data)")
     optimizer.step(total)
     return loss
+
+
+def batches(examples: list[Example], accumulate: int, step: int) -> list[Example]:
+    """The examples of optimizer step `step` (from 0): the next `accumulate` of them, round the data in order."""
+    return [examples[(step * accumulate + j) % len(examples)] for j in range(accumulate)]
+
+
+def save_checkpoint(directory, adapter: LoraAdapter, optimizer: AdamW):
+    """The adapter (PEFT's files) and AdamW's moments and step count: what a rerun resumes from."""
+    save_adapter(adapter, directory)
+    np.savez(Path(directory) / "optimizer.npz", t=optimizer.t, **{f"m/{n}": a for n, a in optimizer.m.items()},
+             **{f"v/{n}": a for n, a in optimizer.v.items()})
+
+
+def latest_checkpoint(out) -> Path | None:
+    """OUT/checkpoint-N with the largest N that has all its files, or None."""
+    found = [(int(p.name.rsplit("-", 1)[1]), p) for p in Path(out).glob("checkpoint-*")
+             if p.name.rsplit("-", 1)[1].isdigit() and (p / "optimizer.npz").is_file()]
+    return max(found)[1] if found else None
+
+
+def resume(model, directory, adapter: LoraAdapter, optimizer: AdamW):
+    """Load a checkpoint's adapter weights and AdamW state into `adapter` and `optimizer`, in place."""
+    from .lora import read_adapter
+
+    saved = read_adapter(directory, "checkpoint", model)
+    for name, a in adapter.weights.items():
+        if name not in saved.weights or saved.weights[name].shape != a.shape:
+            raise NpqwenError(f"{directory}: its adapter does not match this run's (--lora-r, targets, model); "
+                              f"use another --out, or the options it was made with")
+        a[...] = saved.weights[name]
+    state = np.load(Path(directory) / "optimizer.npz")
+    optimizer.t = int(state["t"])
+    for name in adapter.weights:
+        optimizer.m[name][...], optimizer.v[name][...] = state[f"m/{name}"], state[f"v/{name}"]
+
+
+def finetune(model, examples: list[Example], out, steps: int, r: int = 16, alpha: float = 32, lr: float = 1e-4,
+             accumulate: int = 1, save_every: int = 0, seed: int = 0, progress=None) -> list[float]:
+    """The training loop: for each step, forward, loss, backward, AdamW step; a checkpoint every `save_every`
+    steps in OUT/checkpoint-N (a rerun with the same OUT resumes from the latest), the adapter in OUT at the end.
+    A loss that is not finite stops the run (the last checkpoint stays); Ctrl-C saves one first. The losses."""
+    adapter = new_adapter(model, r, alpha, seed=seed)
+    optimizer = AdamW(adapter.weights, lr=lr)
+    last = latest_checkpoint(out)
+    if last is not None:
+        resume(model, last, adapter, optimizer)
+    losses = []
+    try:
+        for step in range(optimizer.t, steps):
+            batch = batches(examples, accumulate, step)
+            losses.append(train_step(model, adapter, batch, optimizer))     # forward, loss, backward, step
+            if progress is not None:
+                progress(step + 1, losses[-1], sum(len(ex.ids) for ex in batch))
+            if save_every and (step + 1) % save_every == 0:
+                save_checkpoint(Path(out) / f"checkpoint-{step + 1}", adapter, optimizer)
+    except KeyboardInterrupt:
+        save_checkpoint(Path(out) / f"checkpoint-{optimizer.t}", adapter, optimizer)
+        raise
+    except NpqwenError as e:
+        kept = latest_checkpoint(out)
+        raise NpqwenError(f"{e}; the last checkpoint is {kept}" if kept else f"{e}; no checkpoint was saved") from None
+    save_adapter(adapter, out)
+    return losses

@@ -62,7 +62,7 @@ def test_twenty_steps_match_peft_and_torch(base, tmp_path):
             a[...] = 0.05 * rng.standard_normal(a.shape)
     ft.save_adapter(adapter, tmp_path / "initial")
     data = examples()
-    torch_losses, torch_adapter, peft_model = peft_training(base, tmp_path / "initial", data)
+    torch_losses, torch_adapter, _ = peft_training(base, tmp_path / "initial", data)
     optimizer = ft.AdamW(adapter.weights, lr=LR)
     losses = [ft.train_step(llm.model, adapter, [data[(s * ACCUMULATE + j) % len(data)] for j in range(ACCUMULATE)],
                             optimizer) for s in range(STEPS)]
@@ -103,3 +103,48 @@ def test_data_file_errors_name_the_line(tmp_path):
         ft.read_examples(path, llm.tokenizer, max_tokens=3, too_long="refuse")
     cut = ft.read_examples(path, llm.tokenizer, max_tokens=5)[0]
     assert len(cut.ids) == 5 and cut.targets[-1] == -100
+
+
+DATA = [{"prompt": "2+2=", "completion": "4"}, {"prompt": "The sky is", "completion": " blue"},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+
+
+def write_data(path):
+    path.write_text("\n".join(json.dumps(x) for x in DATA) + "\n")
+    return path
+
+
+def test_a_run_resumed_from_its_checkpoint_ends_where_one_run_ends(tmp_path):
+    """6 steps at once, and 4 steps then a rerun to 6 from checkpoint-4: the same adapter, bit for bit. Ctrl-C
+    leaves a checkpoint of the steps done; a loss that is not finite stops with the last checkpoint named."""
+    llm = npqwen.load("tiny")
+    examples = ft.read_examples(write_data(tmp_path / "data.jsonl"), llm.tokenizer)
+    run = dict(r=4, alpha=8, lr=1e-2, accumulate=2, save_every=2)
+    ft.finetune(llm.model, examples, tmp_path / "once", 6, **run)
+    ft.finetune(llm.model, examples, tmp_path / "twice", 4, **run)
+    assert ft.latest_checkpoint(tmp_path / "twice").name == "checkpoint-4"
+    losses = ft.finetune(llm.model, examples, tmp_path / "twice", 6, **run)
+    assert len(losses) == 2
+    a, b = (npqwen.load("tiny", lora={"x": tmp_path / d}).lora_adapter("x").weights for d in ("once", "twice"))
+    assert all(np.array_equal(a[n], b[n]) for n in a)
+
+    def interrupt(step, loss, tokens):
+        if step == 3:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        ft.finetune(llm.model, examples, tmp_path / "stopped", 6, progress=interrupt, **run)
+    assert ft.latest_checkpoint(tmp_path / "stopped").name == "checkpoint-3"
+    with pytest.raises(npqwen.NpqwenError, match=r"the loss is not finite at optimizer step \d+ .*; the adapter was "
+                                                 r"not updated.*the last checkpoint is .*checkpoint-\d+"):
+        ft.finetune(llm.model, examples, tmp_path / "nan", 6, **dict(run, lr=1e30, save_every=1))
+
+
+def test_the_command_trains_and_generate_serves_the_adapter(tmp_path):
+    from npqwen.cli import main
+
+    data, out = write_data(tmp_path / "data.jsonl"), tmp_path / "adapter"
+    assert main(["finetune", "--model", "tiny", "--data", str(data), "--out", str(out), "--lora-r", "4",
+                 "--steps", "3", "--lr", "1e-2"]) == 0
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert main(["generate", "--model", "tiny", "--lora", f"ft={out}", "-p", "hi", "--max-new-tokens", "3"]) == 0
+    assert main(["finetune", "--model", "tiny", "--data", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 1
