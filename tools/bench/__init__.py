@@ -61,6 +61,9 @@ Suites (--suites, comma-separated, or all; the default is prefill,decode):
     lora      what LoRA adapters cost (npqwen): a batch-1 decode step through one adapter of rank --lora-rank (16)
               on all seven projections vs none, and a decode step of --lora-batch (32) sequences mixing 4
               adapters vs none (targets: at most 15% and 25% more time).
+    finetune  LoRA training (its own checkpoint: the 0.6B shape with --finetune-layers (4) layers, float32): npqwen's
+              train_step against PEFT + torch float32, tokens/s of one --finetune-tokens (256) example per step,
+              and each worker's peak RSS (targets: >= 0.8x the tokens/s, less memory).
 
     python -m tools.bench --suites batch1,serving,prefix    # the serving benchmark alone
     python -m tools.bench --suites moe                      # the mixture-of-experts steps
@@ -86,7 +89,21 @@ prefix run in another worker per engine, once whatever --rounds says, so their p
 #   tables(report)        tables of its own: [(column names, rows)]
 #   notes(report)         sentences printed under the tables
 # The order here is the order of the rows, tables, notes and targets, and of the runs in a worker.
-from tools.bench import batch1, decode, embed, hybrid, lora, moe, prefill, prefix, serving, step, structured, tp
+from tools.bench import (
+                         batch1,
+                         decode,
+                         embed,
+                         finetune,
+                         hybrid,
+                         lora,
+                         moe,
+                         prefill,
+                         prefix,
+                         serving,
+                         step,
+                         structured,
+                         tp,
+)
 
 SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe, hybrid, structured, tp,
-                                          embed, lora)}
+                                          embed, lora, finetune)}
