@@ -190,10 +190,7 @@ def backward(model, tape: Tape, ids, d_logits, grads: Gradients) -> Gradients:
 def linear_backward(grads: Gradients, matrix: str, d_y, x, weight):
     """ops.linear_backward of one projection (its weight's gradient only when wanted, else None), plus the
     path of the adapter being trained, if any (lora.add_backward): d_x (T, in), d_weight (out, in)."""
-    if grads.want_weights:
-        d_x, d_w = ops.linear_backward(d_y, x, weight)
-    else:
-        d_x, d_w = d_y @ weight, None                                              # (T, out) @ (out, in)
+    d_x, d_w = ops.linear_backward(d_y, x, weight, grads.want_weights)            # (T, in), (out, in) or None
     if grads.lora is not None:
         d_lora_x, lora_grads = lora.add_backward(d_y, x, grads.lora, matrix)
         d_x = d_x + d_lora_x

@@ -54,9 +54,13 @@ def linear(x, weight):
     return xp_of(y).ascontiguousarray(y.T)            # (T, out)
 
 
-def linear_backward(d_y, x, weight):
-    """y = x @ weight^T: d_x = d_y @ weight (T, in), d_weight = d_y^T @ x (out, in), the HF layout."""
-    return d_y @ weight, d_y.T @ x                    # (T, out) @ (out, in), (out, T) @ (T, in)
+def linear_backward(d_y, x, weight, want_weight: bool = True):
+    """y = x @ weight^T: d_x = d_y @ weight (T, in), d_weight = d_y^T @ x (out, in), the HF layout (None when
+    not wanted). d_x is computed as (weight^T @ d_y^T)^T: with two threads OpenBLAS runs lm_head's product (inner
+    dimension V) 3x faster that way round (measured at T=256, V=151936, D=1024: 1.7-2.0 s against 5.4 s, twice;
+    with one thread both take 1.9-2.5 s, and the layers' shapes the same either way)."""
+    d_x = xp_of(d_y).ascontiguousarray((weight.T @ d_y.T).T)           # (in, out) @ (out, T) -> (T, in)
+    return d_x, (d_y.T @ x if want_weight else None)                    # (out, T) @ (T, in)
 
 
 def rms_norm(x, weight, eps: float, offset: float = 0.0):
