@@ -148,3 +148,36 @@ def test_the_command_trains_and_generate_serves_the_adapter(tmp_path):
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
     assert main(["generate", "--model", "tiny", "--lora", f"ft={out}", "-p", "hi", "--max-new-tokens", "3"]) == 0
     assert main(["finetune", "--model", "tiny", "--data", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 1
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3.5"])
+def test_adapter_gradients_equal_finite_differences(name):
+    """d loss / d every lora_A and lora_B (one element of each, at random) in float64, through Qwen3's seven
+    projections and Qwen3.5's Gated DeltaNet ones (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj)."""
+    from npqwen import grad, ops
+    from npqwen.lora import LINEAR_ATTENTION
+
+    llm, rng, eps = npqwen.load(name, dtype="float64"), np.random.default_rng(2), 1e-5
+    targets = ft.TARGETS + LINEAR_ATTENTION
+    adapter = ft.new_adapter(llm.model, r=2, alpha=4, targets=targets)
+    for n, a in adapter.weights.items():
+        a[...] = 0.3 * rng.standard_normal(a.shape)
+    ex = ft.example([5, 17, 33, 2], [101, 7, 64, 250])
+    ours = grad.gradients(llm.model, ex.ids, grad.loss(ex.targets), weights=False, lora=adapter).lora_grads
+    assert set(ours) == set(adapter.weights)
+
+    def loss():
+        return ops.cross_entropy(llm.model.forward(ex.ids, lora=adapter), ex.targets)
+    worst = []
+    for n, a in adapter.weights.items():
+        idx = tuple(int(rng.integers(s)) for s in a.shape)
+        old = a[idx]
+        a[idx] = old + eps
+        up = loss()
+        a[idx] = old - eps
+        down = loss()
+        a[idx] = old
+        worst.append((abs((up - down) / (2 * eps) - ours[n][idx]) / np.abs(ours[n]).max(), n))
+    worst.sort(reverse=True)
+    print(f"{name}: {len(ours)} adapter weights; worst relative differences {worst[:2]}")
+    assert worst[0][0] < 1e-6
