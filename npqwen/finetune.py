@@ -150,13 +150,16 @@ class AdamW:
             p -= (self.lr / correction1) * m / (np.sqrt(v) / math.sqrt(correction2) + self.eps)
 
 
-def train_step(model, adapter: LoraAdapter, examples: list[Example], optimizer: AdamW) -> float:
-    """One optimizer step over `examples` (gradient accumulation: their gradients averaged): the mean loss."""
+def train_step(model, adapter: LoraAdapter, examples: list[Example], optimizer: AdamW,
+               checkpoint: bool = False) -> float:
+    """One optimizer step over `examples` (gradient accumulation: their gradients averaged): the mean loss.
+    checkpoint=True: activation checkpointing (grad.gradients), less memory for one more forward's work."""
     total, losses = {n: np.zeros_like(a) for n, a in adapter.weights.items()}, []
     for ex in examples:
         # forward with the adapter, the loss on the answer tokens, backward (npqwen/grad.py)
         try:
-            g = grad.gradients(model, ex.ids, grad.loss(ex.targets), weights=False, lora=adapter)
+            g = grad.gradients(model, ex.ids, grad.loss(ex.targets), weights=False, lora=adapter,
+                               activations=False, checkpoint=checkpoint)
         except NpqwenError as e:   # a loss of nan or inf: nothing to step with
             raise NpqwenError(f"the loss is not finite at optimizer step {optimizer.t + 1} ({e}); the adapter was "
                               f"not updated (lower --lr, or check the data)") from None
@@ -207,7 +210,8 @@ def resume(model, directory, adapter: LoraAdapter, optimizer: AdamW):
 
 
 def finetune(model, examples: list[Example], out, steps: int, r: int = 16, alpha: float = 32, lr: float = 1e-4,
-             accumulate: int = 1, save_every: int = 0, seed: int = 0, progress=None) -> list[float]:
+             accumulate: int = 1, save_every: int = 0, seed: int = 0, progress=None,
+             checkpoint_activations: bool = False) -> list[float]:
     """The training loop: for each step, forward, loss, backward, AdamW step; a checkpoint every `save_every`
     steps in OUT/checkpoint-N (a rerun with the same OUT resumes from the latest), the adapter in OUT at the end.
     A loss that is not finite stops the run (the last checkpoint stays); Ctrl-C saves one first. The losses."""
@@ -220,7 +224,7 @@ def finetune(model, examples: list[Example], out, steps: int, r: int = 16, alpha
     try:
         for step in range(optimizer.t, steps):
             batch = batches(examples, accumulate, step)
-            losses.append(train_step(model, adapter, batch, optimizer))     # forward, loss, backward, step
+            losses.append(train_step(model, adapter, batch, optimizer, checkpoint_activations))   # forward .. step
             if progress is not None:
                 progress(step + 1, losses[-1], sum(len(ex.ids) for ex in batch))
             if save_every and (step + 1) % save_every == 0:

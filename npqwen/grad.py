@@ -35,11 +35,21 @@ from .errors import NpqwenError
 
 
 class Tape(dict):
-    """A recorder that keeps a copy of every array a forward pass records, on its device: tape[name]."""
+    """A recorder that keeps a copy of every array a forward pass records, on its device: tape[name]. With
+    keep (a function of the name), only those: activation checkpointing keeps the residual stream alone."""
+
+    def __init__(self, keep=None):
+        super().__init__()
+        self.keep = keep
 
     def __call__(self, name: str, array):
-        if array is not None:
+        if array is not None and (self.keep is None or self.keep(name)):
             self[name] = array.copy()
+
+
+def residual_stream(name: str) -> bool:
+    """What activation checkpointing keeps: each layer's input and output, RoPE's tables, the final norm, logits."""
+    return not name.startswith("model.layers.") or name.count(".") == 2
 
 
 class Objective(NamedTuple):
@@ -99,20 +109,23 @@ class Gradients(dict):
     """d value / d every activation (step_names' names) and every weight (HF names) of one pass: grads[name].
     .value: the objective's value; .logits (T, V); .tape: the activations themselves, by the same names."""
 
-    def __init__(self, value: float, logits, tape: Tape, lora=None, weights: bool = True):
+    def __init__(self, value: float, logits, tape: Tape, lora=None, weights: bool = True, activations: bool = True):
         super().__init__()
         self.value, self.logits, self.tape = value, logits, tape
         self.weight_names: list[str] = []
-        self.want_weights = weights   # the base weights' gradients (skipped for attribution and LoRA training)
+        self.want_weights = weights            # the base weights' gradients (skipped for attribution, LoRA training)
+        self.want_activations = activations    # the activations' gradients (kept for all but LoRA training)
         self.lora = lora              # a LoraAdapter the forward added (npqwen/lora.py), or None
         self.lora_grads: dict = {}    # its lora_A / lora_B gradients, by the adapter's names
 
     def add(self, name: str, d):
-        """Accumulate: a value used twice (a tied embedding's weight) gets the sum of both gradients."""
-        self[name] = d if name not in self else self[name] + d
+        """An activation's gradient, kept when activations are wanted."""
+        if self.want_activations:
+            self[name] = d
 
     def add_weight(self, name: str, d):
-        self.add(name, d)
+        """Accumulate: a weight used twice (a tied embedding's) gets the sum of both gradients."""
+        self[name] = d if name not in self else self[name] + d
         if name not in self.weight_names:
             self.weight_names.append(name)
 
@@ -135,17 +148,22 @@ def model_of(llm_or_model):
     return getattr(llm_or_model, "model", llm_or_model)
 
 
-def gradients(llm, prompt, objective: Objective, hooks=None, weights: bool = True, lora=None) -> Gradients:
+def gradients(llm, prompt, objective: Objective, hooks=None, weights: bool = True, lora=None,
+              activations: bool = True, checkpoint: bool = False) -> Gradients:
     """One forward pass over `prompt` (text or token ids) that keeps every activation, then one backward pass
     from `objective`'s value: Gradients (a dict by name) with .value and .logits. `hooks` as run_with_hooks
     (the gradient is then the patched model's); weights=False skips the weights' gradients (attribution);
-    `lora`, a LoraAdapter: the forward adds it and .lora_grads holds its gradients (npqwen/finetune.py)."""
+    `lora`, a LoraAdapter: the forward adds it and .lora_grads holds its gradients (npqwen/finetune.py);
+    activations=False keeps no activation's gradient; checkpoint=True keeps only the residual stream going
+    forward and recomputes each layer's steps just before its backward (one more forward's work, a layer's
+    activations in memory instead of every layer's)."""
     from .hooks import Hooks, both
 
     model = model_of(llm)
     ids = np.asarray(llm.prompt_ids(prompt) if hasattr(llm, "prompt_ids") else prompt, dtype=np.int64)
-    tape = Tape()
-    recorder = tape if hooks is None else both(tape, Hooks(hooks, model.config))
+    tape = Tape(residual_stream if checkpoint else None)
+    hooked = None if hooks is None else Hooks(hooks, model.config)
+    recorder = tape if hooked is None else both(tape, hooked)
     logits = model.forward(ids, recorder=recorder, lora=lora)                      # (T, V)
     if getattr(objective.fn, "wants_ids", False):
         value, d_logits = objective.fn(logits, ids)
@@ -153,11 +171,14 @@ def gradients(llm, prompt, objective: Objective, hooks=None, weights: bool = Tru
         value, d_logits = objective.fn(logits)
     if not np.isfinite(value):
         raise NpqwenError(f"{objective.name} is {value}: there is no gradient to take")
-    return backward(model, tape, ids, d_logits, Gradients(value, logits, tape, lora, weights))
+    grads = Gradients(value, logits, tape, lora, weights, activations)
+    return backward(model, tape, ids, d_logits, grads, (lambda i: recompute_layer(model, i, ids, tape, lora, hooked))
+                    if checkpoint else None)
 
 
-def backward(model, tape: Tape, ids, d_logits, grads: Gradients) -> Gradients:
-    """The forward pass in reverse: lm_head, the final norm, each layer from the last, the embedding."""
+def backward(model, tape: Tape, ids, d_logits, grads: Gradients, recompute=None) -> Gradients:
+    """The forward pass in reverse: lm_head, the final norm, each layer from the last, the embedding.
+    `recompute(i)`, with activation checkpointing: layer i's steps put back on the tape before its backward."""
     cfg, W = model.config, model.weights
     if model.comm.size > 1:
         raise NpqwenError("gradients run in one process; load the model without tensor_parallel")
@@ -174,7 +195,12 @@ def backward(model, tape: Tape, ids, d_logits, grads: Gradients) -> Gradients:
     # 3. the decoder layers, last first
     for i in reversed(range(L)):
         grads.add(f"model.layers.{i}", d_x)
+        if recompute is not None:
+            recompute(i)
         d_x = decoder_layer_backward(model, i, tape, d_x, grads, keep)
+        if recompute is not None:   # this layer's steps go again: one layer's activations at a time
+            for name in [n for n in tape if n.startswith(f"model.layers.{i}.")]:
+                del tape[name]
     # 1. the embedding: each token's row
     grads.add("model.embed_tokens", d_x)
     if weights:
@@ -196,6 +222,29 @@ def linear_backward(grads: Gradients, matrix: str, d_y, x, weight):
         d_x = d_x + d_lora_x
         grads.lora_grads.update(lora_grads)
     return d_x, d_w
+
+
+def recompute_layer(model, i: int, ids, tape: Tape, adapter=None, hooks=None):
+    """Activation checkpointing: decoder layer i run again from its input on the tape, its steps recorded there,
+    through the model's own decoder_layer over a batch of this one sequence (as Qwen3.forward builds it)."""
+    from .hooks import both
+    from .kv_cache import Batch, SequenceCache
+    from .model import as_hook
+
+    T, xp = len(ids), model.xp
+    cache = SequenceCache(model.config, T, xp, model.dtype, page_size=T, kv_heads=model.kv_heads,
+                          linear_heads=model.linear_heads)
+    batch = Batch(ids, [0], [T], [cache.page_table], cache.kv.page_size, sample_rows=np.arange(T), loras=[adapter])
+    kv = cache.kv
+    slots = xp.asarray(kv.slots(batch.write_pages, batch.write_offsets))
+    if kv.states is not None:
+        kv.states.reset(batch.new_slots)
+    keep = Tape(lambda name: name.startswith(f"model.layers.{i}."))
+    recorder = as_hook(keep if hooks is None else both(keep, hooks))
+    x = tape[f"model.layers.{i - 1}" if i else "model.embed_tokens"]
+    model.decoder_layer(i, x, tape["model.rotary_emb.cos"], tape["model.rotary_emb.sin"], batch, kv, slots, recorder,
+                        lora.row_groups(batch.loras, batch.rows, T, xp))
+    tape.update(keep)
 
 
 def decoder_layer_backward(model, i: int, tape: Tape, d_out, grads: Gradients, keep):

@@ -383,3 +383,15 @@ def test_the_tape_changes_no_logit_and_names_are_step_names():
         g["model.layers.0.mlp.act_fm"]
     with pytest.raises(npqwen.NpqwenError, match="weights=False"):
         g["model.norm.weight"]
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-qwen3.5"])
+def test_activation_checkpointing_gives_the_same_gradients(name):
+    """Only the residual stream kept going forward, each layer run again before its backward: every gradient bit
+    for bit the same (the same code runs), with a fraction of the tape."""
+    llm, ids = npqwen.load(name), IDS[:9]
+    whole = grad.gradients(llm, ids, grad.loss())
+    saved = grad.gradients(llm, ids, grad.loss(), checkpoint=True)
+    assert set(whole) == set(saved) and all(np.array_equal(whole[n], saved[n]) for n in whole)
+    print(f"{name}: {len(saved.tape)} arrays kept of {len(whole.tape)}")
+    assert len(saved.tape) <= llm.config.num_hidden_layers + 5

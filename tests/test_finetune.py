@@ -115,13 +115,14 @@ def write_data(path):
 
 
 def test_a_run_resumed_from_its_checkpoint_ends_where_one_run_ends(tmp_path):
-    """6 steps at once, and 4 steps then a rerun to 6 from checkpoint-4: the same adapter, bit for bit. Ctrl-C
+    """6 steps at once, and 4 steps (with activation checkpointing) then a rerun to 6 from checkpoint-4: the same
+    adapter, bit for bit. Ctrl-C
     leaves a checkpoint of the steps done; a loss that is not finite stops with the last checkpoint named."""
     llm = npqwen.load("tiny")
     examples = ft.read_examples(write_data(tmp_path / "data.jsonl"), llm.tokenizer)
     run = dict(r=4, alpha=8, lr=1e-2, accumulate=2, save_every=2)
     ft.finetune(llm.model, examples, tmp_path / "once", 6, **run)
-    ft.finetune(llm.model, examples, tmp_path / "twice", 4, **run)
+    ft.finetune(llm.model, examples, tmp_path / "twice", 4, checkpoint_activations=True, **run)
     assert ft.latest_checkpoint(tmp_path / "twice").name == "checkpoint-4"
     losses = ft.finetune(llm.model, examples, tmp_path / "twice", 6, **run)
     assert len(losses) == 2

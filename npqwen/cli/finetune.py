@@ -24,6 +24,9 @@ def add_parser(commands):
     p.add_argument("--too-long", choices=["cut", "refuse"], default="cut",
                    help="what to do with an example over --max-tokens (default: cut)")
     p.add_argument("--seed", type=int, default=0, help="the adapter's initial values (default: 0)")
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   help="keep only each layer's input going forward and recompute the layer before its backward: "
+                        "less memory for one more forward's work (default: off)")
     p.set_defaults(run=cmd_finetune)
 
 
@@ -56,7 +59,7 @@ def cmd_finetune(args) -> int:
 
     try:
         losses = finetune(llm.model, examples, args.out, steps, args.lora_r, args.lora_alpha, args.lr,
-                          args.accumulate, args.save_every, args.seed, progress)
+                          args.accumulate, args.save_every, args.seed, progress, args.checkpoint_activations)
     finally:
         bar.close()
     if losses:
