@@ -43,12 +43,12 @@ class Tape(dict):
         self.keep = keep
 
     def __call__(self, name: str, array):
-        if array is not None and (self.keep is None or self.keep(name)):
-            self[name] = array.copy()
+        if array is not None and name != "lm_head" and (self.keep is None or self.keep(name)):
+            self[name] = array.copy()   # (not the logits: the forward returns them, and the backward starts after)
 
 
 def residual_stream(name: str) -> bool:
-    """What activation checkpointing keeps: each layer's input and output, RoPE's tables, the final norm, logits."""
+    """What activation checkpointing keeps: each layer's input and output, RoPE's tables, the final norm."""
     return not name.startswith("model.layers.") or name.count(".") == 2
 
 
@@ -81,9 +81,10 @@ def loss(targets=None) -> Objective:
     """The mean cross-entropy of `targets` (T,), -100 where a row is not counted; by default each row's next
     token (the last row uncounted): the language-model loss HF computes from labels = the input ids."""
     def fn(logits, ids=None):
-        t = next_tokens(ids) if targets is None else np.asarray(targets)
-        xp_t = type_like(logits, t)
-        return ops.cross_entropy(logits, xp_t), ops.cross_entropy_backward(logits, xp_t)
+        t = type_like(logits, next_tokens(ids) if targets is None else np.asarray(targets))   # (T,)
+        logp, rows = ops.log_softmax(logits), xp_of(logits).flatnonzero(t != -100)   # (T, V) once, for both
+        value = -float(logp[rows, t[rows]].mean())                        # the counted rows' -log p(target)
+        return value, ops.cross_entropy_backward(logits, t, logp=logp)   # logp used up
     fn.wants_ids = targets is None
     return Objective(fn, "loss")
 

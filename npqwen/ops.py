@@ -344,10 +344,13 @@ def swiglu_backward(d_h, gate, up):
 
 
 def log_softmax(logits):
-    """log softmax over the last axis, in (at least) float32: (T, V) -> (T, V)."""
-    z = logits.astype(np.promote_types(logits.dtype, np.float32), copy=False)
-    z = z - z.max(axis=-1, keepdims=True)
-    return z - xp_of(z).log(xp_of(z).exp(z).sum(axis=-1, keepdims=True))
+    """log softmax over the last axis, in (at least) float32: (T, V) -> (T, V), one new (T, V) array besides a
+    temporary (the logits of a long prompt are the largest arrays of a training step)."""
+    xp = xp_of(logits)
+    z = logits.astype(np.promote_types(logits.dtype, np.float32), copy=True)
+    z -= z.max(axis=-1, keepdims=True)
+    z -= xp.log(xp.exp(z).sum(axis=-1, keepdims=True))
+    return z
 
 
 def cross_entropy(logits, targets, ignore_index: int = -100):
@@ -359,12 +362,14 @@ def cross_entropy(logits, targets, ignore_index: int = -100):
     return float(-picked.mean())
 
 
-def cross_entropy_backward(logits, targets, ignore_index: int = -100):
-    """d loss / d logits = (softmax - one_hot(target)) / n on the counted rows, 0 on ignored ones: (T, V)."""
+def cross_entropy_backward(logits, targets, ignore_index: int = -100, logp=None):
+    """d loss / d logits = (softmax - one_hot(target)) / n on the counted rows, 0 on ignored ones: (T, V).
+    `logp`: log_softmax(logits) if the caller has it, used up (overwritten) in place of a new array."""
     xp = xp_of(logits)
     keep = targets != ignore_index                                           # (T,)
     n = max(int(keep.sum()), 1)
-    d = xp.exp(log_softmax(logits))                                          # (T, V) softmax
+    d = xp.exp(log_softmax(logits) if logp is None else logp, out=logp)     # (T, V) softmax
     d[xp.arange(len(targets))[keep], targets[keep]] -= 1.0
     d[~keep] = 0.0
-    return (d * (1.0 / n)).astype(logits.dtype)
+    d *= 1.0 / n
+    return d.astype(logits.dtype, copy=False)
