@@ -1,8 +1,9 @@
 """Gradients: the backward pass of the Qwen3 forward (model.py), written as plainly, in reverse.
 
-    value, grads = grad.gradients(llm, "The capital of France is", grad.log_prob(" Paris"))
-    grads["model.layers.3.mlp.act_fn"]           # (T, F): d value / d that activation
-    grads["model.layers.3.mlp.down_proj.weight"]  # (D, F): d value / d that weight
+    g = grad.gradients(llm, "The capital of France is", grad.log_prob(target))   # target: a token id
+    g.value                                   # log p(target) after the prompt
+    g["model.layers.3.mlp.act_fn"]            # (T, F): d value / d that activation
+    g["model.layers.3.mlp.down_proj.weight"]  # (D, F): d value / d that weight
 
 The forward runs once with a `Tape`, a recorder (model.py) that keeps a copy of every step's array
 under its HF name; a recorder never changes which code runs, so the tape holds exactly what inference
@@ -17,8 +18,10 @@ What is differentiated, from the value back: an objective (a token's log-probabi
 next tokens, a logit difference: each a function of the logits that returns the value and d value /
 d logits), lm_head, the final norm, each layer (MLP or sparse MLP, then attention or Gated DeltaNet,
 each behind its RMSNorm and its residual), the embedding. Not differentiated: the experts' choice and
-the positions (steps, not functions); cos/sin of RoPE. One sequence, one process (no tensor parallelism),
-without a LoRA adapter (npqwen/finetune.py differentiates one).
+the positions (steps, not functions); cos/sin of RoPE. One sequence from position 0, one process (no
+tensor parallelism). With a LoRA adapter (lora=...), its A and B too (npqwen/finetune.py trains one).
+The logits are not kept on the tape (the forward returns them); with checkpoint=True only the residual
+stream is, and each layer runs again just before its backward.
 
 Shapes as in model.py: T tokens, D hidden, H query heads, K kv heads, G = H/K, Dh head dim, F MLP width,
 V vocab.
