@@ -384,15 +384,15 @@ def linear_attn_backward(model, i: int, tape: Tape, d_o, grads: Gradients, keep)
     d_o (T, D) -> d_a (T, D). The convolution, q/k/v and the decay are recomputed from the tape's projections;
     the delta rule's backward is the recurrent form's."""
     cfg, W, p = model.config, model.weights, f"model.layers.{i}.linear_attn"
-    if cfg.qwen3_next:
-        raise NpqwenError("gradients through Qwen3-Next's linear-attention layers (in_proj_qkvz) are not written "
-                          "yet; Qwen3.5's are")
     a = tape[f"model.layers.{i}.input_layernorm"]
     xp, T = xp_of(a), a.shape[0]
     (Hk, Hv), dk, dv = model.linear_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     heads = (Hk, dk, Hv, dv)
-    mixed, z = tape[f"{p}.in_proj_qkv"], tape[f"{p}.in_proj_z"].reshape(T, Hv, dv)      # (T, C), (T, Hv, dv)
-    b, a_in = tape[f"{p}.in_proj_b"], tape[f"{p}.in_proj_a"]                              # (T, Hv) each
+    if cfg.qwen3_next:   # two projections whose rows are grouped by key head: Qwen3.5's four, reordered
+        mixed, z, b, a_in = la.ungroup_qwen3_next(tape[f"{p}.in_proj_qkvz"], tape[f"{p}.in_proj_ba"], *heads)
+    else:
+        mixed, z, b, a_in = (tape[f"{p}.{n}"] for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+    z = z.reshape(T, Hv, dv)                                                             # mixed (T, C); b, a (T, Hv)
     # out_proj, then the gated RMSNorm of each head's output
     grads.add(f"{p}.out_proj", d_o)
     d_h, d_w = linear_backward(grads, f"{p}.out_proj", d_o, tape[f"{p}.norm"].reshape(T, Hv * dv),
@@ -420,10 +420,14 @@ def linear_attn_backward(model, i: int, tape: Tape, d_o, grads: Gradients, keep)
                                                                  W[f"{p}.dt_bias"])
     keep(f"{p}.A_log", d_A_log)
     keep(f"{p}.dt_bias", d_dt_bias)
-    # the four input projections
+    # the four input projections (Qwen3-Next: two, their gradients put back in grouped order)
     d_a = xp.zeros_like(a)
-    for name, d in (("in_proj_qkv", d_mixed[0]), ("in_proj_z", d_z.reshape(T, Hv * dv)), ("in_proj_b", d_b),
-                    ("in_proj_a", d_a_in)):
+    projections = (("in_proj_qkv", d_mixed[0]), ("in_proj_z", d_z.reshape(T, Hv * dv)), ("in_proj_b", d_b),
+                   ("in_proj_a", d_a_in))
+    if cfg.qwen3_next:
+        projections = tuple(zip(("in_proj_qkvz", "in_proj_ba"), la.ungroup_qwen3_next_backward(
+            d_mixed[0], d_z.reshape(T, Hv * dv), d_b, d_a_in, *heads)))
+    for name, d in projections:
         d = d.astype(a.dtype)
         grads.add(f"{p}.{name}", d)
         d_x, d_w = linear_backward(grads, f"{p}.{name}", d, a, W[f"{p}.{name}.weight"])

@@ -249,3 +249,14 @@ def ungroup_qwen3_next(qkvz, ba, Hk, dk, Hv, dv):
     qkv = xp_of(qkvz).concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], axis=1)
     ba = ba.reshape(T, Hk, 2 * r)
     return qkv, z.reshape(T, Hv * dv), ba[..., :r].reshape(T, Hv), ba[..., r:].reshape(T, Hv)
+
+
+def ungroup_qwen3_next_backward(d_qkv, d_z, d_b, d_a, Hk, dk, Hv, dv):
+    """The gradients of ungroup_qwen3_next's four outputs put back in its inputs' grouped order:
+    d_qkvz (T, Hk*(2dk + 2r*dv)), d_ba (T, 2Hv). (A reordering: its backward is the reverse reordering.)"""
+    T, r, xp = d_qkv.shape[0], Hv // Hk, xp_of(d_qkv)
+    q, k = d_qkv[:, :Hk * dk].reshape(T, Hk, dk), d_qkv[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk)
+    v, z = d_qkv[:, 2 * Hk * dk:].reshape(T, Hk, r * dv), d_z.reshape(T, Hk, r * dv)
+    d_qkvz = xp.concatenate([q, k, v, z], axis=-1).reshape(T, -1)            # each key head's [q, k, v, z]
+    d_ba = xp.concatenate([d_b.reshape(T, Hk, r), d_a.reshape(T, Hk, r)], axis=-1).reshape(T, -1)   # [b, a]
+    return d_qkvz, d_ba

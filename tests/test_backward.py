@@ -12,7 +12,8 @@ from npqwen.config import Qwen3Config
 from npqwen.hooks import step_names
 
 from conftest import build_hf_checkpoint, hf_model, tiny_config, tiny_moe_config
-from hybrid_checkpoints import build_hybrid_checkpoint, hf_hybrid_model, hybrid_config
+from hybrid_checkpoints import (build_hybrid_checkpoint, hf_hybrid_model, hybrid_config, hybrid_moe_config,
+                                qwen3_next_config)
 
 torch = pytest.importorskip("torch")
 RNG = np.random.default_rng(0)
@@ -225,11 +226,14 @@ def test_each_backward_equals_torch_autograd(case):
 IDS = [5, 17, 33, 2, 101, 7, 64, 250, 3, 99, 17, 400]
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    if request.param == "qwen3_5":   # 4 layers: 3 Gated DeltaNet, 1 full attention with its output gate
-        return build_hybrid_checkpoint(path, hybrid_config(), std=0.1)
+    if request.param.startswith("qwen3_5"):   # 4 layers: 3 Gated DeltaNet, 1 full attention with its output gate
+        return build_hybrid_checkpoint(path, hybrid_moe_config() if "moe" in request.param else hybrid_config(),
+                                       std=0.1)
+    if request.param == "qwen3_next":         # its grouped projections; a shared expert beside the experts
+        return build_hybrid_checkpoint(path, qwen3_next_config(), std=0.1)
     config = tiny_config(num_hidden_layers=2) if request.param == "qwen3" else tiny_moe_config(num_hidden_layers=2)
     return build_hf_checkpoint(path, config, save_dtype="float32", std=0.1)
 
@@ -301,7 +305,7 @@ def hf_gradients(model, ids, target: int, gated: bool = False):
 
 @pytest.mark.parametrize("dtype, tolerance", [("float64", 1e-10), ("float32", 1e-5)])
 def test_every_gradient_equals_hf_backward(checkpoint, dtype, tolerance, monkeypatch):
-    hybrid = "qwen3_5" in checkpoint.name
+    hybrid = "qwen3_5" in checkpoint.name or "qwen3_next" in checkpoint.name
     if hybrid and dtype == "float64":
         pytest.skip("HF's Qwen3.5 computes its norms, decay and delta rule in float32 in a float64 model too; "
                     "test_whole_model_equals_finite_differences checks npqwen's Qwen3.5 gradients in float64")
@@ -322,12 +326,15 @@ def test_every_gradient_equals_hf_backward(checkpoint, dtype, tolerance, monkeyp
         worst.append((rel(np.reshape(ours[name], activations[name].shape), activations[name]), name))
     worst.sort(reverse=True)
     print(f"{len(params)} weights and {len(compared)} activations; the largest relative differences:", worst[:4])
-    if hybrid:   # float32 rounding through the delta rule's state: HF's own gradients are ~4e-5 from float64's
+    if hybrid:   # float32 rounding through the delta rule's state: HF's own gradients are 2e-5 to 4e-5 from float64's
         exact = grad.gradients(npqwen.load(checkpoint, dtype="float64"), IDS, grad.log_prob(target))
-        ours_error = max(rel(ours[n], exact[n]) for n in params)
-        hf_error = max(rel(g, exact[n]) for n, g in params.items())
+        errors = {n: (rel(ours[n], exact[n]), rel(g, exact[n])) for n, g in params.items()}   # (npqwen's, HF's)
+        ours_error, hf_error = (max(e[k] for e in errors.values()) for k in (0, 1))
         print(f"from float64's gradients: npqwen float32 {ours_error:.1e}, HF float32 {hf_error:.1e}")
-        assert ours_error <= hf_error and worst[0][0] < 1e-4, worst[:4]
+        # each weight's gradient within 5e-5 of float64's, or at most 3x as far as HF's own float32 one is (a
+        # gradient that nearly cancels, such as Qwen3-Next's last shared_expert_gate here, is far from it in both)
+        assert ours_error < hf_error and all(mine <= max(3 * hf, 5e-5) for mine, hf in errors.values()), \
+            sorted(((m, h, n) for n, (m, h) in errors.items() if m > max(3 * h, 5e-5)), reverse=True)[:3]
     else:
         assert worst[0][0] < tolerance, worst[:4]
 
@@ -336,37 +343,55 @@ def test_every_gradient_equals_hf_backward(checkpoint, dtype, tolerance, monkeyp
 def test_whole_model_equals_finite_differences(name):
     """Every weight (one element of each, chosen at random) and a few activations (nudged by a hook) of the
     built-in tiny models in float64: d loss by central differences against npqwen's backward."""
-    llm, rng, eps = npqwen.load(name, dtype="float64"), np.random.default_rng(1), 1e-5
+    whole_model_finite_differences(npqwen.load(name, dtype="float64"), name)
+
+
+def test_hybrid_mixtures_equal_finite_differences(checkpoint):
+    """The same for Qwen3.5-MoE and Qwen3-Next (shared experts; Qwen3-Next's grouped projections)."""
+    if not checkpoint.name.startswith(("qwen3_5_moe", "qwen3_next")):
+        pytest.skip("the built-in models cover the others")
+    whole_model_finite_differences(npqwen.load(checkpoint, dtype="float64"), checkpoint.name, sample=24)
+
+
+def whole_model_finite_differences(llm, name, sample=None):
+    """d loss by the five-point stencil (error of order eps^4) against npqwen's backward, relative to the
+    largest value of each gradient; `sample`: that many weights, chosen at random, in place of all."""
+    rng, eps = np.random.default_rng(1), 1e-4
     ids = [5, 17, 33, 2, 101, 7, 64, 250, 9]
     ours = grad.gradients(llm, ids, grad.loss())
 
     def loss(hooks=None):
         return ops.cross_entropy(llm.run_with_hooks(ids, hooks or {}), grad.next_tokens(ids))
 
+    def slope(f):   # f(h): the loss with the number moved by h
+        return (8 * (f(eps) - f(-eps)) - (f(2 * eps) - f(-2 * eps))) / (12 * eps)
+
     worst = []
-    for w in ours.weight_names:
+    names = ours.weight_names if sample is None else rng.choice(ours.weight_names, sample, replace=False).tolist()
+    for w in names:
         array = llm.model.weights.get(w, llm.model.fused.get(w))
         idx = tuple(int(rng.integers(s)) for s in array.shape)
         old = array[idx]
-        array[idx] = old + eps
-        up = loss()
-        array[idx] = old - eps
-        down = loss()
-        array[idx] = old
-        worst.append((abs((up - down) / (2 * eps) - ours[w][idx]) / max(np.abs(ours[w]).max(), 1e-12), w))
+
+        def moved(h, array=array, idx=idx, old=old):
+            array[idx] = old + h
+            value = loss()
+            array[idx] = old
+            return value
+        worst.append((abs(slope(moved) - ours[w][idx]) / max(np.abs(ours[w]).max(), 1e-12), w))
     layer = llm.config.num_hidden_layers - 1
     mlp = "experts" if llm.config.is_moe_layer(layer) else "down_proj"
     for a in ("model.embed_tokens", "model.layers.0.input_layernorm", f"model.layers.{layer}.mlp.{mlp}",
               f"model.layers.{layer}.attn_residual", "model.norm"):
-        def nudge(x, n, by=0.0, idx=(3, 5)):
-            x = x.copy()
-            x[idx] += by
-            return x
-        up = loss({a: lambda x, n: nudge(x, n, eps)})
-        down = loss({a: lambda x, n: nudge(x, n, -eps)})
-        worst.append((abs((up - down) / (2 * eps) - ours[a][3, 5]) / np.abs(ours[a]).max(), a))
+        def nudged(h, a=a):   # position 3, value 5 of activation a moved by h, with a hook
+            def hook(x, n):
+                x = x.copy()
+                x[3, 5] += h
+                return x
+            return loss({a: hook})
+        worst.append((abs(slope(nudged) - ours[a][3, 5]) / np.abs(ours[a]).max(), a))
     worst.sort(reverse=True)
-    print(f"{name}: {len(ours.weight_names)} weights, 5 activations; worst relative differences {worst[:3]}")
+    print(f"{name}: {len(names)} weights, 5 activations; worst relative differences {worst[:3]}")
     assert worst[0][0] < 1e-6, worst[:3]
 
 
