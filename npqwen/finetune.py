@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from . import grad
+from .backend import to_numpy
 from .checkpoint import save_safetensors
 from .errors import NpqwenError
 from .lora import TARGETS, Delta, LoraAdapter, fused_columns, layer_modules
@@ -109,7 +110,6 @@ def new_adapter(model, r: int = 16, alpha: float = 32, targets=TARGETS, seed: in
             adapter.weights[f"{module}.lora_A.weight"], adapter.weights[f"{module}.lora_B.weight"] = A, B
             matrix, cols = fused_columns(model, i, kind, t)
             adapter.deltas.setdefault(matrix, []).append(Delta(module, cols, A, B, alpha / r))
-    adapter.alpha, adapter.targets = alpha, sorted({m.rsplit(".", 1)[-1] for m in adapter.modules})
     return adapter
 
 
@@ -117,12 +117,13 @@ def save_adapter(adapter: LoraAdapter, directory, base: str = ""):
     """PEFT's two files: adapter_config.json and adapter_model.safetensors (names under base_model.model.)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=adapter.r, lora_alpha=adapter.alpha,
-                  target_modules=adapter.targets, lora_dropout=0.0, bias="none", use_rslora=False,
-                  base_model_name_or_path=base, inference_mode=True)
+    scale = next(d.scale for ds in adapter.deltas.values() for d in ds)          # alpha / r, the same for every module
+    config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=adapter.r, lora_alpha=scale * adapter.r,
+                  target_modules=sorted({m.rsplit(".", 1)[-1] for m in adapter.modules}), lora_dropout=0.0,
+                  bias="none", use_rslora=False, base_model_name_or_path=base, inference_mode=True)
     (directory / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_safetensors(directory / "adapter_model.safetensors",
-                     {f"base_model.model.{name}": np.asarray(a, dtype=np.float32) for name, a in adapter.weights.items()})
+                     {f"base_model.model.{name}": to_numpy(a).astype(np.float32) for name, a in adapter.weights.items()})
 
 
 class AdamW:
