@@ -20,11 +20,16 @@ Shapes: T tokens, B sequences, C = 2*Hk*dk + Hv*dv convolved channels, W conv ke
 of dk, Hv value heads of dv (Hv a multiple of Hk: value head h reads key head h // (Hv/Hk)).
 Qwen3.5-0.8B: Hk=16, dk=128, Hv=16, dv=128, W=4.
 The delta rule runs in (at least) float32, as HF runs it, whatever the weights' dtype.
+
+Each function's backward follows it (npqwen/grad.py chains them): the gradient of a scalar with respect to
+the function's outputs in, the gradients with respect to its inputs out. The delta rule's is the recurrent
+form's, token by token in reverse, from the states the forward passes through (kept: T states of
+(Hv, dk, dv)); the chunked form computes the same function, so it has the same gradients.
 """
 import numpy as np
 
 from .backend import xp_of
-from .ops import silu
+from .ops import rms_norm_backward, sigmoid, silu, silu_backward
 
 CHUNK = 64   # tokens per chunk of the chunked form (HF's and flash-linear-attention's chunk_size)
 
@@ -40,10 +45,33 @@ def causal_conv1d(x, weight, state):
     return silu(out), padded[:, T:]                                          # the last W-1 inputs
 
 
+def causal_conv1d_backward(d_out, x, weight, state):
+    """d_out (B, T, C) -> d_x (B, T, C), d_weight (C, W), d_state (B, W-1, C) (the gradient of the new state
+    is not taken: a forward from position 0 starts from zeros and its last state feeds nothing here)."""
+    xp, T, W = xp_of(x), x.shape[1], weight.shape[1]
+    padded = xp.concatenate([state.astype(x.dtype), x], axis=1)              # (B, W-1+T, C)
+    pre = padded[:, 0:T] * weight[:, 0]
+    for j in range(1, W):
+        pre += padded[:, j:j + T] * weight[:, j]                             # (B, T, C) before the SiLU
+    d_pre = silu_backward(d_out, pre)
+    d_padded = xp.zeros_like(padded)
+    d_weight = xp.empty_like(weight)
+    for j in range(W):             # out[t] += weight[:, j] * input[t - (W-1) + j]
+        d_padded[:, j:j + T] += d_pre * weight[:, j]
+        d_weight[:, j] = (d_pre * padded[:, j:j + T]).sum(axis=(0, 1))
+    return d_padded[:, W - 1:], d_weight, d_padded[:, :W - 1]
+
+
 def l2norm(x, eps: float = 1e-6):
     """x / sqrt(sum(x^2) + eps) over the last axis (flash-linear-attention's l2norm)."""
     xp = xp_of(x)
     return x / xp.sqrt((x * x).sum(-1, keepdims=True) + eps)
+
+
+def l2norm_backward(d_y, x, eps: float = 1e-6):
+    """y = x / n, n = sqrt(sum x^2 + eps): d_x = d_y / n - x sum(d_y x) / n^3."""
+    n = xp_of(x).sqrt((x * x).sum(-1, keepdims=True) + eps)
+    return d_y / n - x * ((d_y * x).sum(-1, keepdims=True) / n ** 3)
 
 
 def delta_rule_step(q, k, v, g, beta, state):
@@ -55,6 +83,26 @@ def delta_rule_step(q, k, v, g, beta, state):
     delta = (v - stored) * beta[..., None]                                   # (B, Hv, dv) the correction
     state = state + k[..., :, None] * delta[..., None, :]                    # write it at k
     return xp.einsum("bhkv,bhk->bhv", state, q), state                       # read by q
+
+
+def delta_rule_step_backward(d_out, d_new_state, q, k, v, g, beta, state):
+    """One token backward, given the state before it: d_out (B, Hv, dv), d_new_state (B, Hv, dk, dv) ->
+    d_q, d_k (B, Hv, dk), d_v (B, Hv, dv), d_g, d_beta (B, Hv), d_state (B, Hv, dk, dv)."""
+    xp = xp_of(q)
+    decayed = state * xp.exp(g)[..., None, None]                             # A = exp(g) S
+    stored = xp.einsum("bhkv,bhk->bhv", decayed, k)                          # A^T k
+    delta = (v - stored) * beta[..., None]
+    new = decayed + k[..., :, None] * delta[..., None, :]                    # S' = A + k delta^T
+    d_new = d_new_state + q[..., :, None] * d_out[..., None, :]              # o = S'^T q
+    d_q = xp.einsum("bhkv,bhv->bhk", new, d_out)
+    d_delta = xp.einsum("bhkv,bhk->bhv", d_new, k)                           # (B, Hv, dv)
+    d_stored = -d_delta * beta[..., None]
+    d_k = xp.einsum("bhkv,bhv->bhk", d_new, delta) + xp.einsum("bhkv,bhv->bhk", decayed, d_stored)
+    d_v = d_delta * beta[..., None]
+    d_beta = (d_delta * (v - stored)).sum(-1)
+    d_decayed = d_new + k[..., :, None] * d_stored[..., None, :]             # (B, Hv, dk, dv)
+    d_g = (d_decayed * decayed).sum(axis=(-2, -1))                           # dA/dg = A
+    return d_q, d_k, d_v, d_g, d_beta, d_decayed * xp.exp(g)[..., None, None]
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state):
@@ -78,6 +126,24 @@ def delta_rule_states(q, k, v, g, beta, state):
         o, s = delta_rule_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s)
         out[t], states[t] = o[0], s[0]
     return out, states
+
+
+def recurrent_gated_delta_rule_backward(d_out, q, k, v, g, beta, state):
+    """d_out (B, T, Hv, dv) -> d_q, d_k, d_v, d_g, d_beta (shapes of the inputs) and d_state (B, Hv, dk, dv) of
+    the initial state: the forward again, keeping the state before each token, then the tokens in reverse."""
+    T = q.shape[1]
+    states = []
+    for t in range(T):
+        states.append(state)
+        state = delta_rule_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)[1]
+    d_state = xp_of(q).zeros_like(state)
+    grads = [xp_of(q).zeros(a.shape, dtype=state.dtype) for a in (q, k, v, g, beta)]
+    for t in reversed(range(T)):
+        *d_t, d_state = delta_rule_step_backward(d_out[:, t], d_state, q[:, t], k[:, t], v[:, t], g[:, t],
+                                                 beta[:, t], states[t])
+        for d_all, d in zip(grads, d_t):
+            d_all[:, t] = d
+    return (*grads, d_state)
 
 
 def solve_unit_lower(A, B):
@@ -132,6 +198,14 @@ def gated_rms_norm(x, z, weight, eps: float):
     return (weight * y.astype(x.dtype) * silu(z.astype(f32))).astype(x.dtype)
 
 
+def gated_rms_norm_backward(d_y, x, z, weight, eps: float):
+    """y = rms_norm(x) * weight * silu(z): d_x, d_z (..., dv), d_weight (dv,)."""
+    d_x, d_weight = rms_norm_backward(d_y * silu(z), x, weight, eps)        # the norm's output scaled by silu(z)
+    xp = xp_of(x)
+    normed = x / xp.sqrt((x * x).mean(-1, keepdims=True) + eps)
+    return d_x, silu_backward(d_y * weight * normed, z), d_weight
+
+
 def decay_and_beta(a, b, A_log, dt_bias):
     """The per-token, per-value-head decay g = -exp(A_log) softplus(a + dt_bias) (log space, <= 0) and the
     write strength beta = sigmoid(b): a, b (T, Hv) -> g, beta (T, Hv) float32."""
@@ -141,6 +215,18 @@ def decay_and_beta(a, b, A_log, dt_bias):
     g = -xp.exp(A_log.astype(f32)) * softplus
     beta = 1.0 / (1.0 + xp.exp(-b.astype(f32)))
     return g, beta
+
+
+def decay_and_beta_backward(d_g, d_beta, a, b, A_log, dt_bias):
+    """d_g, d_beta (T, Hv) -> d_a, d_b (T, Hv), d_A_log, d_dt_bias (Hv,). softplus' = sigmoid (1 past torch's
+    threshold, where softplus is the identity); g = -exp(A_log) softplus(s), so dg/dA_log = g."""
+    xp = xp_of(a)
+    s = a + dt_bias
+    softplus = xp.where(s > 20, s, xp.log1p(xp.exp(xp.minimum(s, 20))))
+    d_s = d_g * -xp.exp(A_log) * xp.where(s > 20, 1.0, sigmoid(s))          # (T, Hv)
+    d_A_log = (d_g * -xp.exp(A_log) * softplus).sum(axis=0)                  # (Hv,)
+    beta = sigmoid(b)
+    return d_s, d_beta * beta * (1.0 - beta), d_A_log, d_s.sum(axis=0)
 
 
 def queries_keys_values(mixed, Hk, dk, Hv, dv):
@@ -155,6 +241,19 @@ def queries_keys_values(mixed, Hk, dk, Hv, dv):
     return l2norm(q) * (dk ** -0.5), l2norm(k), v
 
 
+def queries_keys_values_backward(d_q, d_k, d_v, mixed, Hk, dk, Hv, dv):
+    """d_q, d_k (T, Hv, dk), d_v (T, Hv, dv) -> d_mixed (T, C): through the scale, the L2 norms, the repeat of each
+    key head for its Hv/Hk value heads (their gradients summed) and the split."""
+    T, xp = mixed.shape[0], xp_of(mixed)
+    q = mixed[:, :Hk * dk].reshape(T, Hk, dk)
+    k = mixed[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk)
+    d_q = d_q * (dk ** -0.5)                                                 # q was scaled after its norm
+    if Hv != Hk:   # value heads 0,0,1,1,...: each key head's gradient is the sum over its copies
+        d_q, d_k = (d.reshape(T, Hk, Hv // Hk, dk).sum(axis=2) for d in (d_q, d_k))
+    d_q, d_k = l2norm_backward(d_q, q), l2norm_backward(d_k, k)
+    return xp.concatenate([d_q.reshape(T, -1), d_k.reshape(T, -1), d_v.reshape(T, -1)], axis=1)
+
+
 def ungroup_qwen3_next(qkvz, ba, Hk, dk, Hv, dv):
     """Qwen3-Next's two projections, whose rows come grouped by key head ([q, k, v, z] and [b, a] of each), as
     Qwen3.5's four: qkv (T, C) with every q, then every k, then every v; z (T, Hv*dv); b, a (T, Hv)."""
@@ -164,3 +263,14 @@ def ungroup_qwen3_next(qkvz, ba, Hk, dk, Hv, dv):
     qkv = xp_of(qkvz).concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], axis=1)
     ba = ba.reshape(T, Hk, 2 * r)
     return qkv, z.reshape(T, Hv * dv), ba[..., :r].reshape(T, Hv), ba[..., r:].reshape(T, Hv)
+
+
+def ungroup_qwen3_next_backward(d_qkv, d_z, d_b, d_a, Hk, dk, Hv, dv):
+    """The gradients of ungroup_qwen3_next's four outputs put back in its inputs' grouped order:
+    d_qkvz (T, Hk*(2dk + 2r*dv)), d_ba (T, 2Hv). (A reordering: its backward is the reverse reordering.)"""
+    T, r, xp = d_qkv.shape[0], Hv // Hk, xp_of(d_qkv)
+    q, k = d_qkv[:, :Hk * dk].reshape(T, Hk, dk), d_qkv[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk)
+    v, z = d_qkv[:, 2 * Hk * dk:].reshape(T, Hk, r * dv), d_z.reshape(T, Hk, r * dv)
+    d_qkvz = xp.concatenate([q, k, v, z], axis=-1).reshape(T, -1)            # each key head's [q, k, v, z]
+    d_ba = xp.concatenate([d_b.reshape(T, Hk, r), d_a.reshape(T, Hk, r)], axis=-1).reshape(T, -1)   # [b, a]
+    return d_qkvz, d_ba

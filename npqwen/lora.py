@@ -73,6 +73,22 @@ def add(out, x, groups, matrix: str):
     return out
 
 
+def add_backward(d_out, x, adapter, matrix: str):
+    """Backward of `add` for one adapter on every row (training): out += scale * (x A^T) B^T, so with
+    u = x A^T (T, r): d_B = scale * d_out^T u (out, r), d_u = scale * d_out B, d_A = d_u^T x (r, in), and x gets
+    d_u A. Returns d_x (T, in) of the adapter's path (0 when it adapts nothing here) and {weight name: gradient}
+    under the adapter's own names (model.layers.3.self_attn.q_proj.lora_A.weight)."""
+    d_x, grads = 0.0, {}
+    for d in adapter.deltas.get(matrix, ()):
+        d_cols = d_out[:, d.cols]                                        # (T, out) this module's columns
+        u = x @ d.A.T                                                    # (T, r)
+        grads[f"{d.module}.lora_B.weight"] = d.scale * (d_cols.T @ u)    # (out, r)
+        d_u = d.scale * (d_cols @ d.B)                                   # (T, r)
+        grads[f"{d.module}.lora_A.weight"] = d_u.T @ x                   # (r, in)
+        d_x = d_x + d_u @ d.A                                            # (T, in)
+    return d_x, grads
+
+
 def row_groups(loras, rows, T: int, xp) -> list:
     """(adapter, its rows) for each adapter in a batch: `loras` has one adapter (or None) per sequence,
     `rows` (first row, n) per sequence. All T rows of one adapter are a slice, not an index array."""

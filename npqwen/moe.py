@@ -10,7 +10,9 @@ I one expert's width (moe_intermediate_size). Qwen3-30B-A3B: D=2048, E=128, k=8,
 
 as transformers' Qwen3MoeSparseMoeBlock computes it. A token runs k of the E experts, so a
 layer costs k/E of what its parameters suggest (Qwen3-30B-A3B: 3.3B of 30.5B parameters used
-per token). Two pure functions over arrays (NumPy or CuPy): `route`, then `experts`.
+per token). Two pure functions over arrays (NumPy or CuPy): `route`, then `experts`; each has its
+backward after it (npqwen/grad.py): the choice of experts is a step, so gradients flow through the chosen
+experts' weights and outputs only.
 """
 import numpy as np
 
@@ -30,6 +32,25 @@ def route(x, gate_weight, k: int, norm_topk_prob: bool):
     if norm_topk_prob:   # the k chosen probabilities rescaled to sum 1
         weights /= weights.sum(axis=-1, keepdims=True)
     return logits, chosen, weights.astype(x.dtype)
+
+
+def route_backward(d_weights, x, gate_weight, logits, chosen, norm_topk_prob: bool):
+    """d_weights (T, k), the gradient of the chosen experts' weights -> d_x (T, D), d_gate_weight (E, D) and
+    d_logits (T, E). The weights are softmax probabilities taken at `chosen` (renormalised: w = p / sum p)."""
+    xp = xp_of(x)
+    z = logits.astype(np.promote_types(x.dtype, np.float32))
+    probs = xp.exp(z - z.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)                           # (T, E) as route computed them
+    picked = xp.take_along_axis(probs, chosen, axis=-1)                  # (T, k) before renormalising
+    d_picked = d_weights
+    if norm_topk_prob:   # w = p / s, s = sum p: d_p = (d_w - sum_j d_w w) / s
+        total = picked.sum(axis=-1, keepdims=True)
+        d_picked = (d_weights - (d_weights * (picked / total)).sum(axis=-1, keepdims=True)) / total
+    d_probs = xp.zeros_like(probs)
+    xp.put_along_axis(d_probs, chosen, d_picked, axis=-1)                # (T, E): zero for unchosen experts
+    d_logits = (probs * (d_probs - (d_probs * probs).sum(axis=-1, keepdims=True))).astype(x.dtype)  # softmax backward
+    d_x, d_gate_weight = ops.linear_backward(d_logits, x, gate_weight)   # (T, D), (E, D)
+    return d_x, d_gate_weight, d_logits
 
 
 def experts(x, chosen, weights, gate_up, down):
@@ -60,6 +81,27 @@ def experts(x, chosen, weights, gate_up, down):
     pairs = xp.empty_like(y)
     pairs[order] = y                                                     # (T*k, D) in (token, choice) order
     return pairs.reshape(T, k, -1).sum(axis=1)                           # (T, k, D) -> (T, D)
+
+
+def experts_backward(d_out, x, chosen, weights, gate_up, down):
+    """Backward of `experts`, one expert at a time over the (token, choice) pairs it got: d_out (T, D) ->
+    d_x (T, D), d_weights (T, k), d_gate_up (E, 2I, D), d_down (E, D, I) (zero for experts without tokens)."""
+    xp = xp_of(x)
+    I = down.shape[2]
+    d_x, d_weights = xp.zeros_like(x), xp.zeros(weights.shape, dtype=x.dtype)
+    d_gate_up, d_down = xp.zeros_like(gate_up), xp.zeros_like(down)
+    for e in np.unique(to_numpy(chosen)):
+        t, j = xp.nonzero(chosen == e)                                   # the pairs (token t, its j-th choice)
+        h = ops.linear(x[t], gate_up[e])                                 # (n, 2I) gate | up, recomputed
+        act = ops.swiglu(h[:, :I], h[:, I:])                             # (n, I)
+        y = ops.linear(act, down[e])                                     # (n, D) the expert's output
+        d_weights[t, j] = (d_out[t] * y).sum(axis=-1)                    # out[t] += w[t, j] * y
+        d_y = d_out[t] * weights[t, j][:, None]                          # (n, D)
+        d_act, d_down[e] = ops.linear_backward(d_y, act, down[e])        # (n, I), (D, I)
+        d_gate, d_up = ops.swiglu_backward(d_act, h[:, :I], h[:, I:])    # (n, I) each
+        d_rows, d_gate_up[e] = ops.linear_backward(xp.concatenate([d_gate, d_up], axis=1), x[t], gate_up[e])
+        xp.add.at(d_x, t, d_rows)                                        # (n, D) back to each pair's token
+    return d_x, d_weights, d_gate_up, d_down
 
 
 def expert_load(chosen, num_experts: int) -> np.ndarray:

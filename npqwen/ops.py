@@ -5,6 +5,11 @@ H query heads, K key/value heads, G = H / K, Dh head dim, F MLP width, V vocab s
 
 Every function keeps its input's dtype (float32 on CPU). Scalars are Python floats: NumPy 2
 turns `float32_array * np.float64(...)` into float64, which silently makes matmuls ~200x slower.
+
+Each operator's backward sits right after it, named after it (`rms_norm_backward`): given d_out, the
+gradient of a scalar with respect to the operator's output, and what the forward was given, it returns
+the gradients with respect to the inputs, in the same shapes (npqwen/grad.py chains them through the
+model; tests/test_backward.py checks each against finite differences in float64 and torch autograd).
 """
 import math
 
@@ -25,6 +30,15 @@ def embed(weight, token_ids, first: int = 0):
     return x
 
 
+def embed_backward(d_x, token_ids, vocab_size: int):
+    """d weight (V, D): each token's gradient added to its row; a token that occurs twice gets both (add.at).
+    (One process: the tensor-parallel `first` is not taken.)"""
+    xp = xp_of(d_x)
+    d_weight = xp.zeros((vocab_size, d_x.shape[1]), dtype=d_x.dtype)    # (V, D)
+    xp.add.at(d_weight, token_ids, d_x)                                  # rows[(T,)] += (T, D)
+    return d_weight
+
+
 def linear(x, weight):
     """x @ weight^T, weight in the HF (out, in) layout; (T, in) -> (T, out), row-major.
 
@@ -40,6 +54,15 @@ def linear(x, weight):
     return xp_of(y).ascontiguousarray(y.T)            # (T, out)
 
 
+def linear_backward(d_y, x, weight, want_weight: bool = True):
+    """y = x @ weight^T: d_x = d_y @ weight (T, in), d_weight = d_y^T @ x (out, in), the HF layout (None when
+    not wanted). d_x is computed as (weight^T @ d_y^T)^T: with two threads OpenBLAS runs lm_head's product (inner
+    dimension V) 3x faster that way round (measured at T=256, V=151936, D=1024: 1.7-2.0 s against 5.4 s, twice;
+    with one thread both take 1.9-2.5 s, and the layers' shapes the same either way)."""
+    d_x = xp_of(d_y).ascontiguousarray((weight.T @ d_y.T).T)           # (in, out) @ (out, T) -> (T, in)
+    return d_x, (d_y.T @ x if want_weight else None)                    # (out, T) @ (T, in)
+
+
 def rms_norm(x, weight, eps: float, offset: float = 0.0):
     """x / sqrt(mean(x^2) + eps) * (offset + weight) over the last axis, in (at least) float32 as HF does.
     Qwen3.5 stores its norm weights centred on zero and scales by 1 + weight (offset 1)."""
@@ -52,9 +75,28 @@ def rms_norm(x, weight, eps: float, offset: float = 0.0):
     return y
 
 
+def rms_norm_backward(d_y, x, weight, eps: float, offset: float = 0.0):
+    """y = n * (offset + weight), n = x * r, r = 1 / sqrt(mean(x^2) + eps):
+    d_x = r * (d_n - n * mean(d_n * n)), d_n = d_y * (offset + weight); d_weight = sum of d_y * n over
+    every axis but the last. x (..., D) -> d_x (..., D), d_weight (D,)."""
+    xp = xp_of(x)
+    inv_rms = 1.0 / xp.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)     # (..., 1)
+    n = x * inv_rms                                                          # (..., D) normalised
+    d_weight = (d_y * n).reshape(-1, x.shape[-1]).sum(axis=0)                # (D,)
+    d_n = d_y * (weight + offset if offset else weight)                      # (..., D)
+    d_x = inv_rms * (d_n - n * (d_n * n).mean(axis=-1, keepdims=True))      # (..., D)
+    return d_x, d_weight
+
+
 def sigmoid(x):
     """1 / (1 + exp(-x)) = (1 + tanh(x/2)) / 2, which never overflows."""
     return (xp_of(x).tanh(x * 0.5) + 1.0) * 0.5
+
+
+def sigmoid_backward(d_y, x):
+    """d sigmoid(x) / dx = s (1 - s)."""
+    s = sigmoid(x)
+    return d_y * s * (1.0 - s)
 
 
 def silu(x):
@@ -66,6 +108,12 @@ def silu(x):
     s += 0.5
     s *= x
     return s
+
+
+def silu_backward(d_y, x):
+    """d (x s) / dx = s + x s (1 - s) = s (1 + x (1 - s)), s = sigmoid(x)."""
+    s = sigmoid(x)
+    return d_y * s * (1.0 + x * (1.0 - s))
 
 
 def rope_frequencies(config) -> tuple[np.ndarray, float]:
@@ -139,6 +187,12 @@ def apply_rope(x, cos, sin):
     return out
 
 
+def apply_rope_backward(d_out, cos, sin):
+    """RoPE turns each pair (x1, x2) by an angle; its transpose turns it back: the same function with -sin.
+    d_out (T, n_heads, Dh) -> d_x (T, n_heads, Dh); partial rotary's unturned values pass their gradient."""
+    return apply_rope(d_out, cos, -sin)
+
+
 def paged_attention(q, keys, values, page_table, start: int, block: int = 256, want_probs: bool = False):
     """Causal grouped-query attention of one sequence whose keys and values live in pages:
     softmax(q k^T / sqrt(Dh) + mask) v.
@@ -196,6 +250,41 @@ def paged_attention(q, keys, values, page_table, start: int, block: int = 256, w
     return out, probs
 
 
+def causal_attention(q, k, v):
+    """paged_attention's result for one sequence from position 0, with every array whole, as training reads
+    it: q (T, H, Dh), k, v (T, K, Dh) -> out (T, H*Dh), probs (H, T, T). Query head h reads kv head h // G."""
+    xp = xp_of(q)
+    T, H, Dh = q.shape
+    K = k.shape[1]
+    qg = q.reshape(T, K, H // K, Dh).transpose(1, 2, 0, 3)                   # (K, G, T, Dh)
+    scores = (qg @ k.transpose(1, 2, 0)[:, None]) * (1.0 / math.sqrt(Dh))   # (K, G, T, T)
+    scores = scores.astype(np.promote_types(q.dtype, np.float32), copy=False)
+    scores = scores + xp.triu(xp.full((T, T), -np.inf, dtype=scores.dtype), 1)   # a query sees keys <= it
+    probs = xp.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs = (probs / probs.sum(axis=-1, keepdims=True)).astype(q.dtype)      # (K, G, T, T)
+    out = probs @ v.transpose(1, 0, 2)[:, None]                               # (K, G, T, Dh)
+    return out.transpose(2, 0, 1, 3).reshape(T, H * Dh), probs.reshape(H, T, T)
+
+
+def causal_attention_backward(d_out, q, k, v, probs):
+    """Backward of softmax(q k^T / sqrt(Dh) + mask) v, given the probabilities the forward computed.
+    d_out (T, H*Dh) -> d_q (T, H, Dh), d_k, d_v (T, K, Dh): a key/value head's gradient is the sum over the
+    G query heads that read it. Softmax backward: d_s = p * (d_p - sum_j d_p p); masked p are 0, so are their d_s."""
+    T, H, Dh = q.shape
+    K = k.shape[1]
+    G = H // K
+    p = probs.reshape(K, G, T, T)                                            # (K, G, T, T)
+    d_o = d_out.reshape(T, K, G, Dh).transpose(1, 2, 0, 3)                   # (K, G, T, Dh)
+    qg = q.reshape(T, K, G, Dh).transpose(1, 2, 0, 3)                        # (K, G, T, Dh)
+    kh, vh = k.transpose(1, 0, 2)[:, None], v.transpose(1, 0, 2)[:, None]    # (K, 1, T, Dh)
+    d_v = (p.transpose(0, 1, 3, 2) @ d_o).sum(axis=1)                        # (K, T, Dh) summed over G
+    d_p = d_o @ vh.transpose(0, 1, 3, 2)                                     # (K, G, T, T)
+    d_s = p * (d_p - (d_p * p).sum(axis=-1, keepdims=True)) * (1.0 / math.sqrt(Dh))   # (K, G, T, T)
+    d_q = (d_s @ kh).transpose(2, 0, 1, 3).reshape(T, H, Dh)                 # (T, H, Dh)
+    d_k = (d_s.transpose(0, 1, 3, 2) @ qg).sum(axis=1)                       # (K, T, Dh) summed over G
+    return d_q, d_k.transpose(1, 0, 2), d_v.transpose(1, 0, 2)
+
+
 def paged_decode_attention(q, keys, values, page_tables, lengths, want_probs: bool = False):
     """paged_attention for B sequences with one new token each (a decode step), all at once.
 
@@ -242,3 +331,45 @@ def paged_decode_attention(q, keys, values, page_tables, lengths, want_probs: bo
     if want_probs:   # a copy, normalised; the output above does not read it
         probs = (e / total[..., None]).astype(q.dtype).reshape(B, H, M * P)[:, :, :max(lengths)]
     return o.reshape(B, H * Dh), probs                                              # heads in order j*G + g
+
+
+def swiglu(gate, up):
+    """silu(gate) * up, the MLP's activation: (T, F), (T, F) -> (T, F)."""
+    return silu(gate) * up
+
+
+def swiglu_backward(d_h, gate, up):
+    """h = silu(gate) * up: d_gate = silu'(gate) * up * d_h, d_up = silu(gate) * d_h."""
+    return silu_backward(d_h * up, gate), silu(gate) * d_h
+
+
+def log_softmax(logits):
+    """log softmax over the last axis, in (at least) float32: (T, V) -> (T, V), one new (T, V) array besides a
+    temporary (the logits of a long prompt are the largest arrays of a training step)."""
+    xp = xp_of(logits)
+    z = logits.astype(np.promote_types(logits.dtype, np.float32), copy=True)
+    z -= z.max(axis=-1, keepdims=True)
+    z -= xp.log(xp.exp(z).sum(axis=-1, keepdims=True))
+    return z
+
+
+def cross_entropy(logits, targets, ignore_index: int = -100):
+    """Mean of -log p(target) over the rows whose target is not ignore_index (HF's loss): (T, V), (T,) -> float."""
+    xp = xp_of(logits)
+    keep = targets != ignore_index                                           # (T,)
+    logp = log_softmax(logits[keep])                                         # (n, V)
+    picked = xp.take_along_axis(logp, targets[keep][:, None], axis=-1)      # (n, 1)
+    return float(-picked.mean())
+
+
+def cross_entropy_backward(logits, targets, ignore_index: int = -100, logp=None):
+    """d loss / d logits = (softmax - one_hot(target)) / n on the counted rows, 0 on ignored ones: (T, V).
+    `logp`: log_softmax(logits) if the caller has it, used up (overwritten) in place of a new array."""
+    xp = xp_of(logits)
+    keep = targets != ignore_index                                           # (T,)
+    n = max(int(keep.sum()), 1)
+    d = xp.exp(log_softmax(logits) if logp is None else logp, out=logp)     # (T, V) softmax
+    d[xp.arange(len(targets))[keep], targets[keep]] -= 1.0
+    d[~keep] = 0.0
+    d *= 1.0 / n
+    return d.astype(logits.dtype, copy=False)

@@ -66,6 +66,9 @@ Suites (--suites, comma-separated, or all; the default is prefill,decode):
               step (k to --spec-k-max), and a greedy request with oracle drafts (the model's own answer)
               100/80/60% right vs without drafts (tok/s). `python -m tools.bench.speculative [--shape 0.8b]`
               runs it on 4 layers of Qwen3-0.6B's (Qwen3.5-0.8B's) shape with random weights.
+    finetune  LoRA training (its own checkpoint: the 0.6B shape with --finetune-layers (4) layers, float32): npqwen's
+              train_step against PEFT + torch float32, tokens/s of one --finetune-tokens (256) example per step,
+              and each worker's peak RSS (targets: >= 0.8x the tokens/s, less memory).
 
     python -m tools.bench --suites batch1,serving,prefix    # the serving benchmark alone
     python -m tools.bench --suites moe                      # the mixture-of-experts steps
@@ -91,8 +94,8 @@ prefix run in another worker per engine, once whatever --rounds says, so their p
 #   tables(report)        tables of its own: [(column names, rows)]
 #   notes(report)         sentences printed under the tables
 # The order here is the order of the rows, tables, notes and targets, and of the runs in a worker.
-from tools.bench import (batch1, decode, embed, hybrid, lora, moe, prefill, prefix, serving, speculative, step,
-                         structured, tp)
+from tools.bench import (batch1, decode, embed, finetune, hybrid, lora, moe, prefill, prefix, serving, speculative,
+                         step, structured, tp)
 
 SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe, hybrid, structured, tp,
-                                          embed, lora, speculative)}
+                                          embed, lora, speculative, finetune)}

@@ -1,0 +1,184 @@
+"""LoRA fine-tuning without torch (npqwen/finetune.py) against PEFT + torch on CPU: the same base, the same initial
+adapter, data and order, AdamW: each of 20 steps' loss within 1e-4 relative, the adapter after 20 steps within
+1e-3; the adapter it writes loads in PEFT and in npqwen. Then the data file's errors, each naming the line."""
+import json
+
+import numpy as np
+import pytest
+
+import npqwen
+from npqwen import finetune as ft
+
+from conftest import build_hf_checkpoint, hf_model, tiny_config
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+STEPS, ACCUMULATE, LR = 20, 2, 5e-3
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return build_hf_checkpoint(tmp_path_factory.mktemp("ft_base"), tiny_config(num_hidden_layers=2),
+                               save_dtype="float32", std=0.1)
+
+
+def examples(n=6, seed=0):
+    rng = np.random.default_rng(seed)
+    return [ft.example(rng.integers(0, 512, 5).tolist(), rng.integers(0, 512, int(rng.integers(3, 7))).tolist())
+            for _ in range(n)]
+
+
+def peft_training(base, adapter_dir, data):
+    """The same loop in torch: PEFT's model of the same adapter, HF's loss from labels, torch's AdamW."""
+    model = peft.PeftModel.from_pretrained(hf_model(base), adapter_dir, is_trainable=True).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=LR)
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        batch, total = [data[(step * ACCUMULATE + j) % len(data)] for j in range(ACCUMULATE)], 0.0
+        for ex in batch:
+            labels = np.append(-100, ex.targets[:-1])        # HF shifts the labels itself: label t+1 at row t
+            out = model(input_ids=torch.from_numpy(ex.ids)[None], labels=torch.from_numpy(labels)[None])
+            (out.loss / len(batch)).backward()
+            total += out.loss.item() / len(batch)
+        optimizer.step()
+        losses.append(total)
+    state = peft.get_peft_model_state_dict(model)
+    return losses, {k: v.detach().numpy() for k, v in state.items()}, model
+
+
+def test_twenty_steps_match_peft_and_torch(base, tmp_path):
+    llm = npqwen.load(base)
+    adapter = ft.new_adapter(llm.model, r=4, alpha=8, seed=0)
+    rng = np.random.default_rng(1)
+    for name, a in adapter.weights.items():   # B non-zero from the start, so every path has a gradient at step 1
+        if "lora_B" in name:
+            a[...] = 0.05 * rng.standard_normal(a.shape)
+    ft.save_adapter(adapter, tmp_path / "initial")
+    data = examples()
+    torch_losses, torch_adapter, _ = peft_training(base, tmp_path / "initial", data)
+    optimizer = ft.AdamW(adapter.weights, lr=LR)
+    losses = [ft.train_step(llm.model, adapter, [data[(s * ACCUMULATE + j) % len(data)] for j in range(ACCUMULATE)],
+                            optimizer) for s in range(STEPS)]
+    worst_loss = max(abs(a - b) / abs(b) for a, b in zip(losses, torch_losses))
+    print("losses npqwen", np.round(losses, 5))
+    print("losses torch ", np.round(torch_losses, 5))
+    worst = max((rel(adapter.weights[k.removeprefix("base_model.model.")], v), k) for k, v in torch_adapter.items())
+    print(f"loss: worst relative difference {worst_loss:.1e}; adapter after {STEPS} steps: {worst[0]:.1e} ({worst[1]})")
+    assert len(torch_adapter) == len(adapter.weights) == 2 * 7 * 2
+    assert losses[-1] < losses[0] - 0.5          # it learns
+    assert worst_loss < 1e-4 and worst[0] < 1e-3
+    # the trained adapter: PEFT loads it, and npqwen serves it with PEFT's logits
+    ft.save_adapter(adapter, tmp_path / "trained")
+    reloaded = peft.PeftModel.from_pretrained(hf_model(base), tmp_path / "trained").eval()
+    with torch.no_grad():
+        expected = reloaded(torch.tensor([data[0].ids])).logits[0].numpy()
+    llm.load_lora("trained", tmp_path / "trained")
+    got = llm.forward(data[0].ids, lora="trained")
+    print(f"served: max |npqwen - PEFT| logits {np.abs(got - expected).max():.1e}")
+    assert np.abs(got - expected).max() < 1e-4
+
+
+def test_data_file_errors_name_the_line(tmp_path):
+    llm = npqwen.load("tiny")
+    good = json.dumps({"prompt": "2+2=", "completion": "4"})
+    cases = [("", r"no examples \(the file is empty\)"),
+             (good + "\n{not json", "line 2: not JSON"),
+             (good + "\n" + json.dumps({"text": "x"}), "line 2: an example is"),
+             (json.dumps({"prompt": "a", "completion": ""}), "line 1: no answer token"),
+             (json.dumps({"messages": [{"role": "user", "content": "hi"}]}), "line 1: an example is")]
+    for text, says in cases:
+        path = tmp_path / "data.jsonl"
+        path.write_text(text)
+        with pytest.raises(npqwen.NpqwenError, match=says):
+            ft.read_examples(path, llm.tokenizer)
+    path.write_text(good)
+    with pytest.raises(npqwen.NpqwenError, match="line 1: 5 tokens, more than --max-tokens 3"):
+        ft.read_examples(path, llm.tokenizer, max_tokens=3, too_long="refuse")
+    cut = ft.read_examples(path, llm.tokenizer, max_tokens=5)[0]
+    assert len(cut.ids) == 5 and cut.targets[-1] == -100
+
+
+DATA = [{"prompt": "2+2=", "completion": "4"}, {"prompt": "The sky is", "completion": " blue"},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+
+
+def write_data(path):
+    path.write_text("\n".join(json.dumps(x) for x in DATA) + "\n")
+    return path
+
+
+def test_a_run_resumed_from_its_checkpoint_ends_where_one_run_ends(tmp_path):
+    """6 steps at once, and 4 steps (with activation checkpointing) then a rerun to 6 from checkpoint-4: the same
+    adapter, bit for bit. Ctrl-C
+    leaves a checkpoint of the steps done; a loss that is not finite stops with the last checkpoint named."""
+    llm = npqwen.load("tiny")
+    examples = ft.read_examples(write_data(tmp_path / "data.jsonl"), llm.tokenizer)
+    run = dict(r=4, alpha=8, lr=1e-2, accumulate=2, save_every=2)
+    ft.finetune(llm.model, examples, tmp_path / "once", 6, **run)
+    ft.finetune(llm.model, examples, tmp_path / "twice", 4, checkpoint_activations=True, **run)
+    assert ft.latest_checkpoint(tmp_path / "twice").name == "checkpoint-4"
+    losses = ft.finetune(llm.model, examples, tmp_path / "twice", 6, **run)
+    assert len(losses) == 2
+    a, b = (npqwen.load("tiny", lora={"x": tmp_path / d}).lora_adapter("x").weights for d in ("once", "twice"))
+    assert all(np.array_equal(a[n], b[n]) for n in a)
+
+    def interrupt(step, loss, tokens):
+        if step == 3:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        ft.finetune(llm.model, examples, tmp_path / "stopped", 6, progress=interrupt, **run)
+    assert ft.latest_checkpoint(tmp_path / "stopped").name == "checkpoint-3"
+    with pytest.raises(npqwen.NpqwenError, match=r"the loss is not finite at optimizer step \d+ .*; the adapter was "
+                                                 r"not updated.*the last checkpoint is .*checkpoint-\d+"):
+        ft.finetune(llm.model, examples, tmp_path / "nan", 6, **dict(run, lr=1e30, save_every=1))
+
+
+def test_the_command_trains_and_generate_serves_the_adapter(tmp_path):
+    from npqwen.cli import main
+
+    data, out = write_data(tmp_path / "data.jsonl"), tmp_path / "adapter"
+    assert main(["finetune", "--model", "tiny", "--data", str(data), "--out", str(out), "--lora-r", "4",
+                 "--steps", "3", "--lr", "1e-2"]) == 0
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert main(["generate", "--model", "tiny", "--lora", f"ft={out}", "-p", "hi", "--max-new-tokens", "3"]) == 0
+    assert main(["finetune", "--model", "tiny", "--data", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 1
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3.5"])
+def test_adapter_gradients_equal_finite_differences(name):
+    """d loss / d every lora_A and lora_B (one element of each, at random) in float64, through Qwen3's seven
+    projections and Qwen3.5's Gated DeltaNet ones (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj)."""
+    from npqwen import grad, ops
+    from npqwen.lora import LINEAR_ATTENTION
+
+    llm, rng, eps = npqwen.load(name, dtype="float64"), np.random.default_rng(2), 1e-5
+    targets = ft.TARGETS + LINEAR_ATTENTION
+    adapter = ft.new_adapter(llm.model, r=2, alpha=4, targets=targets)
+    for n, a in adapter.weights.items():
+        a[...] = 0.3 * rng.standard_normal(a.shape)
+    ex = ft.example([5, 17, 33, 2], [101, 7, 64, 250])
+    ours = grad.gradients(llm.model, ex.ids, grad.loss(ex.targets), weights=False, lora=adapter).lora_grads
+    assert set(ours) == set(adapter.weights)
+
+    def loss():
+        return ops.cross_entropy(llm.model.forward(ex.ids, lora=adapter), ex.targets)
+    worst = []
+    for n, a in adapter.weights.items():
+        idx = tuple(int(rng.integers(s)) for s in a.shape)
+        old = a[idx]
+        a[idx] = old + eps
+        up = loss()
+        a[idx] = old - eps
+        down = loss()
+        a[idx] = old
+        worst.append((abs((up - down) / (2 * eps) - ours[n][idx]) / np.abs(ours[n]).max(), n))
+    worst.sort(reverse=True)
+    print(f"{name}: {len(ours)} adapter weights; worst relative differences {worst[:2]}")
+    assert worst[0][0] < 1e-6

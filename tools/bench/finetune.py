@@ -1,0 +1,119 @@
+"""finetune: one LoRA training step's speed and memory, npqwen (npqwen/finetune.py, no torch) against PEFT + torch
+float32 on the CPU. The Qwen3-0.6B shape with --finetune-layers (4) layers and the full vocabulary, random float32
+weights (its own checkpoint, built once), an adapter of rank 16 on all seven projections of every layer, one
+example of --finetune-tokens (256) random tokens per step (the loss on its second half), AdamW; tokens/s over
+--finetune-steps (3) steps after one untimed step, and the worker's peak RSS."""
+import json
+import sys
+import time
+
+from tools.bench.engines import CACHE_DIR
+
+NAME, WORKER, NEEDS = "finetune", "single", ()
+OWN_MODEL = True      # its workers load the checkpoint below, not --model
+TARGETS = [("finetune_vs_hf-float32", ">=", 0.8, "finetune: npqwen tokens/s vs PEFT + torch float32"),
+           ("finetune_memory_vs_hf-float32", "<=", 1.0, "finetune: npqwen peak RSS vs PEFT + torch float32")]
+
+
+def add_arguments(p):
+    p.add_argument("--finetune-layers", type=int, default=4, help="finetune: layers of the 0.6B-shaped model")
+    p.add_argument("--finetune-tokens", type=int, default=256, help="finetune: tokens of each step's example")
+    p.add_argument("--finetune-steps", type=int, default=3, help="finetune: steps timed")
+
+
+def runs_on(engine, args) -> bool:
+    return engine in ("npqwen", "hf-float32")
+
+
+def checkpoint(layers: int):
+    """A float32 Qwen3-0.6B-shaped checkpoint of `layers` layers and a fresh adapter on it, written once."""
+    import numpy as np
+
+    import npqwen
+    from npqwen.checkpoint import expected_shapes, save_safetensors
+    from npqwen.config import QWEN3_0_6B_CONFIG, Qwen3Config
+    from npqwen.finetune import new_adapter, save_adapter
+
+    path = CACHE_DIR / f"qwen3-0.6b-{layers}-layers-f32"
+    if (path / "adapter" / "adapter_model.safetensors").is_file():
+        return path
+    print(f"[bench] building {path} (once)", file=sys.stderr)
+    path.mkdir(parents=True, exist_ok=True)
+    config = dict(QWEN3_0_6B_CONFIG, num_hidden_layers=layers, max_window_layers=layers)
+    rng = np.random.default_rng(0)
+    save_safetensors(path / "model.safetensors", {
+        name: np.ones(shape, np.float32) if name.endswith("norm.weight") else
+        rng.standard_normal(shape, dtype=np.float32) * 0.02
+        for name, shape in expected_shapes(Qwen3Config.from_dict(config)).items()}, "F32")
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_adapter(new_adapter(npqwen.load(path).model, r=16, alpha=32), path / "adapter")
+    return path
+
+
+def run(engine, args, rng) -> dict:
+    import numpy as np
+
+    from npqwen.finetune import example
+    from tools.bench.machine import peak_rss_bytes
+
+    path, T = checkpoint(args.finetune_layers), args.finetune_tokens
+    data = np.random.default_rng(0)
+    examples = [example(data.integers(0, 150000, T // 2).tolist(), data.integers(0, 150000, T - T // 2).tolist())
+                for _ in range(args.finetune_steps + 1)]
+    if engine == "npqwen":
+        import npqwen
+        from npqwen.finetune import AdamW, train_step
+
+        llm = npqwen.load(path, lora={"a": path / "adapter"})
+        adapter = llm.lora_adapter("a")
+        optimizer = AdamW(adapter.weights, lr=1e-4)
+
+        def step(ex):
+            return train_step(llm.model, adapter, [ex], optimizer)          # forward, loss, backward, AdamW
+    else:
+        import peft
+        import torch
+        from transformers import Qwen3ForCausalLM
+
+        model = peft.PeftModel.from_pretrained(Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                               path / "adapter", is_trainable=True).train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+        def step(ex):
+            optimizer.zero_grad()
+            labels = torch.from_numpy(np.append(-100, ex.targets[:-1]))[None]   # HF shifts the labels itself
+            loss = model(input_ids=torch.from_numpy(ex.ids)[None], labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            return loss.item()
+    first = step(examples[0])                                                  # untimed
+    started = time.perf_counter()
+    for ex in examples[1:]:
+        step(ex)
+    seconds = time.perf_counter() - started
+    return {"finetune_tokens_per_s": args.finetune_steps * T / seconds, "finetune_first_loss": first,
+            "finetune_peak_rss_bytes": peak_rss_bytes()}
+
+
+def figures(report) -> dict:
+    ours, theirs, f = report["engines"].get("npqwen", {}), report["engines"].get("hf-float32", {}), {}
+    if "finetune_tokens_per_s" in ours and "finetune_tokens_per_s" in theirs:
+        f["finetune_vs_hf-float32"] = ours["finetune_tokens_per_s"] / theirs["finetune_tokens_per_s"]
+        f["finetune_memory_vs_hf-float32"] = ours["finetune_peak_rss_bytes"] / theirs["finetune_peak_rss_bytes"]
+    return f
+
+
+def rows(report) -> list:
+    from tools.bench.tables import row
+
+    return [row(report, "finetune_tokens_per_s", "LoRA training tokens/s"),
+            row(report, "finetune_peak_rss_bytes", "LoRA training peak RSS (GB)", "{:.2f}", 1e9),
+            row(report, "finetune_first_loss", "first step's loss", "{:.5f}")]
+
+
+def tables(report) -> list:
+    return []
+
+
+def notes(report) -> list[str]:
+    return []
