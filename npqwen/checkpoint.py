@@ -333,10 +333,14 @@ def expected_shapes(config: Qwen3Config, lm_head: bool = True) -> dict[str, tupl
 def attention_shapes(config: Qwen3Config, p: str) -> dict[str, tuple[int, ...]]:
     """A full-attention layer's tensors; Qwen3.5's q_proj yields each head's query and its output gate."""
     D, H, K, Dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    gate = 2 if config.hybrid else 1
-    return {f"{p}.self_attn.q_proj.weight": (gate * H * Dh, D), f"{p}.self_attn.k_proj.weight": (K * Dh, D),
-            f"{p}.self_attn.v_proj.weight": (K * Dh, D), f"{p}.self_attn.q_norm.weight": (Dh,),
-            f"{p}.self_attn.k_norm.weight": (Dh,), f"{p}.self_attn.o_proj.weight": (D, H * Dh)}
+    gate, a = 2 if config.hybrid else 1, f"{p}.self_attn"
+    shapes = {f"{a}.q_proj.weight": (gate * H * Dh, D), f"{a}.k_proj.weight": (K * Dh, D),
+              f"{a}.v_proj.weight": (K * Dh, D)}
+    if config.attention_bias:   # Qwen2: a bias on each of q, k, v (none on o_proj)
+        shapes.update({f"{a}.q_proj.bias": (H * Dh,), f"{a}.k_proj.bias": (K * Dh,), f"{a}.v_proj.bias": (K * Dh,)})
+    if config.qk_norm:          # Qwen3: one RMSNorm weight over a head's Dh values, for q and for k
+        shapes.update({f"{a}.q_norm.weight": (Dh,), f"{a}.k_norm.weight": (Dh,)})
+    return {**shapes, f"{a}.o_proj.weight": (D, H * Dh)}
 
 
 def shared_expert_shapes(config: Qwen3Config, p: str) -> dict[str, tuple[int, ...]]:
@@ -466,7 +470,7 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype, parts: dict | 
     for name, shape in shapes.items():
         if name not in found:
             raise NpqwenError(f"{directory}: tensor {name!r} is missing (expected shape {list(shape)}); "
-                              f"the checkpoint does not match its config.json")
+                              f"the checkpoint does not match its config.json{family_hint(config, name)}")
         if found[name].dtype not in STORED_DTYPES:
             raise NpqwenError(f"{found[name].file}: tensor {name!r} has dtype {found[name].dtype}; npqwen reads "
                               f"BF16, F16 and F32 (quantized checkpoints are unsupported)")
@@ -484,6 +488,16 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype, parts: dict | 
         else:
             read_tensor_part(found[name], array, *parts[name])
     return tie_lm_head(config, weights), fused
+
+
+def family_hint(config: Qwen3Config, missing: str) -> str:
+    """Why a Qwen2 checkpoint read as a Qwen3 (or the other way) lacks a tensor: QK-norm is Qwen3's, q/k/v biases
+    Qwen2's."""
+    if missing.endswith(("q_norm.weight", "k_norm.weight")):
+        return " (Qwen3 has QK-norm; a Qwen2 / Qwen2.5 checkpoint has none: its config.json says model_type 'qwen2')"
+    if missing.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+        return " (Qwen2 has biases on q, k and v; a Qwen3 checkpoint has none: model_type 'qwen3')"
+    return ""
 
 
 def check_fits(shapes: dict, xp, dtype, directory) -> None:
@@ -516,11 +530,13 @@ def allocate_weights(config: Qwen3Config, xp, dtype, shapes: dict | None = None)
         if config.is_moe_layer(i) and config.shared_expert_intermediate_size:   # Qwen3.5-MoE: the shared expert
             mlp = ((f"{p}.mlp.shared_expert.gate_up_proj.weight", ("gate_proj", "up_proj")),)
         attn = () if config.is_linear_layer(i) else ((f"{p}.self_attn.qkv_proj.weight", ("q_proj", "k_proj", "v_proj")),)
+        if attn and config.attention_bias:   # Qwen2: q, k, v's biases stacked the same way, (Q + 2K*Dh,)
+            attn += ((f"{p}.self_attn.qkv_proj.bias", ("q_proj", "k_proj", "v_proj")),)
         for stacked, parts in (*attn, *mlp):
             names = [stacked.replace("qkv_proj" if "qkv" in stacked else "gate_up_proj", part)
                      for part in parts]
             rows = [shapes[n][0] for n in names]
-            fused[stacked] = xp.empty((sum(rows), config.hidden_size), dtype=dtype)
+            fused[stacked] = xp.empty((sum(rows), *shapes[names[0]][1:]), dtype=dtype)
             for n, start, r in zip(names, np.cumsum([0] + rows), rows):
                 views[n] = fused[stacked][start:start + r]   # a view into the stacked matrix
     weights = {name: views[name] if name in views else xp.empty(shape, dtype=dtype)

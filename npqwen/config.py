@@ -4,6 +4,9 @@ Field names are the keys of Hugging Face's config.json, so `config.hidden_size` 
 `"hidden_size"` there. Unknown keys are ignored; a missing required key or a value of the
 wrong type is an NpqwenError that names the key.
 
+Qwen2 / Qwen2.5 ("qwen2") is dense Qwen3 without QK-norm and with biases on q, k and v: two derived
+fields, `qk_norm` and `attention_bias`, say so, and the attention step reads them (npqwen/model.py).
+
 Two model types: dense Qwen3 ("qwen3", e.g. Qwen3-0.6B) and the mixture of experts Qwen3-MoE
 ("qwen3_moe", e.g. Qwen3-30B-A3B), the same model except that most layers' MLP is a router
 and E small expert MLPs of which each token uses k (npqwen/moe.py). A dense config has
@@ -81,6 +84,10 @@ class Qwen3Config:
     rope_scaling: dict | None = None  # None, or {"rope_type": "linear" | "yarn", "factor": ..., ...}
     max_position_embeddings: int = 32768  # context length: positions 0 .. this - 1 (40960)
     tie_word_embeddings: bool = False     # lm_head.weight is model.embed_tokens.weight (True in 0.6B)
+    # Qwen2 / Qwen2.5 ("qwen2"): q, k and v have biases and there is no QK-norm; set from model_type (HF's
+    # Qwen2Attention always has the three biases and no o_proj bias, whatever config.json says)
+    attention_bias: bool = False    # q_proj, k_proj, v_proj add a bias (Qwen2); Qwen3's have none
+    qk_norm: bool = True            # RMSNorm over each head's q and k before RoPE (Qwen3); Qwen2 has none
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None  # 151645 (<|im_end|>) in Qwen3-0.6B
     # Mixture of experts ("qwen3_moe"; Qwen3-30B-A3B's values). router_aux_loss_coef and
@@ -161,6 +168,8 @@ class Qwen3Config:
     def model_type(self) -> str:
         if self.hybrid:
             return "qwen3_next" if self.qwen3_next else "qwen3_5_moe_text" if self.num_experts else "qwen3_5_text"
+        if not self.qk_norm:
+            return "qwen2"
         return "qwen3_moe" if self.num_experts else "qwen3"
 
     def is_moe_layer(self, i: int) -> bool:
@@ -192,7 +201,11 @@ class Qwen3Config:
             for key in HYBRID_KEYS:
                 raw.pop(key)
         raw.pop("hybrid")
-        architecture = "Qwen3MoeForCausalLM" if self.num_experts else "Qwen3ForCausalLM"
+        raw.pop("qk_norm")
+        if self.qk_norm:   # (a Qwen3's attention_bias is false; Qwen2's biases are implied by its model_type)
+            raw.pop("attention_bias")
+        architecture = "Qwen2ForCausalLM" if not self.qk_norm else \
+            "Qwen3MoeForCausalLM" if self.num_experts else "Qwen3ForCausalLM"
         architecture = ("Qwen3_5MoeForCausalLM" if self.num_experts else "Qwen3_5ForCausalLM") if self.hybrid \
             else architecture
         architecture = "Qwen3NextForCausalLM" if self.qwen3_next else architecture
@@ -210,12 +223,14 @@ class Qwen3Config:
             model_type += "_text"
             raw = {"tie_word_embeddings": raw.get("tie_word_embeddings", False), **raw["text_config"],
                    "model_type": model_type}
-        if model_type not in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
+        if model_type not in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen2"):
             raise NpqwenError(f"{source}: model_type is {model_type!r}, but npqwen runs Qwen3 checkpoints: "
                               f"model_type 'qwen3' (dense, e.g. Qwen/Qwen3-0.6B), 'qwen3_moe' (mixture of "
                               f"experts, e.g. Qwen/Qwen3-30B-A3B), or Qwen3.5's 'qwen3_5' / 'qwen3_5_text' "
-                              f"(e.g. Qwen/Qwen3.5-0.8B), 'qwen3_5_moe' and 'qwen3_next'")
+                              f"(e.g. Qwen/Qwen3.5-0.8B), 'qwen3_5_moe' and 'qwen3_next', and Qwen2.5's 'qwen2' "
+                              f"(e.g. Qwen/Qwen2.5-0.5B)")
         raw = dict(raw)
+        raw["qk_norm"] = model_type != "qwen2"   # Qwen2: no QK-norm, and q, k, v with biases (below)
         raw["hybrid"] = model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
         raw["qwen3_next"] = model_type == "qwen3_next"
         if model_type == "qwen3_next":   # transformers' Qwen3NextConfig defaults (Qwen3-Next-80B-A3B)
@@ -242,6 +257,7 @@ class Qwen3Config:
             for key in MOE_DEFAULTS:
                 raw.pop(key, None)
         _check_unsupported(raw, source)
+        raw["attention_bias"] = model_type == "qwen2"
         if not raw["hybrid"]:   # checked above; a Qwen3 has full attention over whole heads
             for key in HYBRID_KEYS:
                 raw.pop(key, None)
@@ -341,7 +357,7 @@ def _check_unsupported(raw: dict, source: str):
     """Qwen3 options that change the math and that npqwen does not implement."""
     if raw.get("hidden_act", "silu") != "silu":
         raise NpqwenError(f"{source}: hidden_act {raw['hidden_act']!r} is unsupported (Qwen3 uses 'silu')")
-    if raw.get("attention_bias"):
+    if raw.get("attention_bias") and raw.get("qk_norm"):   # (Qwen2's q/k/v biases are read; see from_dict)
         raise NpqwenError(f"{source}: attention_bias true is unsupported (Qwen3 checkpoints have none)")
     if raw.get("partial_rotary_factor", 1.0) != 1.0 and not raw.get("hybrid"):
         raise NpqwenError(f"{source}: partial_rotary_factor is unsupported (Qwen3 rotates the whole head)")

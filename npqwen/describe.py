@@ -76,6 +76,7 @@ def render(config: Qwen3Config, tensors: dict, source: str, lm_head: bool = True
     tower and multi-token-prediction head, which npqwen leaves on disk."""
     lines = [f"{source}", "", "config"]
     hidden = () if config.hybrid else (*HYBRID_KEYS, "hybrid", "qwen3_next")   # Qwen3 has no hybrid fields
+    hidden += ("attention_bias", "qk_norm") if config.qk_norm else ()          # shown for Qwen2, where they differ
     for field in dataclasses.fields(config):
         if (config.num_experts or field.name not in MOE_DEFAULTS) and field.name not in hidden:
             lines.append(f"  {field.name:<26} {getattr(config, field.name)}")
