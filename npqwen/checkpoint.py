@@ -275,6 +275,8 @@ def check_config_matches(config: Qwen3Config, found: dict[str, TensorInfo], sour
 def check_experts_match(config: Qwen3Config, found: dict[str, TensorInfo], source) -> None:
     """A Qwen3-MoE config against the experts stored, before the table of E x layers names is built."""
     fused = next((n for n in found if n.endswith(".mlp.experts.gate_up_proj")), None)
+    if config.fused_experts:   # Qwen3-VL-MoE: two tensors per layer, read by read_fused_experts
+        return
     if fused is not None:
         raise NpqwenError(f"{source}: the checkpoint stores its experts fused ({fused}), as transformers holds "
                           f"them in memory; npqwen reads the layout the hub and save_pretrained write, one "
@@ -467,7 +469,10 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype, parts: dict | 
     check_config_matches(config, found, directory)   # before any table is sized from the config
     lm_head = has_lm_head(config, found)
     shapes = expected_shapes(config, lm_head)
+    stacked = fused_expert_tensors(config, found, directory, parts)   # Qwen3-VL-MoE's two tensors per layer
     for name, shape in shapes.items():
+        if name in stacked.get(name.split(".experts.")[0] + ".experts", {}).get("names", ()):
+            continue   # an expert's projection, read from its layer's two tensors below
         if name not in found:
             raise NpqwenError(f"{directory}: tensor {name!r} is missing (expected shape {list(shape)}); "
                               f"the checkpoint does not match its config.json{family_hint(config, name)}")
@@ -477,17 +482,71 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype, parts: dict | 
         if found[name].shape != shape:
             raise NpqwenError(f"{directory}: tensor {name!r} has shape {list(found[name].shape)}, expected "
                               f"{list(shape)} from config.json; the checkpoint does not match its config.json")
-    warn_unused(found, config, shapes, directory)
+    read = {f"{p}.{part}": () for p in stacked for part in ("gate_up_proj", "down_proj")}   # (Qwen3-VL-MoE)
+    warn_unused(found, config, {**shapes, **read}, directory)
     if parts is not None:
         shapes = {name: shard_shape(shape, parts[name]) for name, shape in shapes.items()}
     check_fits(shapes, xp, dtype, directory)
     weights, fused = allocate_weights(config, xp, dtype, shapes)
+    for p, layer in stacked.items():   # (E, D, 2I) -> fused (E, 2I, D); (E, I, D) -> (E, D, I): one expert at a time
+        read_fused_experts(layer["stored"], fused[f"{p}.gate_up_proj"], fused[f"{p}.down_proj"])
     for name, array in weights.items():
+        if any(name in layer["names"] for layer in stacked.values()):
+            continue
         if parts is None or array.shape == found[name].shape:
             read_tensor(found[name], array)
         else:
             read_tensor_part(found[name], array, *parts[name])
     return tie_lm_head(config, weights), fused
+
+
+def fused_expert_tensors(config: Qwen3Config, found: dict, directory, parts) -> dict:
+    """Qwen3-VL-MoE's layout, checked: each sparse layer's experts as two tensors, mlp.experts.gate_up_proj
+    and mlp.experts.down_proj, either as transformers holds them, (E, 2I, D) (each expert's gate rows, then its up
+    rows) and (E, D, I), or as the hub's files store them, transposed for x @ W: (E, D, 2I) and (E, I, D).
+    As transformers does, a tensor whose shape is already the in-memory one is read as it is, any other is
+    transposed. Layer's experts prefix -> {"stored": [the two TensorInfos], "names": the per-expert HF names
+    they hold}; {} for every other checkpoint."""
+    if not config.fused_experts:
+        return {}
+    if parts is not None:
+        raise NpqwenError(f"{directory}: tensor parallelism does not split Qwen3-VL-MoE's stored expert tensors "
+                          f"(mlp.experts.gate_up_proj) yet; run it in one process")
+    E, I, D = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    layers = {}
+    for i in range(config.num_hidden_layers):
+        if not config.is_moe_layer(i):
+            continue
+        p = f"model.layers.{i}.mlp.experts"
+        stored = []
+        for name, shape in ((f"{p}.gate_up_proj", (E, 2 * I, D)), (f"{p}.down_proj", (E, D, I))):
+            if name not in found:
+                raise NpqwenError(f"{directory}: tensor {name!r} is missing (expected shape {list(shape)}, "
+                                  f"Qwen3-VL-MoE's experts); the checkpoint does not match its config.json")
+            info = found[name]
+            if info.shape not in (shape, (E, shape[2], shape[1])) or info.dtype not in STORED_DTYPES:
+                raise NpqwenError(f"{directory}: tensor {name!r} has shape {list(info.shape)} {info.dtype}, "
+                                  f"expected {list(shape)} or its transpose {[E, shape[2], shape[1]]} from "
+                                  f"config.json (E experts, D hidden, I expert width), in BF16, F16 or F32")
+            stored.append(info)
+        names = {f"{p}.{e}.{part}.weight" for e in range(E) for part in ("gate_proj", "up_proj", "down_proj")}
+        layers[p] = {"stored": stored, "names": names}
+    return layers
+
+
+def read_fused_experts(stored: list, gate_up, down):
+    """One layer's experts from Qwen3-VL-MoE's two stored tensors into npqwen's (transformers' in-memory) layout,
+    gate_up (E, 2I, D) and down (E, D, I), one expert's slab at a time: copied as it is, or transposed where the
+    file holds (E, D, 2I) and (E, I, D)."""
+    xp = xp_of(gate_up)
+    for info, out in zip(stored, (gate_up, down)):
+        slab = xp.empty(info.shape[1:], dtype=out.dtype)              # one expert as stored
+        per_expert = (info.end - info.start) // info.shape[0]         # its bytes
+        for e in range(info.shape[0]):
+            one = TensorInfo(info.name, info.file, info.dtype, info.shape[1:], info.start + e * per_expert,
+                             info.start + (e + 1) * per_expert)
+            read_tensor(one, slab)
+            out[e] = slab if slab.shape == out.shape[1:] else slab.T  # (2I, D) / (D, I), transposed if stored so
 
 
 def family_hint(config: Qwen3Config, missing: str) -> str:

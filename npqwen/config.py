@@ -6,6 +6,8 @@ wrong type is an NpqwenError that names the key.
 
 Qwen2 / Qwen2.5 ("qwen2") is dense Qwen3 without QK-norm and with biases on q, k and v: two derived
 fields, `qk_norm` and `attention_bias`, say so, and the attention step reads them (npqwen/model.py).
+Qwen3-VL's language model ("qwen3_vl", "qwen3_vl_moe" and their "_text" model types) is read as the Qwen3 or
+Qwen3-MoE it is for text (`qwen3_vl_text`).
 
 Two model types: dense Qwen3 ("qwen3", e.g. Qwen3-0.6B) and the mixture of experts Qwen3-MoE
 ("qwen3_moe", e.g. Qwen3-30B-A3B), the same model except that most layers' MLP is a router
@@ -88,6 +90,9 @@ class Qwen3Config:
     # Qwen2Attention always has the three biases and no o_proj bias, whatever config.json says)
     attention_bias: bool = False    # q_proj, k_proj, v_proj add a bias (Qwen2); Qwen3's have none
     qk_norm: bool = True            # RMSNorm over each head's q and k before RoPE (Qwen3); Qwen2 has none
+    # Qwen3-VL-MoE's hub layout ("qwen3_vl_moe"): each layer's experts stored as two tensors, x @ W oriented,
+    # mlp.experts.gate_up_proj (E, D, 2I) and mlp.experts.down_proj (E, I, D); set from model_type
+    fused_experts: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None  # 151645 (<|im_end|>) in Qwen3-0.6B
     # Mixture of experts ("qwen3_moe"; Qwen3-30B-A3B's values). router_aux_loss_coef and
@@ -202,6 +207,7 @@ class Qwen3Config:
                 raw.pop(key)
         raw.pop("hybrid")
         raw.pop("qk_norm")
+        raw.pop("fused_experts")
         if self.qk_norm:   # (a Qwen3's attention_bias is false; Qwen2's biases are implied by its model_type)
             raw.pop("attention_bias")
         architecture = "Qwen2ForCausalLM" if not self.qk_norm else \
@@ -218,6 +224,8 @@ class Qwen3Config:
         if not isinstance(raw, dict):
             raise NpqwenError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type")
+        if model_type in ("qwen3_vl", "qwen3_vl_moe", "qwen3_vl_text", "qwen3_vl_moe_text"):
+            raw, model_type = qwen3_vl_text(raw, model_type, source)   # Qwen3-VL's text model: a Qwen3 (-MoE)
         if model_type in ("qwen3_5", "qwen3_5_moe") and isinstance(raw.get("text_config"), dict):
             # the hub's Qwen3_5(Moe)ForConditionalGeneration: npqwen reads its text model (model.language_model.*)
             model_type += "_text"
@@ -291,6 +299,36 @@ class Qwen3Config:
         except (ValueError, UnicodeDecodeError, RecursionError) as e:   # ValueError: also a 5000-digit number
             raise NpqwenError(f"{path}: not valid JSON ({str(e)[:200]})") from None
         return cls.from_dict(raw, source=str(path))
+
+
+def qwen3_vl_text(raw: dict, model_type: str, source: str) -> tuple[dict, str]:
+    """Qwen3-VL's language model as the Qwen3 (or Qwen3-MoE) it is for text: the hub's
+    Qwen3VL(Moe)ForConditionalGeneration config is read for its text_config (model.language_model.* in the
+    weights; model.visual.* stays on disk). Its multimodal RoPE (mrope_section) gives each frequency the
+    position of one of three streams (time, height, width); text alone has all three equal to the token's
+    position, so it is plain RoPE over the whole head. Qwen3-VL-MoE's router always renormalises its k
+    weights, and its hub files store each layer's experts as two tensors (fused_experts)."""
+    if model_type in ("qwen3_vl", "qwen3_vl_moe"):
+        if not isinstance(raw.get("text_config"), dict):
+            raise NpqwenError(f"{source}: model_type {model_type!r} needs a text_config (the language model's "
+                              f"config); npqwen reads the text model of Qwen3-VL")
+        # transformers ties lm_head by the outer config's tie_word_embeddings (default false), not text_config's
+        raw = {**raw["text_config"], "tie_word_embeddings": raw.get("tie_word_embeddings", False)}
+    raw = dict(raw)
+    rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else raw.get("rope_scaling")
+    section = (rope or {}).get("mrope_section")
+    head_dim = raw.get("head_dim") or (raw.get("hidden_size", 0) // max(1, raw.get("num_attention_heads", 1)))
+    if section is not None and not (isinstance(section, list) and len(section) == 3
+                                    and all(isinstance(n, int) and n >= 0 for n in section)
+                                    and sum(section) == head_dim // 2):
+        raise NpqwenError(f"{source}: rope_parameters.mrope_section {section!r} is not Qwen3-VL's multimodal RoPE "
+                          f"(three counts of frequencies, for time, height and width, that add up to head_dim / 2 "
+                          f"= {head_dim // 2}); npqwen reads text only, where the three positions are equal, and "
+                          f"cannot say what this layout means")
+    if model_type.startswith("qwen3_vl_moe"):
+        raw.update(norm_topk_prob=True, fused_experts=True)
+        return raw, "qwen3_moe"
+    return raw, "qwen3"
 
 
 def _check_experts(config: Qwen3Config):

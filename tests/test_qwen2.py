@@ -185,7 +185,8 @@ def test_server_completion_equals_generate(tmp_path):
     llm = npqwen.load(path)
     live = LiveServer(llm, engine=Engine(llm, kv_cache_tokens=1024, page_size=16))
     try:
-        body = dict(model="test-model", prompt="Qwen2.5 has biases on", temperature=0, max_tokens=8, return_token_ids=True)
+        body = dict(model="test-model", prompt="Qwen2.5 has biases on", temperature=0, max_tokens=8,
+                    return_token_ids=True)
         status, out = http_json("POST", live.url + "/v1/completions", body)
         want = llm.generate("Qwen2.5 has biases on", max_new_tokens=8, temperature=0).token_ids
         assert status == 200, out
