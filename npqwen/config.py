@@ -226,12 +226,13 @@ class Qwen3Config:
         model_type = raw.get("model_type")
         if model_type in ("qwen4_exp", "qwen4_exp_text"):
             raise NpqwenError(f"{source}: model_type {model_type!r} (Qwen4-Exp, Qwen3.8-Flash-Next) is not runnable in "
-                              f"npqwen yet. It has two of its new parts, checked against transformers' modules: the "
-                              f"hyper-connection mixing (npqwen/hyper_connections.py) and PLE's n-gram hashing and "
-                              f"table lookup (npqwen/ple.py). Missing: QSA sparse attention (the indexer's block "
-                              f"selection over compressed keys), the PLE layer's dilated convolution and its "
-                              f"injection into the streams, the gated shared expert of its 512-expert MLP, MTP, and "
-                              f"the decoder layer that joins them; run it with transformers")
+                              f"npqwen yet. Its new parts that npqwen has, each checked against transformers' "
+                              f"module: the hyper-connection mixing (npqwen/hyper_connections.py), PLE's n-gram "
+                              f"hashing and table lookup (npqwen/ple.py), the QSA indexer's block selection "
+                              f"(npqwen/qsa.py); its gated shared expert is Qwen3.5-MoE's. Missing: attention over "
+                              f"the QSA selection with its paged cache of indexer keys, the PLE layer's dilated "
+                              f"convolution and projection into the streams, MTP, loading its checkpoint, and the "
+                              f"decoder layer that joins them; run it with transformers")
         if model_type in ("qwen3_vl", "qwen3_vl_moe", "qwen3_vl_text", "qwen3_vl_moe_text"):
             raw, model_type = qwen3_vl_text(raw, model_type, source)   # Qwen3-VL's text model: a Qwen3 (-MoE)
         if model_type in ("qwen3_5", "qwen3_5_moe") and isinstance(raw.get("text_config"), dict):

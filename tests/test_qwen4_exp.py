@@ -1,6 +1,7 @@
 """Qwen4-Exp (model_type "qwen4_exp"): the parts npqwen has, each checked against transformers' own module on a
-tiny random config (hyper-connection mixing, PLE's n-gram hashing and lookup), and the refusal that names what
-npqwen does not have yet (QSA, the PLE layer's convolution, the gated shared expert, MTP, the decoder layer)."""
+tiny random config (hyper-connection mixing, PLE's n-gram hashing and lookup, the QSA indexer's block selection,
+the gated shared expert MoE), and the refusal that names what npqwen does not have yet (attention over the QSA
+selection, the PLE layer's convolution, MTP, loading, the decoder layer)."""
 import json
 
 import numpy as np
@@ -87,7 +88,64 @@ def test_a_qwen4_exp_config_is_refused_naming_what_is_missing(tmp_path):
     with pytest.raises(NpqwenError) as error:
         npqwen.load(tmp_path)
     print(error.value)
-    for missing in ("QSA", "PLE layer", "gated shared expert", "MTP"):
+    for missing in ("attention over the QSA selection", "PLE layer", "MTP", "decoder layer"):
         assert missing in str(error.value)
-    for ok in ("npqwen/hyper_connections.py", "npqwen/ple.py"):
+    for ok in ("npqwen/hyper_connections.py", "npqwen/ple.py", "npqwen/qsa.py"):
         assert ok in str(error.value)
+
+
+@pytest.mark.parametrize("T, budget, r", [(37, 8, 4), (20, 12, 3), (5, 8, 4)])
+def test_qsa_block_selection_equals_hf(T, budget, r):
+    """The indexer's token selection for a causal prompt (blocks of r, budget // r kept, the tail always kept)."""
+    from npqwen import qsa
+
+    cfg = config(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=budget,
+                 indexer_compress_ratio=r, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                             "partial_rotary_factor": 0.5})
+    module = randomize(qwen4.Qwen4ExpTextQSAIndexer(cfg, layer_idx=0), seed=T)
+    x = torch.randn(1, T, 32)
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, 8, 2).float() / 8))                 # rotary over 8 of di = 16
+    freqs = torch.arange(T).float()[:, None] * inv_freq
+    cos, sin = torch.cat([freqs, freqs], -1).cos()[None], torch.cat([freqs, freqs], -1).sin()[None]
+    causal = torch.tril(torch.ones(T, T, dtype=torch.bool))[None, None]
+    with torch.no_grad():
+        want = module(x, (cos, sin), causal, cache=None)[0, 0].numpy()              # (T, S)
+    W = {n: p.detach().numpy() for n, p in module.named_parameters()}
+    q, keys = qsa.indexer_queries_keys(x[0].numpy(), W["index_qk_proj.weight"], W["q_layernorm.weight"], 2, 16,
+                                       cos[0].numpy(), sin[0].numpy(), cfg.rms_norm_eps)
+    chosen = qsa.select_tokens(q, keys, causal[0, 0].numpy(), W["k_layernorm.weight"], cos[0].numpy(),
+                               sin[0].numpy(), budget, r, cfg.rms_norm_eps)
+    got = qsa.selection_mask(chosen, T)
+    ties = 0
+    for t in np.unique(np.argwhere(got != want)[:, 0]):   # a difference may only swap blocks of equal score
+        seen = np.flatnonzero(causal[0, 0, t].numpy())
+        blocks = seen[:len(seen) // r * r].reshape(-1, r)
+        scores = qsa.block_scores(q[t], keys, blocks, W["k_layernorm.weight"], cos[0].numpy(), sin[0].numpy(),
+                                  cfg.rms_norm_eps)
+        ours, hf = (sorted(scores[[b for b in range(len(blocks)) if m[blocks[b]].all()]]) for m in (got[t], want[t]))
+        assert np.allclose(ours, hf, atol=1e-6) and (got[t, seen[len(blocks) * r:]] == want[t, seen[len(blocks) * r:]]
+                                                     ).all(), (t, ours, hf)
+        ties += 1
+    print(f"T={T} budget={budget} r={r}: {int(got.sum())} of {int(causal.sum())} visible kept; queries that "
+          f"kept another block of the same score: {ties}")
+    assert all(len(c) <= budget + r - 1 for c in chosen) and ties <= T // 4
+
+
+def test_the_gated_shared_expert_moe_is_npqwens_qwen3_5_moe_block():
+    """Qwen4-Exp's MLP (router, experts, sigmoid-gated shared expert) is the block npqwen runs for Qwen3.5-MoE:
+    moe.route + moe.experts + sigmoid(shared_expert_gate x) * SwiGLU, on HF's module's weights."""
+    from npqwen import moe, ops
+
+    cfg = config(num_experts=8, num_experts_per_tok=3)
+    module = randomize(qwen4.Qwen4ExpTextSparseMoeBlock(cfg))
+    x = torch.randn(1, 11, 32)
+    with torch.no_grad():
+        want = module(x)[0]
+    W = {n: p.detach().numpy() for n, p in module.named_parameters()}
+    xs = x[0].numpy()
+    _, chosen, weights = moe.route(xs, W["gate.weight"], 3, True)
+    out = moe.experts(xs, chosen, weights, W["experts.gate_up_proj"], W["experts.down_proj"])     # (T, D)
+    shared = ops.linear(ops.silu(ops.linear(xs, W["shared_expert.gate_proj.weight"]))
+                        * ops.linear(xs, W["shared_expert.up_proj.weight"]), W["shared_expert.down_proj.weight"])
+    close("sparse MoE + gated shared expert", out + ops.sigmoid(ops.linear(xs, W["shared_expert_gate.weight"]))
+          * shared, want)
