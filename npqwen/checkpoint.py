@@ -275,6 +275,8 @@ def check_config_matches(config: Qwen3Config, found: dict[str, TensorInfo], sour
 def check_experts_match(config: Qwen3Config, found: dict[str, TensorInfo], source) -> None:
     """A Qwen3-MoE config against the experts stored, before the table of E x layers names is built."""
     fused = next((n for n in found if n.endswith(".mlp.experts.gate_up_proj")), None)
+    if config.fused_experts:   # Qwen3-VL-MoE: two tensors per layer, read by read_fused_experts
+        return
     if fused is not None:
         raise NpqwenError(f"{source}: the checkpoint stores its experts fused ({fused}), as transformers holds "
                           f"them in memory; npqwen reads the layout the hub and save_pretrained write, one "
@@ -334,10 +336,14 @@ def expected_shapes(config: Qwen3Config, lm_head: bool = True) -> dict[str, tupl
 def attention_shapes(config: Qwen3Config, p: str) -> dict[str, tuple[int, ...]]:
     """A full-attention layer's tensors; Qwen3.5's q_proj yields each head's query and its output gate."""
     D, H, K, Dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    gate = 2 if config.hybrid else 1
-    return {f"{p}.self_attn.q_proj.weight": (gate * H * Dh, D), f"{p}.self_attn.k_proj.weight": (K * Dh, D),
-            f"{p}.self_attn.v_proj.weight": (K * Dh, D), f"{p}.self_attn.q_norm.weight": (Dh,),
-            f"{p}.self_attn.k_norm.weight": (Dh,), f"{p}.self_attn.o_proj.weight": (D, H * Dh)}
+    gate, a = 2 if config.hybrid else 1, f"{p}.self_attn"
+    shapes = {f"{a}.q_proj.weight": (gate * H * Dh, D), f"{a}.k_proj.weight": (K * Dh, D),
+              f"{a}.v_proj.weight": (K * Dh, D)}
+    if config.attention_bias:   # Qwen2: a bias on each of q, k, v (none on o_proj)
+        shapes.update({f"{a}.q_proj.bias": (H * Dh,), f"{a}.k_proj.bias": (K * Dh,), f"{a}.v_proj.bias": (K * Dh,)})
+    if config.qk_norm:          # Qwen3: one RMSNorm weight over a head's Dh values, for q and for k
+        shapes.update({f"{a}.q_norm.weight": (Dh,), f"{a}.k_norm.weight": (Dh,)})
+    return {**shapes, f"{a}.o_proj.weight": (D, H * Dh)}
 
 
 def shared_expert_shapes(config: Qwen3Config, p: str) -> dict[str, tuple[int, ...]]:
@@ -464,27 +470,94 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype, parts: dict | 
     check_config_matches(config, found, directory)   # before any table is sized from the config
     lm_head = has_lm_head(config, found)
     shapes = expected_shapes(config, lm_head)
+    stacked = fused_expert_tensors(config, found, directory, parts)   # Qwen3-VL-MoE's two tensors per layer
     for name, shape in shapes.items():
+        if name in stacked.get(name.split(".experts.")[0] + ".experts", {}).get("names", ()):
+            continue   # an expert's projection, read from its layer's two tensors below
         if name not in found:
             raise NpqwenError(f"{directory}: tensor {name!r} is missing (expected shape {list(shape)}); "
-                              f"the checkpoint does not match its config.json")
+                              f"the checkpoint does not match its config.json{family_hint(config, name)}")
         if found[name].dtype not in STORED_DTYPES:
             raise NpqwenError(f"{found[name].file}: tensor {name!r} has dtype {found[name].dtype}; npqwen reads "
                               f"BF16, F16 and F32 (quantized checkpoints are unsupported)")
         if found[name].shape != shape:
             raise NpqwenError(f"{directory}: tensor {name!r} has shape {list(found[name].shape)}, expected "
                               f"{list(shape)} from config.json; the checkpoint does not match its config.json")
-    warn_unused(found, config, shapes, directory)
+    read = {f"{p}.{part}": () for p in stacked for part in ("gate_up_proj", "down_proj")}   # (Qwen3-VL-MoE)
+    warn_unused(found, config, {**shapes, **read}, directory)
     if parts is not None:
         shapes = {name: shard_shape(shape, parts[name]) for name, shape in shapes.items()}
     check_fits(shapes, xp, dtype, directory)
     weights, fused = allocate_weights(config, xp, dtype, shapes)
+    for p, layer in stacked.items():   # (E, D, 2I) -> fused (E, 2I, D); (E, I, D) -> (E, D, I): one expert at a time
+        read_fused_experts(layer["stored"], fused[f"{p}.gate_up_proj"], fused[f"{p}.down_proj"])
     for name, array in weights.items():
+        if any(name in layer["names"] for layer in stacked.values()):
+            continue
         if parts is None or array.shape == found[name].shape:
             read_tensor(found[name], array)
         else:
             read_tensor_part(found[name], array, *parts[name])
     return tie_lm_head(config, weights), fused
+
+
+def fused_expert_tensors(config: Qwen3Config, found: dict, directory, parts) -> dict:
+    """Qwen3-VL-MoE's layout, checked: each sparse layer's experts as two tensors, mlp.experts.gate_up_proj
+    and mlp.experts.down_proj, either as transformers holds them, (E, 2I, D) (each expert's gate rows, then its up
+    rows) and (E, D, I), or as the hub's files store them, transposed for x @ W: (E, D, 2I) and (E, I, D).
+    As transformers does, a tensor whose shape is already the in-memory one is read as it is, any other is
+    transposed. Layer's experts prefix -> {"stored": [the two TensorInfos], "names": the per-expert HF names
+    they hold}; {} for every other checkpoint."""
+    if not config.fused_experts:
+        return {}
+    if parts is not None:
+        raise NpqwenError(f"{directory}: tensor parallelism does not split Qwen3-VL-MoE's stored expert tensors "
+                          f"(mlp.experts.gate_up_proj) yet; run it in one process")
+    E, I, D = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    layers = {}
+    for i in range(config.num_hidden_layers):
+        if not config.is_moe_layer(i):
+            continue
+        p = f"model.layers.{i}.mlp.experts"
+        stored = []
+        for name, shape in ((f"{p}.gate_up_proj", (E, 2 * I, D)), (f"{p}.down_proj", (E, D, I))):
+            if name not in found:
+                raise NpqwenError(f"{directory}: tensor {name!r} is missing (expected shape {list(shape)}, "
+                                  f"Qwen3-VL-MoE's experts); the checkpoint does not match its config.json")
+            info = found[name]
+            if info.shape not in (shape, (E, shape[2], shape[1])) or info.dtype not in STORED_DTYPES:
+                raise NpqwenError(f"{directory}: tensor {name!r} has shape {list(info.shape)} {info.dtype}, "
+                                  f"expected {list(shape)} or its transpose {[E, shape[2], shape[1]]} from "
+                                  f"config.json (E experts, D hidden, I expert width), in BF16, F16 or F32")
+            stored.append(info)
+        names = {f"{p}.{e}.{part}.weight" for e in range(E) for part in ("gate_proj", "up_proj", "down_proj")}
+        layers[p] = {"stored": stored, "names": names}
+    return layers
+
+
+def read_fused_experts(stored: list, gate_up, down):
+    """One layer's experts from Qwen3-VL-MoE's two stored tensors into npqwen's (transformers' in-memory) layout,
+    gate_up (E, 2I, D) and down (E, D, I), one expert's slab at a time: copied as it is, or transposed where the
+    file holds (E, D, 2I) and (E, I, D)."""
+    xp = xp_of(gate_up)
+    for info, out in zip(stored, (gate_up, down)):
+        slab = xp.empty(info.shape[1:], dtype=out.dtype)              # one expert as stored
+        per_expert = (info.end - info.start) // info.shape[0]         # its bytes
+        for e in range(info.shape[0]):
+            one = TensorInfo(info.name, info.file, info.dtype, info.shape[1:], info.start + e * per_expert,
+                             info.start + (e + 1) * per_expert)
+            read_tensor(one, slab)
+            out[e] = slab if slab.shape == out.shape[1:] else slab.T  # (2I, D) / (D, I), transposed if stored so
+
+
+def family_hint(config: Qwen3Config, missing: str) -> str:
+    """Why a Qwen2 checkpoint read as a Qwen3 (or the other way) lacks a tensor: QK-norm is Qwen3's, q/k/v biases
+    Qwen2's."""
+    if missing.endswith(("q_norm.weight", "k_norm.weight")):
+        return " (Qwen3 has QK-norm; a Qwen2 / Qwen2.5 checkpoint has none: its config.json says model_type 'qwen2')"
+    if missing.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+        return " (Qwen2 has biases on q, k and v; a Qwen3 checkpoint has none: model_type 'qwen3')"
+    return ""
 
 
 def check_fits(shapes: dict, xp, dtype, directory) -> None:
@@ -517,11 +590,13 @@ def allocate_weights(config: Qwen3Config, xp, dtype, shapes: dict | None = None)
         if config.is_moe_layer(i) and config.shared_expert_intermediate_size:   # Qwen3.5-MoE: the shared expert
             mlp = ((f"{p}.mlp.shared_expert.gate_up_proj.weight", ("gate_proj", "up_proj")),)
         attn = () if config.is_linear_layer(i) else ((f"{p}.self_attn.qkv_proj.weight", ("q_proj", "k_proj", "v_proj")),)
+        if attn and config.attention_bias:   # Qwen2: q, k, v's biases stacked the same way, (Q + 2K*Dh,)
+            attn += ((f"{p}.self_attn.qkv_proj.bias", ("q_proj", "k_proj", "v_proj")),)
         for stacked, parts in (*attn, *mlp):
             names = [stacked.replace("qkv_proj" if "qkv" in stacked else "gate_up_proj", part)
                      for part in parts]
             rows = [shapes[n][0] for n in names]
-            fused[stacked] = xp.empty((sum(rows), config.hidden_size), dtype=dtype)
+            fused[stacked] = xp.empty((sum(rows), *shapes[names[0]][1:]), dtype=dtype)
             for n, start, r in zip(names, np.cumsum([0] + rows), rows):
                 views[n] = fused[stacked][start:start + r]   # a view into the stacked matrix
     weights = {name: views[name] if name in views else xp.empty(shape, dtype=dtype)

@@ -46,7 +46,8 @@ def no_progress_bars():
 # config.json's model_type -> the transformers class that reads the checkpoint
 HF_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
               "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-              "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3_next": "Qwen3NextForCausalLM"}
+              "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3_next": "Qwen3NextForCausalLM",
+              "qwen2": "Qwen2ForCausalLM"}
 
 
 def hf_model(path: Path):
@@ -111,7 +112,8 @@ def hf_reference(llm, ids) -> dict:
             on(attn, f"{p}.mixer")
         else:
             attn = layer.self_attn
-            for part in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "o_proj"):
+            norms = ("q_norm", "k_norm") if llm.config.qk_norm else ()   # Qwen2 has no QK-norm
+            for part in ("q_proj", "k_proj", "v_proj", *norms, "o_proj"):
                 on(getattr(attn, part), f"{p}.self_attn.{part}")
             on(attn.o_proj, f"{p}.self_attn.attn_output", arg)
             on(attn, f"{p}.mixer", lambda a, k, o: o[0])
@@ -140,8 +142,12 @@ def hf_reference(llm, ids) -> dict:
                 continue
             # Steps HF has no module for, computed from what the hooks saw with HF's own functions.
             rope = sys.modules[type(layer.self_attn).__module__].apply_rotary_pos_emb   # (Qwen3.5's: partial)
-            q, k = rope(refs[f"{p}.self_attn.q_norm"].transpose(1, 2), refs[f"{p}.self_attn.k_norm"].transpose(1, 2),
-                        refs["model.rotary_emb.cos"], refs["model.rotary_emb.sin"])
+            q, k = (refs[f"{p}.self_attn.{n}"] for n in (("q_norm", "k_norm") if llm.config.qk_norm else
+                                                          ("q_proj", "k_proj")))     # Qwen2: RoPE turns q_proj's q
+            if not llm.config.qk_norm:   # (T, H*Dh) -> (1, T, H, Dh), as q_norm's output is shaped
+                q, k = (a.view(1, len(ids), -1, llm.config.head_dim) for a in (q, k))
+            cos, sin = refs["model.rotary_emb.cos"], refs["model.rotary_emb.sin"]
+            q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             refs[f"{p}.self_attn.q_rope"], refs[f"{p}.self_attn.k_rope"] = q.transpose(1, 2), k.transpose(1, 2)
             if llm.config.hybrid:   # o_proj reads the output after Qwen3.5's gate; npqwen's attn_output is before it
                 probs, v = refs[f"{p}.self_attn.attn_probs"], refs[f"{p}.self_attn.v_proj"]     # (1, H, T, T)

@@ -4,6 +4,11 @@ Field names are the keys of Hugging Face's config.json, so `config.hidden_size` 
 `"hidden_size"` there. Unknown keys are ignored; a missing required key or a value of the
 wrong type is an NpqwenError that names the key.
 
+Qwen2 / Qwen2.5 ("qwen2") is dense Qwen3 without QK-norm and with biases on q, k and v: two derived
+fields, `qk_norm` and `attention_bias`, say so, and the attention step reads them (npqwen/model.py).
+Qwen3-VL's language model ("qwen3_vl", "qwen3_vl_moe" and their "_text" model types) is read as the Qwen3 or
+Qwen3-MoE it is for text (`qwen3_vl_text`).
+
 Two model types: dense Qwen3 ("qwen3", e.g. Qwen3-0.6B) and the mixture of experts Qwen3-MoE
 ("qwen3_moe", e.g. Qwen3-30B-A3B), the same model except that most layers' MLP is a router
 and E small expert MLPs of which each token uses k (npqwen/moe.py). A dense config has
@@ -81,6 +86,13 @@ class Qwen3Config:
     rope_scaling: dict | None = None  # None, or {"rope_type": "linear" | "yarn", "factor": ..., ...}
     max_position_embeddings: int = 32768  # context length: positions 0 .. this - 1 (40960)
     tie_word_embeddings: bool = False     # lm_head.weight is model.embed_tokens.weight (True in 0.6B)
+    # Qwen2 / Qwen2.5 ("qwen2"): q, k and v have biases and there is no QK-norm; set from model_type (HF's
+    # Qwen2Attention always has the three biases and no o_proj bias, whatever config.json says)
+    attention_bias: bool = False    # q_proj, k_proj, v_proj add a bias (Qwen2); Qwen3's have none
+    qk_norm: bool = True            # RMSNorm over each head's q and k before RoPE (Qwen3); Qwen2 has none
+    # Qwen3-VL-MoE's hub layout ("qwen3_vl_moe"): each layer's experts stored as two tensors, x @ W oriented,
+    # mlp.experts.gate_up_proj (E, D, 2I) and mlp.experts.down_proj (E, I, D); set from model_type
+    fused_experts: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None  # 151645 (<|im_end|>) in Qwen3-0.6B
     # Mixture of experts ("qwen3_moe"; Qwen3-30B-A3B's values). router_aux_loss_coef and
@@ -161,6 +173,8 @@ class Qwen3Config:
     def model_type(self) -> str:
         if self.hybrid:
             return "qwen3_next" if self.qwen3_next else "qwen3_5_moe_text" if self.num_experts else "qwen3_5_text"
+        if not self.qk_norm:
+            return "qwen2"
         return "qwen3_moe" if self.num_experts else "qwen3"
 
     def is_moe_layer(self, i: int) -> bool:
@@ -192,7 +206,12 @@ class Qwen3Config:
             for key in HYBRID_KEYS:
                 raw.pop(key)
         raw.pop("hybrid")
-        architecture = "Qwen3MoeForCausalLM" if self.num_experts else "Qwen3ForCausalLM"
+        raw.pop("qk_norm")
+        raw.pop("fused_experts")
+        if self.qk_norm:   # (a Qwen3's attention_bias is false; Qwen2's biases are implied by its model_type)
+            raw.pop("attention_bias")
+        architecture = "Qwen2ForCausalLM" if not self.qk_norm else \
+            "Qwen3MoeForCausalLM" if self.num_experts else "Qwen3ForCausalLM"
         architecture = ("Qwen3_5MoeForCausalLM" if self.num_experts else "Qwen3_5ForCausalLM") if self.hybrid \
             else architecture
         architecture = "Qwen3NextForCausalLM" if self.qwen3_next else architecture
@@ -205,6 +224,17 @@ class Qwen3Config:
         if not isinstance(raw, dict):
             raise NpqwenError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type")
+        if model_type in ("qwen4_exp", "qwen4_exp_text"):
+            raise NpqwenError(f"{source}: model_type {model_type!r} (Qwen4-Exp, Qwen3.8-Flash-Next) is not runnable in "
+                              f"npqwen yet. Its new parts that npqwen has, each checked against transformers' "
+                              f"module: the hyper-connection mixing (npqwen/hyper_connections.py), PLE's n-gram "
+                              f"hashing and table lookup (npqwen/ple.py), the QSA indexer's block selection "
+                              f"(npqwen/qsa.py); its gated shared expert is Qwen3.5-MoE's. Missing: attention over "
+                              f"the QSA selection with its paged cache of indexer keys, the PLE layer's dilated "
+                              f"convolution and projection into the streams, MTP, loading its checkpoint, and the "
+                              f"decoder layer that joins them; run it with transformers")
+        if model_type in ("qwen3_vl", "qwen3_vl_moe", "qwen3_vl_text", "qwen3_vl_moe_text"):
+            raw, model_type = qwen3_vl_text(raw, model_type, source)   # Qwen3-VL's text model: a Qwen3 (-MoE)
         if model_type in ("qwen3_5", "qwen3_5_moe") and isinstance(raw.get("text_config"), dict):
             # the hub's Qwen3_5(Moe)ForConditionalGeneration: npqwen reads its text model (model.language_model.*).
             # Its lm_head is the outer model's, tied as the top-level config says (transformers reads the model's
@@ -212,12 +242,14 @@ class Qwen3Config:
             model_type += "_text"
             raw = {**raw["text_config"], "tie_word_embeddings": raw.get("tie_word_embeddings", False),
                    "model_type": model_type}
-        if model_type not in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
+        if model_type not in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen2"):
             raise NpqwenError(f"{source}: model_type is {model_type!r}, but npqwen runs Qwen3 checkpoints: "
                               f"model_type 'qwen3' (dense, e.g. Qwen/Qwen3-0.6B), 'qwen3_moe' (mixture of "
                               f"experts, e.g. Qwen/Qwen3-30B-A3B), or Qwen3.5's 'qwen3_5' / 'qwen3_5_text' "
-                              f"(e.g. Qwen/Qwen3.5-0.8B), 'qwen3_5_moe' and 'qwen3_next'")
+                              f"(e.g. Qwen/Qwen3.5-0.8B), 'qwen3_5_moe' and 'qwen3_next', and Qwen2.5's 'qwen2' "
+                              f"(e.g. Qwen/Qwen2.5-0.5B)")
         raw = dict(raw)
+        raw["qk_norm"] = model_type != "qwen2"   # Qwen2: no QK-norm, and q, k, v with biases (below)
         raw["hybrid"] = model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
         raw["qwen3_next"] = model_type == "qwen3_next"
         if model_type == "qwen3_next":   # transformers' Qwen3NextConfig defaults (Qwen3-Next-80B-A3B)
@@ -244,6 +276,7 @@ class Qwen3Config:
             for key in MOE_DEFAULTS:
                 raw.pop(key, None)
         _check_unsupported(raw, source)
+        raw["attention_bias"] = model_type == "qwen2"
         if not raw["hybrid"]:   # checked above; a Qwen3 has full attention over whole heads
             for key in HYBRID_KEYS:
                 raw.pop(key, None)
@@ -277,6 +310,36 @@ class Qwen3Config:
         except (ValueError, UnicodeDecodeError, RecursionError) as e:   # ValueError: also a 5000-digit number
             raise NpqwenError(f"{path}: not valid JSON ({str(e)[:200]})") from None
         return cls.from_dict(raw, source=str(path))
+
+
+def qwen3_vl_text(raw: dict, model_type: str, source: str) -> tuple[dict, str]:
+    """Qwen3-VL's language model as the Qwen3 (or Qwen3-MoE) it is for text: the hub's
+    Qwen3VL(Moe)ForConditionalGeneration config is read for its text_config (model.language_model.* in the
+    weights; model.visual.* stays on disk). Its multimodal RoPE (mrope_section) gives each frequency the
+    position of one of three streams (time, height, width); text alone has all three equal to the token's
+    position, so it is plain RoPE over the whole head. Qwen3-VL-MoE's router always renormalises its k
+    weights, and its hub files store each layer's experts as two tensors (fused_experts)."""
+    if model_type in ("qwen3_vl", "qwen3_vl_moe"):
+        if not isinstance(raw.get("text_config"), dict):
+            raise NpqwenError(f"{source}: model_type {model_type!r} needs a text_config (the language model's "
+                              f"config); npqwen reads the text model of Qwen3-VL")
+        # transformers ties lm_head by the outer config's tie_word_embeddings (default false), not text_config's
+        raw = {**raw["text_config"], "tie_word_embeddings": raw.get("tie_word_embeddings", False)}
+    raw = dict(raw)
+    rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else raw.get("rope_scaling")
+    section = (rope or {}).get("mrope_section")
+    head_dim = raw.get("head_dim") or (raw.get("hidden_size", 0) // max(1, raw.get("num_attention_heads", 1)))
+    if section is not None and not (isinstance(section, list) and len(section) == 3
+                                    and all(isinstance(n, int) and n >= 0 for n in section)
+                                    and sum(section) == head_dim // 2):
+        raise NpqwenError(f"{source}: rope_parameters.mrope_section {section!r} is not Qwen3-VL's multimodal RoPE "
+                          f"(three counts of frequencies, for time, height and width, that add up to head_dim / 2 "
+                          f"= {head_dim // 2}); npqwen reads text only, where the three positions are equal, and "
+                          f"cannot say what this layout means")
+    if model_type.startswith("qwen3_vl_moe"):
+        raw.update(norm_topk_prob=True, fused_experts=True)
+        return raw, "qwen3_moe"
+    return raw, "qwen3"
 
 
 def _check_experts(config: Qwen3Config):
@@ -343,7 +406,7 @@ def _check_unsupported(raw: dict, source: str):
     """Qwen3 options that change the math and that npqwen does not implement."""
     if raw.get("hidden_act", "silu") != "silu":
         raise NpqwenError(f"{source}: hidden_act {raw['hidden_act']!r} is unsupported (Qwen3 uses 'silu')")
-    if raw.get("attention_bias"):
+    if raw.get("attention_bias") and raw.get("qk_norm"):   # (Qwen2's q/k/v biases are read; see from_dict)
         raise NpqwenError(f"{source}: attention_bias true is unsupported (Qwen3 checkpoints have none)")
     if raw.get("partial_rotary_factor", 1.0) != 1.0 and not raw.get("hybrid"):
         raise NpqwenError(f"{source}: partial_rotary_factor is unsupported (Qwen3 rotates the whole head)")

@@ -9,8 +9,8 @@ import dataclasses
 import math
 import re
 
-from .checkpoint import (MAX_NAMES_IN_WARNING, canonical_names, check_config_matches, expected_shapes, has_lm_head,
-                         index_checkpoint, parameter_counts)
+from .checkpoint import (MAX_NAMES_IN_WARNING, canonical_names, check_config_matches, expected_shapes,
+                         fused_expert_tensors, has_lm_head, index_checkpoint, parameter_counts)
 from .config import HYBRID_KEYS, MOE_DEFAULTS, Qwen3Config
 from .hub import resolve_model
 
@@ -45,6 +45,10 @@ def describe(model: str, device: str = "cpu", dtype: str = "float32") -> str:
         found = canonical_names(index_checkpoint(path))   # a Qwen3Model checkpoint's names get the model. prefix
         check_config_matches(config, found, path)   # before render sizes its table from the config
         tensors = {n: (t.shape, t.dtype) for n, t in found.items()}
+        if config.fused_experts:   # Qwen3-VL-MoE: each expert's projections are slices of its layer's two tensors
+            shapes = expected_shapes(config)
+            for layer in fused_expert_tensors(config, found, path, None).values():
+                tensors.update({n: (shapes[n], layer["stored"][0].dtype) for n in layer["names"]})
         unread = [n for n in index_checkpoint(path) if n.startswith(("model.visual.", "mtp."))]
         return render(config, tensors, source, lm_head=has_lm_head(config, found), unread=unread, dtype=dtype)
     return render(config, tensors, source)
@@ -77,6 +81,8 @@ def render(config: Qwen3Config, tensors: dict, source: str, lm_head: bool = True
     tower and multi-token-prediction head, which npqwen leaves on disk."""
     lines = [f"{source}", "", "config"]
     hidden = () if config.hybrid else (*HYBRID_KEYS, "hybrid", "qwen3_next")   # Qwen3 has no hybrid fields
+    hidden += ("attention_bias", "qk_norm") if config.qk_norm else ()          # shown for Qwen2, where they differ
+    hidden += () if config.fused_experts else ("fused_experts",)                # shown for Qwen3-VL-MoE
     for field in dataclasses.fields(config):
         if (config.num_experts or field.name not in MOE_DEFAULTS) and field.name not in hidden:
             lines.append(f"  {field.name:<26} {getattr(config, field.name)}")

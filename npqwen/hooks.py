@@ -29,7 +29,8 @@ def step_names(config) -> list[str]:
     names = ["model.embed_tokens", "model.rotary_emb.cos", "model.rotary_emb.sin"]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
-        attn = [f"{p}.self_attn.{s}" for s in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "q_rope", "k_rope",
+        norms = ("q_norm", "k_norm") if config.qk_norm else ()   # Qwen2 has no QK-norm
+        attn = [f"{p}.self_attn.{s}" for s in ("q_proj", "k_proj", "v_proj", *norms, "q_rope", "k_rope",
                                                 "attn_probs", "attn_output", "o_proj")]
         if config.is_linear_layer(i):   # Qwen3.5 / Qwen3-Next: Gated DeltaNet (model.linear_attn)
             projections = ("in_proj_qkvz", "in_proj_ba") if config.qwen3_next else \

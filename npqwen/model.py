@@ -16,8 +16,9 @@ value heads of the linear layers (and their states); D is whole.
 
 forward: embed -> for each layer: x += attention(norm(x)); x += mlp(norm(x)) -> norm -> lm_head.
 Attention normalises q and k per head (QK-norm) *before* RoPE, rotates split halves, and
-lets G query heads share one key/value head (GQA). In Qwen3-MoE the MLP of most layers is
-sparse (`sparse_moe`, npqwen/moe.py): a router picks k experts per token.
+lets G query heads share one key/value head (GQA). Qwen2 / Qwen2.5 is the same pass with biases on
+q, k and v and no QK-norm (config.attention_bias, config.qk_norm: one line each in self_attn).
+In Qwen3-MoE the MLP of most layers is sparse (`sparse_moe`, npqwen/moe.py): a router picks k experts per token.
 
 The model knows nothing of requests. A `Batch` says which tokens run, at which positions, and
 which pages of the `KVCache` hold each sequence's keys and values (both in npqwen/kv_cache.py);
@@ -227,15 +228,18 @@ class Qwen3:
         T, H, K, Dh, Q = x.shape[0], self.heads, self.kv_heads, cfg.head_dim, self.q_width
         # q_proj, k_proj, v_proj in one matmul: qkv_proj stacks their rows
         qkv = ops.linear(x, self.fused[f"{p}.qkv_proj.weight"])                # (T, Q + 2K*Dh)
+        if cfg.attention_bias:   # Qwen2: q, k and v add their biases, stacked as their rows are
+            qkv = qkv + self.fused[f"{p}.qkv_proj.bias"]                       # (T, Q + 2K*Dh) + (Q + 2K*Dh,)
         qkv = lora.add(qkv, x, loras, f"{p}.qkv_proj")                         # + scale * B A x, each adapter's rows
         q, k, v = qkv[:, :Q], qkv[:, Q:Q + K * Dh], qkv[:, Q + K * Dh:]
         q, k, v = recorder(f"{p}.q_proj", q), recorder(f"{p}.k_proj", k), recorder(f"{p}.v_proj", v)
         if cfg.hybrid:   # Qwen3.5: each head's Dh query values are followed by Dh values of its output gate
             q, gate = q.reshape(T, H, 2 * Dh)[..., :Dh], q.reshape(T, H, 2 * Dh)[..., Dh:].reshape(T, H * Dh)
-        # QK-norm: RMSNorm over each head's Dh values, before RoPE
-        q = ops.rms_norm(q.reshape(T, H, Dh), W[f"{p}.q_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)  # (T, H, Dh)
-        k = ops.rms_norm(k.reshape(T, K, Dh), W[f"{p}.k_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)  # (T, K, Dh)
-        q, k = recorder(f"{p}.q_norm", q), recorder(f"{p}.k_norm", k)
+        q, k = q.reshape(T, H, Dh), k.reshape(T, K, Dh)                         # (T, H, Dh), (T, K, Dh)
+        if cfg.qk_norm:   # QK-norm: RMSNorm over each head's Dh values, before RoPE (Qwen3; Qwen2 has none)
+            q = ops.rms_norm(q, W[f"{p}.q_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)   # (T, H, Dh)
+            k = ops.rms_norm(k, W[f"{p}.k_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)   # (T, K, Dh)
+            q, k = recorder(f"{p}.q_norm", q), recorder(f"{p}.k_norm", k)
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
         q, k = recorder(f"{p}.q_rope", q), recorder(f"{p}.k_rope", k)
         # every token's key and value go to its page first, so a sequence's attention reads them from there

@@ -2,7 +2,8 @@
 
 The split, by HF name (Megatron-LM's, as vLLM, SGLang, nano-vllm and mini-sglang make it):
     q_proj, k_proj, v_proj   column-parallel: rank r keeps the rows of its H/N query heads and of the
-                             key/value heads those read (a GQA group stays on one rank)
+                             key/value heads those read (a GQA group stays on one rank); Qwen2's
+                             biases on them, the same rows
     o_proj                   row-parallel: the columns of those heads; each rank's product is a part
                              of the output, and one all-reduce adds the parts up
     gate_proj, up_proj       column-parallel: F/N rows each (a slice of the MLP's width)
@@ -131,10 +132,10 @@ def shards(config, shapes: dict, n: int, r: int) -> dict[str, tuple[slice, ...]]
 
     parts = {}
     for name, shape in shapes.items():
-        if name.endswith("q_proj.weight"):
-            parts[name] = (slice(q.start * Q, q.stop * Q), every)                     # its query heads' rows
-        elif name.endswith(("k_proj.weight", "v_proj.weight")):
-            parts[name] = (slice(kv.start * Dh, kv.stop * Dh), every)                 # its key/value heads' rows
+        if name.endswith(("q_proj.weight", "q_proj.bias")):   # (Qwen2's biases: split with their rows)
+            parts[name] = (slice(q.start * Q, q.stop * Q), every)[:len(shape)]        # its query heads' rows
+        elif name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
+            parts[name] = (slice(kv.start * Dh, kv.stop * Dh), every)[:len(shape)]   # its key/value heads' rows
         elif name.endswith("o_proj.weight"):
             parts[name] = (every, slice(q.start * Dh, q.stop * Dh))                   # its heads' columns
         elif name.endswith(("gate_proj.weight", "up_proj.weight")):

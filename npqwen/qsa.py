@@ -1,0 +1,63 @@
+"""Qwen4-Exp's QSA (sparse attention on the full-attention layers): a small learned indexer picks, for each
+query, which earlier tokens attention may read, under a token budget (transformers' Qwen4ExpTextQSAIndexer).
+
+The indexer has its own Hi query heads and one key head of width di (index_qk_proj). The visible tokens of a
+query are cut into blocks of r = indexer_compress_ratio consecutive tokens; a block's key is the mean of its
+tokens' raw keys, RMS-normalised (1 + weight) and rotated to the position of its first token. A block's score
+is sum over the indexer heads of relu(q . key) / sqrt(di); the budget // r best blocks are kept, and so are the
+last visible tokens that do not fill a whole block. Attention then runs only over the kept tokens
+(`selection_mask` AND the causal mask).
+
+Shapes: T queries, S positions (cached + new), Hi indexer heads, di their width, B = complete blocks of one
+query, r tokens per block. npqwen does not run Qwen4-Exp yet (config.py refuses it); this is checked against
+transformers' module in tests/test_qwen4_exp.py.
+"""
+import numpy as np
+
+from . import ops
+
+
+def indexer_queries_keys(x, index_qk_proj, q_norm, Hi: int, di: int, cos, sin, eps: float):
+    """The indexer's queries, normalised and rotated, and its raw (un-normalised, un-rotated) keys.
+    (T, D) -> q (T, Hi, di), keys (T, di)."""
+    qk = ops.linear(x, index_qk_proj)                                           # (T, (Hi + 1) * di)
+    q, keys = qk[:, :Hi * di].reshape(-1, Hi, di), qk[:, Hi * di:]              # (T, Hi, di), (T, di)
+    q = ops.rms_norm(q, q_norm, eps, 1.0)                                       # (T, Hi, di), 1 + weight
+    return ops.apply_rope(q, cos, sin), keys
+
+
+def block_scores(q, keys, blocks, k_norm, cos_all, sin_all, eps: float):
+    """One query's score of each complete block. q (Hi, di), keys (S, di) raw, blocks (B, r) positions -> (B,)."""
+    pooled = keys[blocks].astype(np.float32).mean(axis=1).astype(keys.dtype)   # (B, di) the mean raw key
+    pooled = ops.rms_norm(pooled, k_norm, eps, 1.0)                             # (B, di), 1 + weight
+    start = blocks[:, 0]                                                        # a block sits at its first token
+    block_keys = ops.apply_rope(pooled[:, None], cos_all[start], sin_all[start])[:, 0]   # (B, di)
+    scores = np.maximum(block_keys.astype(np.float32) @ q.astype(np.float32).T, 0)      # (B, Hi) relu(q . k)
+    return scores.sum(axis=1) / np.sqrt(q.shape[-1])                            # (B,) summed over the heads
+
+
+def select_tokens(q, keys, visible, k_norm, cos_all, sin_all, budget: int, r: int, eps: float) -> list:
+    """For each query, the positions attention may read: its best budget // r blocks, then its last visible
+    tokens that fill no block. q (T, Hi, di), keys (S, di) raw, visible (T, S) bool, cos_all / sin_all (S, rot)
+    -> T int arrays of positions. Equal scores (relu makes many 0) keep the earlier block; torch.topk leaves
+    the order of ties unspecified, so there HF may keep another block of the same score."""
+    chosen = []
+    for t in range(q.shape[0]):
+        seen = np.flatnonzero(visible[t])                                       # (n,) this query's visible positions
+        B = len(seen) // r                                                      # complete blocks
+        blocks = seen[:B * r].reshape(B, r)                                     # (B, r) positions
+        picked = np.zeros(0, dtype=np.int64)
+        if B:
+            scores = block_scores(q[t], keys, blocks, k_norm, cos_all, sin_all, eps)   # (B,)
+            best = np.argsort(-scores, kind="stable")[:min(budget // r, B)]     # the highest scores
+            picked = blocks[best].reshape(-1)
+        chosen.append(np.concatenate([picked, seen[B * r:]]))                  # + the tail that fills no block
+    return chosen
+
+
+def selection_mask(chosen: list, S: int):
+    """(T, S) bool: True where query t may read position s."""
+    mask = np.zeros((len(chosen), S), dtype=bool)
+    for t, positions in enumerate(chosen):
+        mask[t, positions] = True
+    return mask
