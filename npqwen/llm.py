@@ -21,6 +21,7 @@ from .embed import embed, read_sentence_transformers
 from .engine import Engine
 from .engine.run import run
 from .errors import NpqwenError
+from .features import SAE, check_against, run_saes
 from .generate import ChatResult, GenerationResult, ScoreResult
 from .hooks import Cache, Hooks, both, check_names
 from .hub import resolve_model
@@ -117,6 +118,18 @@ class LLM:
         """Logits (T, V) of `prompt` with `hooks` ({name: fn} or [(name, fn)]) called as fn(array, name): an
         array of the same shape and dtype it returns replaces that value from then on; None leaves it."""
         return self.forward(self.prompt_ids(prompt), recorder=Hooks(hooks, self.config))
+
+    def run_with_saes(self, prompt, saes, top: int = 10):
+        """(logits (T, V), runs): one forward pass over `prompt`, and for each SAE or transcoder (npqwen.load_sae)
+        a features.FeatureRun: its `top` strongest features per token (indices, values), all activations, the
+        reconstruction (a transcoder's: the replacement MLP's output) and its error. See npqwen/features.py."""
+        saes = [saes] if isinstance(saes, SAE) else list(saes)
+        for sae in saes:
+            if not isinstance(sae, SAE):
+                raise NpqwenError(f"run_with_saes takes SAEs from npqwen.load_sae, got {type(sae).__name__}")
+            check_against(sae, self.config)
+        logits, cache = self.run_with_cache(prompt, names=sorted({n for s in saes for n in (s.reads, s.writes)}))
+        return logits, run_saes(cache, saes, top)
 
     def logit_lens(self, prompt, top_k: int = 5):
         """Every layer's block output through the final norm and lm_head, at every position (npqwen/lens.py)."""
