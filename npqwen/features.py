@@ -24,6 +24,7 @@ A feature edit sets a feature's activation (clamp to a value, zero, scale by a f
 and adds the difference it makes to the reconstruction, (a' - a) * W_dec[f], to the activation: what the
 SAE does not explain (its error) stays as it was, as SAELens and Neuronpedia steer.
 """
+import hashlib
 import json
 import math
 import pickle
@@ -31,12 +32,15 @@ import re
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
+from .backend import to_numpy, xp_of
 from .checkpoint import STORED_DTYPES, read_safetensors_header, read_tensor
 from .errors import NpqwenError
+from .hooks import check_names
 
 ARCHITECTURES = ("relu", "jumprelu", "topk")
 
@@ -64,6 +68,16 @@ class SAE:
     @property
     def width(self) -> int:
         return self.W_enc.shape[1]
+
+    @cached_property
+    def fingerprint(self) -> int:
+        """A hash of its weights, computed once: an edited request's part of the prefix cache's key."""
+        h = hashlib.blake2b(digest_size=8)
+        for a in (self.W_enc, self.b_enc, self.W_dec, self.b_dec, self.threshold):
+            if a is not None:
+                h.update(np.ascontiguousarray(a).data)
+        h.update(f"{self.architecture} {self.k} {self.subtract_b_dec} {self.reads}".encode())
+        return int.from_bytes(h.digest(), "little")
 
 
 # ---- the formulas ---------------------------------------------------------------------------------
@@ -174,7 +188,7 @@ def edits_key(edits: tuple[FeatureEdit, ...]):
     """The prefix cache's part for an edited request (None: unedited): its keys and values are its own."""
     if not edits:
         return None
-    return hash(tuple((id(e.sae), e.feature, e.mode, e.value) for e in edits))
+    return hash(tuple((e.sae.fingerprint, e.feature, e.mode, e.value) for e in edits))
 
 
 def batch_feature_edits(rows) -> dict:
@@ -188,7 +202,6 @@ def batch_feature_edits(rows) -> dict:
 
 def apply_feature_edits(x, edits: list):
     """x (T, D) after a block, with each edit's rows moved by (a' - a) * W_dec[f] (its activation set)."""
-    from .backend import to_numpy, xp_of
     xp = xp_of(x)
     x = x.copy()
     for e, first, n in edits:
@@ -228,7 +241,6 @@ def load_sae(path, config=None, hook: str | None = None) -> SAE:
 
 def check_against(sae: SAE, config):
     """The SAE fits the model: its input width is the hidden size and the steps it reads and writes exist."""
-    from .hooks import check_names
     D = config.hidden_size
     named = f" (its file names {sae.model_name})" if sae.model_name else ""
     if sae.W_enc.shape[0] != D:

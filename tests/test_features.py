@@ -1,6 +1,6 @@
 """SAEs and transcoders (npqwen/features.py): each format written by its own tools' conventions (torch.save for
 Qwen-Scope, safetensors + cfg.json for SAELens, safetensors + config.yaml for circuit-tracer), at Qwen3-0.6B's
-width (D=1024, one layer), loaded without torch and run by llm.run_with_saes; compared with the published
+width (D=1024, two layers), loaded without torch and run by llm.run_with_saes; compared with the published
 encode/decode formulas computed with torch on HF transformers' own activations; a malicious pickle refused."""
 import json
 import os
@@ -24,8 +24,8 @@ TOL = 1e-5      # max |diff| / max |reference|
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """Qwen3-0.6B's widths (D=1024, F=3072, 16/8 heads of 128) with one layer and a small vocabulary."""
-    cfg = {**QWEN3_0_6B, "num_hidden_layers": 1, "vocab_size": 512, "max_position_embeddings": 512}
+    """Qwen3-0.6B's widths (D=1024, F=3072, 16/8 heads of 128) with two layers and a small vocabulary."""
+    cfg = {**QWEN3_0_6B, "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 512}
     return build_hf_checkpoint(tmp_path_factory.mktemp("sae06"), cfg, save_dtype="float32", std=0.05)
 
 
@@ -196,3 +196,91 @@ def test_mismatches_are_named(llm, tmp_path):
         npqwen.load_sae(folder)
     with pytest.raises(NpqwenError, match="no such file or folder"):
         npqwen.load_sae(tmp_path / "nowhere")
+
+
+# ---- feature edits through the engine, against a torch hook on HF with the same SAE -------------------------
+
+N = 10
+OTHER = [8, 19, 300, 77, 6]
+
+
+@pytest.fixture(scope="module")
+def topk_sae(llm, tmp_path_factory):
+    w = random_weights(seed=3)
+    del w["threshold"]
+    folder = write_saelens(tmp_path_factory.mktemp("edit") / "sae", w,
+                           {"architecture": "topk", "k": 32, "hook_name": "blocks.0.hook_resid_post"})
+    return npqwen.load_sae(folder, llm.config), w
+
+
+def hf_edited(checkpoint, w, feature, mode, value):
+    """HF generate with a forward hook on block 0 that sets the feature as npqwen does: x + (a' - a) W_dec[f]."""
+    model = hf_model(checkpoint)
+
+    def hook(module, args, out):
+        x = out[0] if isinstance(out, tuple) else out
+        a = torch_topk(x @ w["W_enc"] + w["b_enc"], 32)[..., feature]
+        new = torch.full_like(a, value) if mode == "clamp" else a * (0.0 if mode == "zero" else value)
+        x = x + (new - a)[..., None] * w["W_dec"][feature]
+        return (x, *out[1:]) if isinstance(out, tuple) else x
+    handle = model.model.layers[0].register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([PROMPT]), max_new_tokens=N, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+    finally:
+        handle.remove()
+    return out[0, len(PROMPT):].tolist()
+
+
+def run_engine(engine, requests):
+    ids = [engine.add_request(p, max_new_tokens=N, temperature=0, feature_edits=e) for p, e in requests]
+    tokens = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+        engine.check()
+    return [tokens[i] for i in ids]
+
+
+@pytest.mark.parametrize("mode, value", [("clamp", 40.0), ("zero", 0.0), ("scale", 300.0)])
+def test_feature_edit_beside_an_unedited_request(llm, checkpoint, topk_sae, mode, value):
+    sae, w = topk_sae
+    _, (run,) = llm.run_with_saes(PROMPT, sae, top=1)
+    feature = int(run.indices[-1, 0])   # the last prompt token's strongest
+    edit = [{"sae": sae, "feature": feature, mode: True if mode == "zero" else value}]
+    engine = npqwen.Engine(llm, kv_cache_tokens=256, page_size=8)
+    edited, plain = run_engine(engine, [(PROMPT, edit), (OTHER, None)])
+    (alone,) = run_engine(npqwen.Engine(llm, kv_cache_tokens=256, page_size=8), [(OTHER, None)])
+    (unedited,) = run_engine(npqwen.Engine(llm, kv_cache_tokens=256, page_size=8), [(PROMPT, None)])
+    want = hf_edited(checkpoint, w, feature, mode, value)
+    print(f"{mode} feature {feature}\nedited   {edited}\nHF hook  {want}\nunedited {unedited}\nbeside   {plain}\n"
+          f"alone    {alone}")
+    assert plain == alone
+    assert edited == want and len(edited) == N
+    if mode != "zero":
+        assert edited != unedited
+    assert llm.generate(PROMPT, max_new_tokens=N, temperature=0, feature_edits=edit).token_ids == edited
+
+
+def test_the_prefix_cache_is_keyed_by_the_edits(llm, topk_sae):
+    sae, _ = topk_sae
+    edit = [{"sae": sae, "feature": 3, "clamp": 40.0}]
+    engine = npqwen.Engine(llm, kv_cache_tokens=256, page_size=4)
+    (plain,) = run_engine(engine, [(PROMPT, None)])
+    (edited,) = run_engine(engine, [(PROMPT, edit)])
+    (fresh,) = run_engine(npqwen.Engine(llm, kv_cache_tokens=256, page_size=4), [(PROMPT, edit)])
+    assert edited == fresh != plain
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"feature": 1, "clamp": 1.0}, r"feature_edits\[0\].sae must be an SAE"),
+    ({"feature": F, "clamp": 1.0}, rf"feature_edits\[0\].feature must be a feature from 0 to {F - 1}"),
+    ({"feature": 1}, "exactly one of clamp"),
+    ({"feature": 1, "clamp": float("nan")}, r"feature_edits\[0\].clamp must be a finite number"),
+    ({"feature": 1, "clmap": 2.0}, "unknown field 'clmap'"),
+])
+def test_bad_edits_are_named(llm, topk_sae, edit, says):
+    edit = {"sae": topk_sae[0], **edit} if "sae must" not in says else edit
+    with pytest.raises(NpqwenError, match=says):
+        llm.generate(PROMPT, max_new_tokens=2, feature_edits=[edit])
