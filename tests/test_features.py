@@ -284,3 +284,26 @@ def test_bad_edits_are_named(llm, topk_sae, edit, says):
     edit = {"sae": topk_sae[0], **edit} if "sae must" not in says else edit
     with pytest.raises(NpqwenError, match=says):
         llm.generate(PROMPT, max_new_tokens=2, feature_edits=[edit])
+
+
+def test_the_features_command(tmp_path, capsys):
+    from npqwen.checkpoint import save_safetensors
+    from npqwen.cli import main
+
+    rng, D = np.random.default_rng(0), 16   # the built-in tiny model's hidden size
+    (tmp_path / "sae").mkdir()
+    save_safetensors(tmp_path / "sae" / "sae_weights.safetensors", {
+        "W_enc": rng.standard_normal((D, 64)).astype(np.float32), "W_dec": rng.standard_normal((64, D)).astype(
+            np.float32), "b_enc": np.zeros(64, np.float32), "b_dec": np.zeros(D, np.float32)})
+    (tmp_path / "sae" / "cfg.json").write_text(json.dumps({"architecture": "topk", "k": 4,
+                                                           "hook_name": "blocks.1.hook_resid_post"}))
+    assert main(["features", "-m", "tiny", "-p", "ab", "--sae", str(tmp_path / "sae"), "--top-k", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    print("\n".join(out))
+    sae = npqwen.load_sae(tmp_path / "sae")
+    _, (run,) = npqwen.load("tiny").run_with_saes("ab", sae, top=2)
+    assert out[0].endswith("sae topk k=4, 64 features, reads model.layers.1") and len(out) == 2 + 2
+    assert out[2].split()[3:] == [f"{i}:{v:.3g}" for i, v in zip(run.indices[0], run.values[0])]
+    assert main(["features", "-m", "tiny", "-p", "ab", "--sae", str(tmp_path / "none")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("npqwen: error: ") and "no such file or folder" in err and "Traceback" not in err
