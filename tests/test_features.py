@@ -307,3 +307,38 @@ def test_the_features_command(tmp_path, capsys):
     assert main(["features", "-m", "tiny", "-p", "ab", "--sae", str(tmp_path / "none")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("npqwen: error: ") and "no such file or folder" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("mode, value", [("clamp", 40.0), ("zero", 0.0), ("scale", 3.0)])
+def test_feature_edit_logits_equal_hf_with_a_hook(llm, checkpoint, topk_sae, mode, value):
+    """Every prompt row's logits under the edit (forward_batch with Batch.feature_edits) against HF's with a torch
+    hook doing the same: the zero edit, which leaves greedy tokens as they were above, moves the logits here."""
+    from npqwen.features import check_feature_edits
+    from npqwen.kv_cache import Batch
+
+    sae, w = topk_sae
+    _, (run,) = llm.run_with_saes(PROMPT, sae, top=1)
+    feature = int(run.indices[-1, 0])
+    (edit,) = check_feature_edits([{"sae": sae, "feature": feature, mode: True if mode == "zero" else value}],
+                                  llm.config)
+    T, cache = len(PROMPT), llm.model.new_cache(len(PROMPT))
+    batch = Batch(np.array(PROMPT), [0], [T], [cache.page_table], cache.kv.page_size, sample_rows=np.arange(T),
+                  feature_edits={0: [(edit, 0, T)]})
+    got = llm.model.forward_batch(batch, cache.kv).logits
+
+    model = hf_model(checkpoint)
+
+    def hook(module, args, out):
+        x = out[0] if isinstance(out, tuple) else out
+        a = torch_topk(x @ w["W_enc"] + w["b_enc"], 32)[..., feature]
+        new = torch.full_like(a, value) if mode == "clamp" else a * (0.0 if mode == "zero" else value)
+        x = x + (new - a)[..., None] * w["W_dec"][feature]
+        return (x, *out[1:]) if isinstance(out, tuple) else x
+    handle = model.model.layers[0].register_forward_hook(hook)
+    with torch.no_grad():
+        want = model(torch.tensor([PROMPT])).logits[0]
+    handle.remove()
+    plain = llm.forward(PROMPT)
+    moved = np.abs(got - plain).max()
+    print(f"{mode}: max|npqwen - HF| {np.abs(got - want.numpy()).max():.2e}, the edit moved logits by {moved:.3f}")
+    assert np.abs(got - want.numpy()).max() < 1e-4 and moved > 1e-2
