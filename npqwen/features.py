@@ -98,7 +98,15 @@ def encode(sae: SAE, x: np.ndarray) -> np.ndarray:
 
 def decode(sae: SAE, acts: np.ndarray, x: np.ndarray | None = None) -> np.ndarray:
     """The reconstruction (T, D) of feature activations (T, F); x, the input, for a skip transcoder."""
-    out = acts @ sae.W_dec + sae.b_dec                                               # (T, F) @ (F, D) -> (T, D)
+    rows, feats = np.nonzero(acts)                                                   # the active (token, feature)s
+    if len(feats) > acts.size // 16:   # dense enough (a ReLU SAE): one matrix product
+        out = acts @ sae.W_dec + sae.b_dec                                           # (T, F) @ (F, D) -> (T, D)
+    else:   # sparse (TopK: k of F per token): sum only the active features' decoder rows
+        out = np.zeros((acts.shape[0], sae.W_dec.shape[1]), np.float32) + sae.b_dec   # (T, D)
+        if len(feats):
+            terms = acts[rows, feats, None] * sae.W_dec[feats]                      # (nnz, D), grouped by row
+            starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])              # each row's first term
+            out[rows[starts]] += np.add.reduceat(terms, starts, axis=0)
     if sae.W_skip is not None:
         out = out + np.asarray(x, np.float32) @ sae.W_skip.T
     return out
