@@ -7,6 +7,7 @@ from .kv_cache import KVCache
 from .model import Qwen3
 from .sampling_params import SamplingParams
 from .steering import steering_vector
+from .features import load_sae
 
 __version__ = "0.1.0"
-__all__ = ["load", "LLM", "Qwen3", "Qwen3Config", "KVCache", "Engine", "SamplingParams", "steering_vector", "NpqwenError", "__version__"]
+__all__ = ["load", "LLM", "Qwen3", "Qwen3Config", "KVCache", "Engine", "SamplingParams", "steering_vector", "load_sae", "NpqwenError", "__version__"]

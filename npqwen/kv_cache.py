@@ -173,6 +173,7 @@ class Batch:
     score_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))    # (Q,) rows scored on a few tokens
     score_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))  # (Q, k) the tokens of each
     steering: dict = field(default_factory=dict)   # layer -> (T, D) added after that block (npqwen/steering.py)
+    feature_edits: dict = field(default_factory=dict)   # layer -> [(FeatureEdit, first row, n rows)] (features.py)
     loras: list = field(default_factory=list)     # per sequence: its LoRA adapter (npqwen/lora.py) or None; [] none
     state_slots: list[int] | None = None  # per sequence: its LinearStates slot (hybrid models); None: 0, 1, 2, ...
     verify: list[bool] | None = None      # per sequence: a speculative verification (its last token and drafts), whose

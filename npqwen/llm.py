@@ -21,6 +21,7 @@ from .embed import embed, read_sentence_transformers
 from .engine import Engine
 from .engine.run import run
 from .errors import NpqwenError
+from .features import SAE, check_against, run_saes
 from .generate import ChatResult, GenerationResult, ScoreResult
 from .hooks import Cache, Hooks, both, check_names
 from .hub import resolve_model
@@ -118,6 +119,18 @@ class LLM:
         array of the same shape and dtype it returns replaces that value from then on; None leaves it."""
         return self.forward(self.prompt_ids(prompt), recorder=Hooks(hooks, self.config))
 
+    def run_with_saes(self, prompt, saes, top: int = 10):
+        """(logits (T, V), runs): one forward pass over `prompt`, and for each SAE or transcoder (npqwen.load_sae)
+        a features.FeatureRun: its `top` strongest features per token (indices, values), all activations, the
+        reconstruction (a transcoder's: the replacement MLP's output) and its error. See npqwen/features.py."""
+        saes = [saes] if isinstance(saes, SAE) else list(saes)
+        for sae in saes:
+            if not isinstance(sae, SAE):
+                raise NpqwenError(f"run_with_saes takes SAEs from npqwen.load_sae, got {type(sae).__name__}")
+            check_against(sae, self.config)
+        logits, cache = self.run_with_cache(prompt, names=sorted({n for s in saes for n in (s.reads, s.writes)}))
+        return logits, run_saes(cache, saes, top)
+
     def logit_lens(self, prompt, top_k: int = 5):
         """Every layer's block output through the final norm and lm_head, at every position (npqwen/lens.py)."""
         return logit_lens(self, prompt, top_k)
@@ -136,7 +149,7 @@ class LLM:
 
     @rank_0_leads
     def generate(self, prompt, params: SamplingParams | int | None = None, steering=None, *,
-                 lora: str | None = None,
+                 lora: str | None = None, feature_edits=None,
                  **sampling) -> GenerationResult | list[GenerationResult]:
         """Complete `prompt` (text, used as is, or token ids) as `params` (an npqwen.SamplingParams) say,
         or its fields given as keyword arguments (max_new_tokens=20, temperature=0, stop=..., seed=...);
@@ -152,24 +165,26 @@ class LLM:
 
         Steering: `steering=[{"layer": L, "vector": v, "scale": s}]` adds s*v to the residual stream after
         block L, at every position and step, for this request only (npqwen/steering.py).
-        `lora` names a loaded LoRA adapter (load_lora) to generate through.
+        `lora` names a loaded LoRA adapter (load_lora) to generate through. `feature_edits=[{"sae": sae,
+        "feature": f, "clamp": v}]` (or "zero": True, "scale": s) sets an SAE feature (npqwen/features.py).
         """
         params = params_of(params, sampling, self.generate)   # checked now, before anything runs
         if is_prompt_list(prompt):
-            return self._generate_many(prompt, params, steering, lora)
+            return self._generate_many(prompt, params, steering, lora, feature_edits)
         result = GenerationResult("", [], "length")
-        for _ in self.stream(prompt, params, result=result, steering=steering, lora=lora):
+        for _ in self.stream(prompt, params, result=result, steering=steering, lora=lora,
+                             feature_edits=feature_edits):
             pass
         return result
 
     @rank_0_leads
     def stream(self, prompt, params: SamplingParams | int | None = None, *, result: GenerationResult | None = None,
-               steering=None, lora: str | None = None, **sampling):
+               steering=None, lora: str | None = None, feature_edits=None, **sampling):
         """Like generate (one prompt), but yields text pieces as they come; `result`, if given, is filled
         in. SamplingParams' `thinking`: the answer opens with Qwen3's <think> reasoning, which a
         constraint leaves free."""
         request = self.engine.new_request(prompt, params_of(params, sampling, self.stream), steering=steering,
-                                          lora=lora)   # checked now
+                                          lora=lora, feature_edits=feature_edits)   # checked now
         return self._pieces(request, result if result is not None else GenerationResult("", [], "length"))
 
     def score(self, text, lora: str | None = None) -> ScoreResult | list[ScoreResult]:
@@ -314,13 +329,14 @@ class LLM:
                         raise NpqwenError(out.result.error)
 
     def _generate_many(self, prompts, params: SamplingParams, steering=None,
-                       lora: str | None = None) -> list[GenerationResult]:
+                       lora: str | None = None, feature_edits=None) -> list[GenerationResult]:
         """Every prompt through the engine at once; their results in order. A prompt that cannot run,
         or fails, is named by its index; the others are then stopped."""
         requests = []
         for prompt in prompts:
             try:
-                requests.append(self.engine.new_request(prompt, params, steering=steering, lora=lora))
+                requests.append(self.engine.new_request(prompt, params, steering=steering, lora=lora,
+                                                        feature_edits=feature_edits))
             except NpqwenError as e:
                 raise NpqwenError(f"prompt {len(requests)}: {e}") from e
         index = {r.request_id: i for i, r in enumerate(requests)}

@@ -39,7 +39,8 @@ array unchanged. A recorder that returns an array (a hook, npqwen/hooks.py) repl
 from then on: each step reads `x = recorder(name, x)`. A recorder changes values, never which
 code runs: the same functions run with or without one (with one, attention also keeps a copy of
 its probabilities, which a hook can read but not replace: they were used already).
-`batch.steering` adds a request's steering vectors to its rows after a block (npqwen/steering.py).
+`batch.steering` adds a request's steering vectors to its rows after a block (npqwen/steering.py);
+`batch.feature_edits` sets an SAE feature's activation on a request's rows after a block (npqwen/features.py).
 """
 from typing import NamedTuple
 
@@ -52,6 +53,7 @@ from .checks import check_token_ids
 from .comm import SingleProcess
 from .config import Qwen3Config
 from .errors import NpqwenError
+from .features import apply_feature_edits
 from .kv_cache import Batch, KVCache, SequenceCache
 from .parallel import share_batch, split_range
 
@@ -174,6 +176,8 @@ class Qwen3:
         # 3. the decoder layers, each two residual updates
         for i in range(cfg.num_hidden_layers):
             x = self.decoder_layer(i, x, cos, sin, batch, kv, slots, recorder, loras)
+            if i in batch.feature_edits:   # SAE feature edits: (a' - a) * W_dec[f] on the edited requests' rows
+                x = apply_feature_edits(x, batch.feature_edits[i])
             if i in batch.steering:   # steering: s*v added to the steered requests' rows, zeros elsewhere (T, D)
                 x = x + batch.steering[i]
         # 4. final norm, only for the rows that have an output (usually: the rows that sample)

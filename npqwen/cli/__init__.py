@@ -28,6 +28,7 @@ COMMANDS = [   # npqwen/cli/<name>.py, in the order `npqwen --help` lists them
     "inspect",
     "trace",
     "lens",
+    "features",
     "compare",
     "perplexity",
     "merge-lora",

@@ -32,6 +32,7 @@ from ..parallel import rank_0_leads
 from ..sampling import candidates, draw, score_rows
 from ..sampling import logprobs as sampling_logprobs
 from ..sampling_params import SamplingParams, params_of
+from ..features import batch_feature_edits, check_feature_edits, edits_key
 from ..speculative import accept_or_replace, propose_ngram
 from ..steering import batch_steering, check_steering, prefix_key
 from ..structured import ConstraintFailed, Masks, build_constraint
@@ -102,18 +103,19 @@ class Engine:
 
     @rank_0_leads
     def add_request(self, prompt, params: SamplingParams | int | None = None, steering=None, *,
-                    lora: str | None = None, **sampling) -> str:
+                    lora: str | None = None, feature_edits=None, **sampling) -> str:
         """Queue a prompt (text, used as is, or token ids) to generate from as `params` (an
         npqwen.SamplingParams) say, or its fields given as keyword arguments (max_new_tokens=20,
         temperature=0, ...); its request id. `steering`, a list of {layer, vector, scale}, adds
         scale * vector to this request's residual stream after block layer (npqwen/steering.py); `lora`
-        names a loaded LoRA adapter (llm.load_lora) that this request's rows go through. Everything is
-        checked now."""
+        names a loaded LoRA adapter (llm.load_lora) that this request's rows go through; `feature_edits`, a
+        list of {sae, feature, clamp|zero|scale}, sets an SAE feature's activation on this request's rows
+        (npqwen/features.py). Everything is checked now."""
         return self.add(self.new_request(prompt, params_of(params, sampling, self.add_request), steering=steering,
-                                         lora=lora))
+                                         lora=lora, feature_edits=feature_edits))
 
     def new_request(self, prompt, params: SamplingParams | int | None = None, steering=None, *,
-                    lora: str | None = None,
+                    lora: str | None = None, feature_edits=None,
                     **sampling) -> Request:
         """A checked Request, not queued yet (see add); `params` or `sampling` as for add_request (an int
         in params' place is max_new_tokens). The values were checked when the SamplingParams was made;
@@ -122,6 +124,8 @@ class Engine:
         against the tokenizer."""
         params = params_of(params, sampling, self.new_request).with_defaults(self.llm.generation_defaults)
         steers = check_steering(steering, self.config)
+        edits = check_feature_edits(feature_edits, self.config)
+        keys = (prefix_key(steers), edits_key(edits))   # edited keys/values are their own in the prefix cache
         adapter = None if lora is None else self.llm.lora_adapter(lora)   # the LoraAdapter travels with the request
         ids = self.llm.prompt_ids(prompt)
         max_new_tokens = self.fit(ids, params.max_new_tokens)
@@ -136,7 +140,8 @@ class Engine:
         return Request(f"req-{next(self._ids)}", ids, max_new_tokens, params, frozenset(self.llm.eos_token_ids),
                        StopStrings(params.stop), tokenizer.stream_decoder() if tokenizer is not None else None,
                        params.logprobs, prompt_logprobs=params.prompt_logprobs, constraint=constraint,
-                       steering=steers, steering_key=prefix_key(steers), lora=adapter,
+                       steering=steers, feature_edits=edits, steering_key=None if keys == (None, None) else
+                       hash(keys) if edits else keys[0], lora=adapter,
                        thinking=thinking_budget(params, max_new_tokens, tokenizer, ids))
 
     def fit(self, ids: list[int], max_new_tokens: int) -> int:
@@ -240,7 +245,9 @@ class Engine:
                       verify=[bool(req.drafts) for req, _ in plan],
                       steering=batch_steering([(req.steering, end - n, n) for (req, n), end in zip(plan, ends)
                                                if req.steering], int(ends[-1]), self.config.hidden_size,
-                                              self.model.xp, self.model.dtype))
+                                              self.model.xp, self.model.dtype),
+                      feature_edits=batch_feature_edits([(req.feature_edits, end - n, n)
+                                                         for (req, n), end in zip(plan, ends) if req.feature_edits]))
         self.last_batch = batch
         # 2. one forward pass for all of them; logits only for the rows that sample (or score their prompt).
         # A constrained row's mask depends only on tokens drawn in earlier steps, so a worker thread fills

@@ -58,6 +58,7 @@ class Request:
     score_ids: tuple = ()                # score: the tokens whose logits at the last position are the output
     prefix_reuse: bool = True            # False: every position is computed, none taken from the prefix cache
     steering: tuple = ()                 # steering.Steer items: s*v added to its rows after block L (steering.py)
+    feature_edits: tuple = ()            # features.FeatureEdit items: a feature clamped/zeroed/scaled after block L
     steering_key: int | None = None      # its steering's part of the prefix cache's root: None, or its steering's
     lora: object = None                  # its LoRA adapter (npqwen/lora.py), or None: the base model
     pooled: np.ndarray | None = None     # embed: the pooling so far (mean: the running sum), float32
