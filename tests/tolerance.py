@@ -35,16 +35,17 @@ def rounding_tolerance(sum_length: int, depth: int = 1, eps: float = EPS32) -> f
     return MARGIN * eps * math.sqrt(sum_length) * depth
 
 
-def model_tolerance(cfg, tokens: int, eps: float = EPS32) -> float:
-    """rounding_tolerance for a whole forward pass of the model `cfg` (npqwen's Qwen3Config) over `tokens`
-    tokens: the longest sum is the hidden or an MLP width or the tokens attention reads; the chain is every
-    layer and the lm_head, and in a hybrid model (linear attention) the rows of one chunk's triangular solve,
-    which each depend on the ones before, and the chunks' state handed on."""
+def model_tolerance(cfg, tokens: int, layers: int | None = None, eps: float = EPS32) -> float:
+    """rounding_tolerance for a forward pass of the model `cfg` (npqwen's Qwen3Config) over `tokens` tokens up to
+    its logits, or up to the output of its first `layers` layers: the longest sum is the hidden or an MLP width
+    or the tokens attention reads; the chain is every layer crossed and the lm_head, and in a hybrid model
+    (linear attention) the rows of one chunk's triangular solve, which each depend on the ones before, and the
+    chunks' state handed on. 0 before the first layer: the embedding is a lookup, exact."""
     dense = not cfg.num_experts or cfg.mlp_only_layers or cfg.decoder_sparse_step > 1   # some layer has the dense MLP
     widths = [cfg.hidden_size, cfg.intermediate_size if dense else 0, cfg.moe_intermediate_size,
               cfg.shared_expert_intermediate_size, tokens]
-    depth = cfg.num_hidden_layers + 1
-    if cfg.hybrid:
+    depth = cfg.num_hidden_layers + 1 if layers is None else layers
+    if cfg.hybrid and depth:
         depth += min(tokens, CHUNK) + math.ceil(tokens / CHUNK)
     return rounding_tolerance(max(widths), depth, eps)
 
@@ -58,4 +59,10 @@ def relative_diff(got, want) -> float:
 def logprob_tolerance(cfg, tokens: int, logits, eps: float = EPS32) -> float:
     """How far two paths' log-probabilities may differ when their logits differ by model_tolerance: a log
     probability is a logit minus the log-sum-exp of them all, each off by at most the largest logit error."""
-    return 2 * model_tolerance(cfg, tokens, eps) * max(1.0, float(np.abs(np.asarray(logits, np.float64)).max()))
+    return 2 * model_tolerance(cfg, tokens, eps=eps) * max(1.0, float(np.abs(np.asarray(logits, np.float64)).max()))
+
+
+def tolerance_of(llm, tokens: int, layers: int | None = None) -> float:
+    """model_tolerance for a loaded model at its own float type's eps (float32, or float64 for the engine's exact
+    bookkeeping checks)."""
+    return model_tolerance(llm.config, tokens, layers, eps=float(np.finfo(llm.model.dtype).eps))
