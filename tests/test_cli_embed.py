@@ -8,6 +8,7 @@ import pytest
 import npqwen
 
 from test_cli import run
+from tolerance import logprob_tolerance
 
 pytest.importorskip("sentence_transformers")
 
@@ -44,7 +45,10 @@ def test_rerank_prints_the_documents_best_first(reranker_small, tmp_path):
                          "--top-n", "2")
     rows = [json.loads(line) for line in out.splitlines()]
     assert code == 0 and [r["index"] for r in rows] == np.argsort(-scores)[:2].tolist()
-    np.testing.assert_array_equal(np.float32([r["relevance_score"] for r in rows]), np.sort(scores)[::-1][:2])
+    # the command's engine batches the documents otherwise than llm.rerank's: a sigmoid (slope <= 1/4) of logits
+    # (at most 8; measured: 5) within their float32 bar
+    bound = logprob_tolerance(llm.config, 64, 8.0) / 4
+    np.testing.assert_allclose([r["relevance_score"] for r in rows], np.sort(scores)[::-1][:2], rtol=0, atol=bound)
     assert rows[0]["document"] == TEXTS[rows[0]["index"]] and "prompt tokens" in err
 
 

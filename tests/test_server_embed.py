@@ -10,7 +10,9 @@ pytest.importorskip("sentence_transformers")
 import npqwen  # noqa: E402
 
 from serving import LiveServer, http_json  # noqa: E402
-from tolerance import rounding_tolerance  # noqa: E402
+from conftest import EMBEDDING_SMALL  # noqa: E402
+from npqwen import Qwen3Config  # noqa: E402
+from tolerance import logprob_tolerance, rounding_tolerance  # noqa: E402
 
 TEXTS = ["The capital of China is Beijing.", "", "Gravity is a force that attracts two bodies towards each other. " * 9]
 
@@ -33,10 +35,12 @@ def reranker(reranker_small):
 
 
 def close(got, want):
-    """Exactly equal: the server's engine runs the same requests in the same batches as the LLM's, and JSON (or
-    base64) carries each float32 exactly."""
+    """The server's engine batches the texts (and scores) otherwise than the LLM's: the same sums, blocked
+    otherwise, so within the small models' float32 bar over these texts (under 64 tokens; embeddings at most 1,
+    scores a sigmoid of logits at most 8 (measured: 5), its slope at most 1/4)."""
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert got.shape == want.shape and np.array_equal(got, want), np.abs(got - want).max()
+    bound = logprob_tolerance(Qwen3Config.from_dict(EMBEDDING_SMALL), 64, 8.0)
+    assert got.shape == want.shape and np.abs(got - want).max() <= bound, np.abs(got - want).max()
 
 
 def test_embeddings_through_the_openai_client_equal_llm_embed(embedding):
