@@ -143,7 +143,8 @@ def compare_edits(llm, model, L, corrupt, clean, label):
         changed = relative_diff(got, llm.forward(corrupt))
         print(f"{label} {kind:>6} on {name}: max |npqwen - HF| / max |HF| = {rel:.2e} (tolerance {tolerance:.1e}; "
               f"the edit moved logits by {changed:.3g})")
-        assert changed > 10 * tolerance, f"{kind}: the edit changed nothing rounding could not"
+        # hooked and plain npqwen run the same sums in the same order: without the edit they are equal bit for bit
+        assert changed > 1e-3, f"{kind}: the edit changed nothing"
         assert (got.argmax(-1) == want.argmax(-1)).all()
         worst = max(worst, rel)
     assert worst <= tolerance
