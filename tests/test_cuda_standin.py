@@ -25,7 +25,9 @@ from npqwen.backend import cuda_available
 
 from conftest import build_hf_checkpoint, hf_model, tiny_config, tiny_moe_config, write_npqwen_checkpoint
 
-FLOAT16_LOGIT_TOL = 1e-2   # float16 logits vs HF float32 (measured: at most 3.2e-3, |logits| < 2)
+# float16 logits vs HF float32: float16 rounds each layer's output to eps16 = 9.8e-4 of it; over 2-3 layers and the
+# lm_head, at |logits| < 2, about 4 * 9.8e-4 * 2 = 7.8e-3 (measured: at most 3.2e-3)
+FLOAT16_LOGIT_TOL = 1e-2
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -169,8 +171,8 @@ def test_moe_greedy_float16_and_engine(tmp_path):
         engine = Engine(npqwen.load(path, device=device), kv_cache_tokens=2048, page_size=16, max_batched_tokens=64)
         results.append(run(engine, requests, spy=True))
     for (want_tokens, want_logits, _), (got, got_logits, _) in zip(*results):
-        err = max(float(np.abs(a - b).max()) for a, b in zip(got_logits, want_logits))
-        assert got == want_tokens and err <= 1e-5
+        # the stand-in runs NumPy's float32 kernels on the same sums in the same order: exactly the CPU's
+        assert got == want_tokens and all(np.array_equal(a, b) for a, b in zip(got_logits, want_logits))
 
 
 # --- sampling and the engine: the same tokens as on the CPU ----------------------------------------------
@@ -237,7 +239,7 @@ def test_engine_equals_cpu(cpu_and_cuda):
     for (want, want_logits, _), (got, got_logits, _) in zip(*results):
         err = max(float(np.abs(a - b).max()) for a, b in zip(got_logits, want_logits))
         print(f"{len(got)} tokens, equal: {got == want}, max |logit diff| {err:.1e}")
-        assert got == want and err <= 1e-5
+        assert got == want and err == 0   # the stand-in: NumPy's float32 kernels on the same sums in the same order
 
 
 # --- what crosses between host and device -----------------------------------------------------------------
@@ -302,7 +304,7 @@ def test_embed_and_rerank_equal_cpu_and_move_only_their_rows(embedding_small, re
         strict_cupy.transfers.reset()
         got = run(cuda)
         print(f"{path.name}: max |diff| {np.abs(got - want).max():.1e}, to host {strict_cupy.transfers}")
-        assert isinstance(got, np.ndarray) and got.shape == want.shape and np.abs(got - want).max() <= 1e-6
+        assert isinstance(got, np.ndarray) and got.shape == want.shape and np.array_equal(got, want)   # as above
         assert strict_cupy.transfers.to_host_bytes == len(texts) * per_text * 4
 
 

@@ -10,6 +10,7 @@ from npqwen.backend import to_numpy
 from npqwen.generate import decode_one_token, prefill
 
 from conftest import build_hf_checkpoint, tiny_config
+from tolerance import EPS64, logprob_tolerance, relative_diff, rounding_tolerance, tolerance_of
 
 pytest.importorskip("transformers")
 
@@ -96,9 +97,13 @@ def alone(llm, prompt, n):
 
 
 def compare(name, got_tokens, got_logits, want_tokens, want_logits):
+    """Tokens equal; returns the largest relative logit difference (tests/tolerance.py's relative_diff). Two
+    runs of the engine differ by rounding only: a batch of many blocks the same sums unlike a batch of one, a
+    chunk or a prefix hit reads cached keys with a shorter matrix product, so the tests bound the difference
+    by tolerance_of(llm, tokens) instead of asking for equality."""
     first = next((i for i, (a, b) in enumerate(zip(got_tokens, want_tokens)) if a != b), None)
-    err = max(float(np.abs(a - b).max()) for a, b in zip(got_logits, want_logits)) if got_logits else 0.0
-    print(f"{name}: {len(got_tokens)} tokens, first mismatching token {first}, max |logit diff| {err:.2e}")
+    err = max(relative_diff(a, b) for a, b in zip(got_logits, want_logits)) if got_logits else 0.0
+    print(f"{name}: {len(got_tokens)} tokens, first mismatching token {first}, relative max |logit diff| {err:.2e}")
     assert got_tokens == want_tokens and first is None
     return err
 
@@ -115,7 +120,7 @@ def test_batched_equals_alone(llm64, llm32, dtype):
         want_tokens, want_logits = alone(llm, p, n)
         worst = max(worst, compare(f"{dtype} prompt {len(p)}", tokens, logits, want_tokens, want_logits))
         assert reason == "length"
-    assert worst <= (1e-10 if dtype == "float64" else 1e-4)
+    assert worst <= tolerance_of(llm, max(LENGTHS) + max(news))
 
 
 def test_generate_list_equals_each_alone(llm64):
@@ -132,7 +137,7 @@ def test_batched_equals_alone_qwen3_0_6b_shape(qwen3_0_6b_shape):
     engine = Engine(llm, kv_cache_tokens=4096, page_size=64, max_batched_tokens=256)
     results = run(engine, [(p, dict(max_new_tokens=6, temperature=0)) for p in ps], spy=True)
     worst = max(compare(f"0.6B prompt {len(p)}", r[0], r[1], *alone(llm, p, 6)) for p, r in zip(ps, results))
-    assert worst <= 1e-4
+    assert worst <= tolerance_of(llm, 300 + 6)
 
 
 @pytest.mark.parametrize("budget", [7, 64, 512])
@@ -142,7 +147,7 @@ def test_chunked_equals_unchunked(llm64, budget):
     whole = run(Engine(llm64, kv_cache_tokens=4096, page_size=32, max_batched_tokens=2048), reqs, spy=True)
     chunked = run(Engine(llm64, kv_cache_tokens=4096, page_size=32, max_batched_tokens=budget), reqs, spy=True)
     for p, a, b in zip(ps, whole, chunked):
-        assert compare(f"budget {budget}, prompt {len(p)}", b[0], b[1], a[0], a[1]) <= 1e-10
+        assert compare(f"budget {budget}, prompt {len(p)}", b[0], b[1], a[0], a[1]) <= tolerance_of(llm64, 600 + 5)
 
 
 def test_prefix_hit_equals_miss(llm64):
@@ -158,7 +163,7 @@ def test_prefix_hit_equals_miss(llm64):
     cold = Engine(llm64, kv_cache_tokens=64 * P, page_size=P, prefix_cache=False)
     (miss, miss_logits, _), = run(cold, [(second, kw)], spy=True)
     assert cold.stats["prefix_cache_hit_tokens"] == 0
-    assert compare("prefix hit vs miss", hit, hit_logits, miss, miss_logits) <= 1e-10
+    assert compare("prefix hit vs miss", hit, hit_logits, miss, miss_logits) <= tolerance_of(llm64, len(second) + 5)
 
 
 def test_fully_cached_prompt_still_computes_its_last_token(llm64):
@@ -373,9 +378,9 @@ def test_decode_attention_for_many_sequences_equals_one_at_a_time():
     together, _ = ops.paged_decode_attention(q, keys, values, tables, lengths)
     for b, (table, S) in enumerate(zip(tables, lengths)):
         alone, _ = ops.paged_attention(q[b:b + 1], keys, values, table, start=S - 1)
-        err = np.abs(together[b] - alone[0]).max()
-        print(f"sequence {b}: max |diff| {err:.1e}")
-        assert err < 1e-12
+        err = relative_diff(together[b], alone[0])
+        print(f"sequence {b}: relative max |diff| {err:.1e}")
+        assert err <= rounding_tolerance(max(Dh, S), 2, EPS64)   # float64 sums of Dh (q.k) then of S (p.v)
 
 
 def prompt_scores(engine, requests, on_step=None) -> list[list]:
@@ -418,7 +423,7 @@ def test_prompt_logprobs_chunked_cached_and_preempted_equal_one_forward_pass(llm
             assert len(g) == len(p) - 1, (len(g), len(p))
             err = np.abs(np.array([lp for lp, _, _ in g]) - w).max() if g else 0.0
             print(f"prompt of {len(p)} tokens: max |logprob diff| {err:.2e}")
-            assert err < 1e-10
+            assert err <= logprob_tolerance(llm64.config, len(p), logp, EPS64)   # float64, chunked or not
             for j, (lp, top, rank) in enumerate(g):   # the alternatives and the rank, from the same rows
                 best = np.argsort(-logp[j], kind="stable")[:3]
                 assert [t for t, _ in top] == best.tolist() and np.allclose([l for _, l in top], logp[j][best])
@@ -449,6 +454,7 @@ def test_a_probe_equals_a_trace_and_samples_nothing(llm64):
     mine = [o for o in outputs if o.request_id == probe.request_id]
     assert all(not o.token_ids for o in mine) and mine[-1].finished and len(mine) == 5   # 4 chunks of 32, then alone
     want = trace["model.layers.1.self_attn.attn_probs"][:, -1, :]                        # (H, 100)
-    assert np.abs(seen["model.layers.1.self_attn.attn_probs"][:, 0] - want).max() < 1e-12
-    assert np.abs(seen["lm_head"] - trace["lm_head"][-1:]).max() < 1e-10                 # (1, V): the last token's
+    # float64; the last token alone against the whole prompt at once: the same sums, blocked otherwise
+    assert relative_diff(seen["model.layers.1.self_attn.attn_probs"][:, 0], want) <= tolerance_of(llm64, 100, 2)
+    assert relative_diff(seen["lm_head"], trace["lm_head"][-1:]) <= tolerance_of(llm64, 100)   # (1, V): the last token's
     assert sum(len(o.token_ids) for o in outputs if o.request_id == other) == 8

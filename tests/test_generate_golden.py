@@ -7,6 +7,7 @@ from npqwen.backend import to_numpy
 from npqwen.generate import decode_one_token, prefill
 
 from conftest import DEVICES, build_hf_checkpoint, hf_model, tiny_config
+from tolerance import relative_diff, tolerance_of
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -40,9 +41,10 @@ def check_cache_equals_recompute(llm, prompt, n=20, chunk=512):
         tokens.append(int(step_logits[-1].argmax()))
         step_logits.append(to_numpy(decode_one_token(llm.model, tokens[-1], cache)))
     full = to_numpy(llm.forward(prompt + tokens))[len(prompt) - 1:]
-    err = np.abs(np.stack(step_logits) - full).max()
-    print(f"KV-cache decode vs full recompute: max |logit diff| {err:.2e} over {n} positions (chunk {chunk})")
-    assert err <= 1e-4
+    err, bound = relative_diff(np.stack(step_logits), full), tolerance_of(llm, len(prompt) + n)
+    print(f"KV-cache decode vs full recompute: relative max |logit diff| {err:.2e} over {n} positions (chunk {chunk}; "
+          f"tolerance {bound:.1e})")
+    assert err <= bound   # one token's row of the sums against the whole sequence's: blocked otherwise
 
 
 @pytest.fixture(scope="module")

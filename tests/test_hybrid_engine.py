@@ -9,6 +9,7 @@ from npqwen import Engine
 
 from hybrid_checkpoints import QWEN3_5_0_8B_TEXT, build_hybrid_checkpoint, hybrid_config
 from test_engine import alone, compare, prompts, run
+from tolerance import rounding_tolerance, tolerance_of
 
 pytest.importorskip("transformers")
 
@@ -28,7 +29,7 @@ def test_batched_equals_alone(hybrid64):
     results = run(engine, [(p, dict(max_new_tokens=n, temperature=0)) for p, n in zip(ps, news)], spy=True)
     worst = max(compare(f"hybrid prompt {len(p)}", r[0], r[1], *alone(hybrid64, p, n))
                 for p, n, r in zip(ps, news, results))
-    assert worst <= 1e-10
+    assert worst <= tolerance_of(hybrid64, 300 + max(news))
     assert engine.stats["prefix_cache_hit_tokens"] == 0 and len(engine.states.free) == 5
 
 
@@ -39,7 +40,7 @@ def test_chunked_prompt_equals_whole(hybrid64, budget):
     whole = run(Engine(hybrid64, kv_cache_tokens=2048, page_size=32, max_batched_tokens=1024), reqs, spy=True)
     chunked = run(Engine(hybrid64, kv_cache_tokens=2048, page_size=32, max_batched_tokens=budget), reqs, spy=True)
     for p, a, b in zip(ps, whole, chunked):
-        assert compare(f"budget {budget}, prompt {len(p)}", b[0], b[1], a[0], a[1]) <= 1e-10
+        assert compare(f"budget {budget}, prompt {len(p)}", b[0], b[1], a[0], a[1]) <= tolerance_of(hybrid64, 300 + 5)
 
 
 def test_preemption_equals_uninterrupted(hybrid64):
@@ -112,7 +113,7 @@ def test_prefix_hit_equals_miss(hybrid64):
     cold = Engine(hybrid64, kv_cache_tokens=64 * P, page_size=P, prefix_cache=False)
     (miss, miss_logits, _), = run(cold, [(second, kw)], spy=True)
     assert hits(cold) == 0 and cold.stats["state_snapshots"] == 0
-    assert compare("hybrid prefix hit vs miss", hit, hit_logits, miss, miss_logits) <= 1e-10
+    assert compare("hybrid prefix hit vs miss", hit, hit_logits, miss, miss_logits) <= tolerance_of(hybrid64, len(second) + 6)
     assert hit == alone(hybrid64, second, 6)[0]
 
 
@@ -132,7 +133,8 @@ def test_a_shared_system_prompt_hits_mid_prompt_from_the_third_request_on(hybrid
         (got, got_logits, _), = run(engine, [(p, kw)], spy=True)
         seen.append(hits(engine))
         (want, want_logits, _), = run(cold, [(p, kw)], spy=True)
-        assert compare(f"budget {budget}, request {len(seen)}", got, got_logits, want, want_logits) <= 1e-10
+        assert compare(f"budget {budget}, request {len(seen)}", got, got_logits, want, want_logits) \
+            <= tolerance_of(hybrid64, len(p) + 5)
     print(f"budget {budget}: cumulative hit tokens after each request {seen}")
     assert seen == [0, 0, 3 * P, 6 * P]
     together = run(Engine(hybrid64, kv_cache_tokens=64 * P, page_size=P, max_batched_tokens=budget),
@@ -253,7 +255,8 @@ def test_prefill_only_requests_hit_the_prefix_cache_and_equal_a_miss(hybrid64):
                        ("mean", hit[2].embedding, miss[2].embedding)):
         err = float(np.abs(a - b).max() / np.abs(b).max())
         print(f"{name}: max |hit - miss| / max |miss| {err:.2e}")
-        assert err <= 1e-6          # the outputs are float32 (mean: a float32 running sum, chunked differently)
+        # float32 outputs of a float64 model, rounded once (mean: a float32 running sum over the prompt's positions)
+        assert err <= rounding_tolerance(len(texts[0]) if name == "mean" else 1)
 
 
 def test_prefix_hit_equals_miss_qwen3_5_0_8b_shape(tmp_path):
@@ -273,7 +276,7 @@ def test_prefix_hit_equals_miss_qwen3_5_0_8b_shape(tmp_path):
     snapshot = engine.cache.snapshots.store.nbytes // engine.cache.snapshots.num_slots
     print("0.8B shape: prefix hit tokens", hits(engine), "snapshot bytes", snapshot)
     assert hits(engine) == 3 * P and snapshot == 3 * 1_122_304 == 3 * 20_201_472 // 18
-    assert compare("0.8B shape, prefix hit vs miss", hit, hit_logits, miss, miss_logits) <= 1e-4
+    assert compare("0.8B shape, prefix hit vs miss", hit, hit_logits, miss, miss_logits) <= tolerance_of(llm, len(second) + 6)
 
 
 def test_snapshot_bookkeeping_errors_name_what_broke(hybrid64):

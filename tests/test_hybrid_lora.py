@@ -14,6 +14,7 @@ from npqwen.errors import NpqwenError
 from hybrid_checkpoints import (build_hybrid_checkpoint, hf_hybrid_model, hybrid_config, hybrid_moe_config,
                                 qwen3_next_config)
 from test_lora import batched_and_alone, write_adapter as write_lora_adapter
+from tolerance import model_tolerance, relative_diff
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
@@ -35,13 +36,15 @@ def peft_logits(base, adapter, ids):
 
 
 def check_equal_peft(llm, base, adapter, name, ids):
-    """npqwen's logits through the adapter against PEFT's, within 1e-4 relative; the adapter moves them."""
+    """npqwen's logits through the adapter against PEFT's, within model_tolerance (both round in float32; the
+    chunked linear attention's triangular solve is in the chain); the adapter moves them 10 times further."""
     want, plain = peft_logits(base, adapter, ids)
     ours = to_numpy(llm.forward(ids, lora=name))
-    diff, moved = np.abs(ours - want).max(), np.abs(want - plain).max()
-    print(f"{name}: max |npqwen - PEFT| {diff:.2e} (relative {diff / np.abs(want).max():.2e}); "
-          f"the adapter moves the logits by up to {moved:.3f}")
-    assert diff / np.abs(want).max() < 1e-4 and moved > 1e-2
+    diff, moved, tolerance = relative_diff(ours, want), relative_diff(want, plain), model_tolerance(llm.config, len(ids))
+    print(f"{name}: max |npqwen - PEFT| {np.abs(ours - want).max():.2e} (relative {diff:.2e}, tolerance "
+          f"{tolerance:.1e}); the adapter moves the logits by up to {np.abs(want - plain).max():.3f}")
+    assert diff <= tolerance and moved > 10 * tolerance
+    assert (ours.argmax(-1) == want.argmax(-1)).all()   # the greedy token at every position
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +247,8 @@ def test_merge_lora_equals_peft_merge_and_unload(base, adapters, tmp_path):
     with torch.no_grad():
         model = peft.PeftModel.from_pretrained(hf_hybrid_model(base), adapters["all"]).merge_and_unload()
         want = model(torch.tensor([ids])).logits[0].numpy()
-    ours = to_numpy(npqwen.load(out).forward(ids))
-    diff = np.abs(ours - want).max()
-    print(f"merge-lora vs PEFT merge_and_unload: max |diff| {diff:.2e} (relative {diff / np.abs(want).max():.2e})")
-    assert diff / np.abs(want).max() < 1e-4
+    merged = npqwen.load(out)
+    ours = to_numpy(merged.forward(ids))
+    diff, tolerance = relative_diff(ours, want), model_tolerance(merged.config, len(ids))
+    print(f"merge-lora vs PEFT merge_and_unload: relative max |diff| {diff:.2e} (tolerance {tolerance:.1e})")
+    assert diff <= tolerance and (ours.argmax(-1) == want.argmax(-1)).all()

@@ -10,6 +10,7 @@ from npqwen.backend import to_numpy
 from npqwen.errors import NpqwenError
 
 from conftest import QWEN3_0_6B, build_hf_checkpoint, hf_model
+from tolerance import logprob_tolerance, model_tolerance, relative_diff
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
@@ -65,11 +66,11 @@ def test_logits_equal_peft(llm, base, adapters, name):
         want = peft_model(base, adapters[name])(torch.tensor([ids])).logits[0].numpy()
         plain = hf_model(base)(torch.tensor([ids])).logits[0].numpy()
     ours = to_numpy(llm.forward(ids, lora=name))
-    rel = np.abs(ours - want).max() / np.abs(want).max()
-    moved = np.abs(want - plain).max()
-    print(f"{name}: max |npqwen - PEFT| {np.abs(ours - want).max():.2e} (relative {rel:.2e}); "
-          f"the adapter moves the logits by up to {moved:.2f}")
-    assert rel < 1e-4 and moved > 1e-2   # equal, and the adapter does change them
+    rel, moved, tolerance = relative_diff(ours, want), relative_diff(want, plain), model_tolerance(llm.config, len(ids))
+    print(f"{name}: max |npqwen - PEFT| {np.abs(ours - want).max():.2e} (relative {rel:.2e}, tolerance "
+          f"{tolerance:.1e}); the adapter moves the logits by up to {np.abs(want - plain).max():.2f}")
+    assert rel <= tolerance and moved > 10 * tolerance   # equal within rounding, and the adapter does change them
+    assert (ours.argmax(-1) == want.argmax(-1)).all()
 
 
 def test_greedy_equals_peft(llm, base, adapters):
@@ -145,7 +146,9 @@ def test_load_unload_and_names(llm, adapters):
     logits = to_numpy(llm.forward(ids, lora="plain")).astype(np.float64)[:-1]                # (2, V)
     logp = logits - logits.max(1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(1, keepdims=True))
-    assert np.allclose(llm.score(ids, lora="plain").logprobs, logp[[0, 1], ids[1:]], atol=1e-4)
+    # the engine's paged batch against one forward pass: other blocks of the same sums
+    got = llm.score(ids, lora="plain").logprobs
+    assert np.abs(np.array(got) - logp[[0, 1], ids[1:]]).max() <= logprob_tolerance(llm.config, len(ids), logits)
 
 
 def broken(adapters, tmp_path, edit_config=None, edit_tensors=None, name="broken"):
@@ -227,10 +230,12 @@ def test_merge_lora_equals_peft_merge_and_unload(base, adapters, tmp_path):
     ids = np.random.default_rng(3).integers(0, 4000, size=9).tolist()
     with torch.no_grad():
         want = peft_model(base, adapters["pattern"]).merge_and_unload()(torch.tensor([ids])).logits[0].numpy()
-    ours = to_numpy(npqwen.load(out).forward(ids))
-    rel = np.abs(ours - want).max() / np.abs(want).max()
-    print(f"merge-lora vs PEFT merge_and_unload: max |diff| {np.abs(ours - want).max():.2e} (relative {rel:.2e})")
-    assert rel < 1e-4
+    merged = npqwen.load(out)
+    ours = to_numpy(merged.forward(ids))
+    rel, tolerance = relative_diff(ours, want), model_tolerance(merged.config, len(ids))
+    print(f"merge-lora vs PEFT merge_and_unload: max |diff| {np.abs(ours - want).max():.2e} (relative {rel:.2e}, "
+          f"tolerance {tolerance:.1e})")
+    assert rel <= tolerance and (ours.argmax(-1) == want.argmax(-1)).all()
 
 
 def test_cli_generate_with_lora(base, adapters, capsys):

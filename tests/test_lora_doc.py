@@ -3,7 +3,10 @@ import re
 
 import pytest
 
+import npqwen
+
 from conftest import doc_samples, run_doc_line, run_doc_python
+from tolerance import model_tolerance
 
 
 def test_lora_doc_code_samples_run(tmp_path):
@@ -15,7 +18,9 @@ def test_lora_doc_code_samples_run(tmp_path):
     assert "['linear_attn.in_proj_qkv', 'linear_attn.in_proj_z', 'linear_attn.in_proj_b', 'linear_attn.in_proj_a', " \
            "'linear_attn.out_proj', 'mlp.gate_proj', 'mlp.up_proj', 'mlp.down_proj']" in result.stdout
     relative = float(result.stdout.split("hybrid: max |npqwen - PEFT| = ")[1].split("relative ")[1].split()[0])
-    assert relative < 1e-4, result.stdout   # the hybrid adapter equals PEFT's
+    # the hybrid adapter equals PEFT's: tiny-qwen3.5's float32 bar over the sample's "Once upon a time" (16 byte
+    # tokens; relative to max |logit|, which is above 1 on it)
+    assert relative <= model_tolerance(npqwen.load("tiny-qwen3.5").config, 16), result.stdout
     outputs = [run_doc_line(line).stdout for line in shell]
     assert outputs[0] == outputs[2] and outputs[0].strip()   # the adapter kept apart, and merged
 

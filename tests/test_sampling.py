@@ -7,6 +7,8 @@ import pytest
 from npqwen import NpqwenError
 from npqwen import sampling as S
 
+from tolerance import EPS32
+
 try:
     import torch
     from transformers.generation import logits_process as lp
@@ -29,7 +31,8 @@ def hf(processor, logits, input_ids=(0,)):
 def same(ours, theirs):
     assert np.array_equal(np.isneginf(ours), np.isneginf(theirs)), "different tokens filtered out"
     finite = ~np.isneginf(theirs)
-    np.testing.assert_allclose(ours[finite], theirs[finite], rtol=1e-6, atol=1e-6)
+    # float32 logits through a few elementwise steps (scale, penalty, a softmax for top-p): each rounded once
+    np.testing.assert_allclose(ours[finite], theirs[finite], rtol=8 * EPS32, atol=8 * EPS32)
 
 
 @needs_hf

@@ -27,6 +27,7 @@ import npqwen.trace  # noqa: E402
 
 from conftest import add_qwen3_tokenizer, needs_qwen3_tokenizer, tiny_config, write_npqwen_checkpoint  # noqa: E402
 from test_server_cli import rss_mb, start, stop  # noqa: E402
+from tolerance import tolerance_of  # noqa: E402
 
 STALL_LIMIT = 0.3        # seconds: the largest gap of a stream, and the slowest /health, while a big request runs
 RSS_LIMIT_MB = 100       # RSS after the big prompts, over RSS before them
@@ -170,7 +171,8 @@ def test_the_attention_endpoint_is_read_a_chunk_per_step(tmp_path):
     npqwen.load(path).forward(ids, last_only=True, recorder=trace)
     want = trace["model.layers.2.self_attn.attn_probs"][:, -1, :]                     # (H, 2048)
     diff = np.abs(np.array(answer["heads"]) - want).max()
-    assert diff < 1e-5, f"the chunked pass differs from one forward pass by {diff}"
+    bound = tolerance_of(npqwen.load(path), len(ids), 3)   # probabilities (<= 1) after 3 layers, read in chunks of 64
+    assert diff <= bound, f"the chunked pass differs from one forward pass by {diff} (tolerance {bound:.1e})"
     assert gap < STALL_LIMIT and health < STALL_LIMIT, (gap, health)
 
 

@@ -11,7 +11,8 @@ import pytest
 import npqwen
 from npqwen.trace import Trace
 
-from conftest import ROOT, doc_samples, run_doc_line, run_doc_python, tiny_config, write_npqwen_checkpoint
+from conftest import EMBEDDING_SMALL, ROOT, doc_samples, run_doc_line, run_doc_python, tiny_config, write_npqwen_checkpoint
+from tolerance import model_tolerance
 
 STEPS = ["self_attn.q_rope", "self_attn.k_rope", "self_attn.attn_probs", "self_attn.attn_output",
          "attn_residual", "mlp.act_fn"]   # named intermediate steps, besides the weighted modules
@@ -160,6 +161,7 @@ def test_compare_within_tolerance_on_a_correct_model(hf_tiny_dir):
     rows = compare(llm, llm.tokenizer.encode("Hello, compare!"))
     worst = max(r["max_abs_diff"] for r in rows)
     print(f"{len(rows)} steps compared, largest |diff| {worst:.2e}")
+    # npqwen compare's own bar (1e-3 relative, its default tol), far above float32's for this 2-layer model
     assert len(rows) == len(expected_trace_names(llm)) and all(r["ok"] for r in rows) and worst <= 1e-3
 
 
@@ -362,7 +364,9 @@ def test_bench_embed_suite_reports_every_figure(embedding_small):
     runs = report["serving"]["embed"]
     assert set(runs) == {"npqwen", "hf-float32", "hf-bfloat16"} and report["serving"]["errors"] == {}
     assert len({(r["texts"], r["tokens"]) for r in runs.values()}) == 1 and runs["npqwen"]["texts"] == 5
-    assert max(abs(a - b) for a, b in zip(runs["npqwen"]["first"], runs["hf-float32"]["first"])) < 1e-5
+    # unit vectors of the small embedding model over at most 40 tokens: its float32 bar
+    bound = model_tolerance(npqwen.Qwen3Config.from_dict(EMBEDDING_SMALL), 40)
+    assert max(abs(a - b) for a, b in zip(runs["npqwen"]["first"], runs["hf-float32"]["first"])) <= bound
     st = runs["hf-float32"]
     assert st["padded_tokens"] >= st["tokens"] and st["unpadded_seconds"] > 0
     for key in ("embed_vs_hf-float32", "embed_vs_hf-bfloat16", "embed_st_unpadded_over_padded"):
