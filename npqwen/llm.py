@@ -374,6 +374,18 @@ def load(path, device: str = "cpu", dtype: str = "float32", tensor_parallel=Fals
     return llm
 
 
+def load_gguf(path, xp, dtype: str, comm) -> LLM:
+    """A GGUF file (llama.cpp, Ollama): npqwen/gguf_file.py maps its metadata, tokenizer and tensors to HF's."""
+    from .gguf_file import load_gguf_weights, read_gguf
+
+    if comm.size > 1:
+        raise NpqwenError(f"{path}: tensor parallelism over a GGUF file is not supported yet; run it in one process")
+    raw_config, tensors, tokenizer = read_gguf(path)
+    config = Qwen3Config.from_dict(raw_config, source=str(path))
+    weights, fused = load_gguf_weights(config, tensors, xp, np.dtype(dtype), path)
+    return LLM(Qwen3(config, weights, fused, comm), tokenizer, {}, path)
+
+
 def load_part(path, device: str, dtype: str, comm) -> LLM:
     """This rank's part of the model (the whole model in one process)."""
     from .tiny import BUILTIN
@@ -385,6 +397,8 @@ def load_part(path, device: str, dtype: str, comm) -> LLM:
         return llm
     path = resolve_model(path)
     xp = array_module(device)
+    if path.is_file():   # a GGUF file (resolve_model checked): config, tokenizer and weights in one file
+        return load_gguf(path, xp, dtype, comm)
     config = Qwen3Config.from_json(path / "config.json")
     check_split(config, comm.size)
     parts = None if comm.size == 1 else shards(config, expected_shapes(config), comm.size, comm.rank)

@@ -328,6 +328,9 @@ def load_model(args, chat_template: bool = False):
     if chat_template and llm.tokenizer.chat_template is None:
         instead = {"generate": ", or use --raw for a plain completion", "chat": ""}.get(args.command,
                                                                                        ", or leave out --chat")
+        if Path(model).is_file():
+            raise NpqwenError(f"{model}: the GGUF file has no tokenizer.chat_template, so messages cannot be "
+                              f"formatted; use a file with one{instead}")
         raise NpqwenError(f"{model}: tokenizer_config.json has no chat_template (nor is there a chat_template.jinja), "
                           f"so messages cannot be formatted; add the model's tokenizer_config.json{instead}")
     if args.command in ("generate", "chat") and llm.kind == "embedding":   # as the server's 400 (--allow-generation)
@@ -339,6 +342,8 @@ def load_model(args, chat_template: bool = False):
 def check_checkpoint(path: Path, tokenizer: bool):
     """Every command's check of a checkpoint directory (the text commands need its `tokenizer` too):
     what is missing is named all at once, config.json, weights and tokenizer.json."""
+    if path.is_file():   # a GGUF file: config, weights and tokenizer in one, checked as it loads
+        return
     missing = missing_files(path, tokenizer=True)
     if not missing or (missing == ["tokenizer.json"] and not tokenizer):
         return

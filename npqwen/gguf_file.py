@@ -1,0 +1,297 @@
+"""GGUF files (llama.cpp's format, what Ollama pulls): the config, tokenizer and weights of a Qwen3 in one file.
+
+A GGUF holds key/value metadata and tensors. The `gguf` package (llama.cpp's own reader) memory-maps the
+file; every tensor stays the reader's view of its bytes, in its stored ggml format (`npqwen/quants.py`),
+and only a block of rows at a time is ever widened. This module turns what llama.cpp's converter
+(`convert_hf_to_gguf.py`) wrote back into what npqwen reads from a Hugging Face checkpoint:
+
+- the config: `qwen3.embedding_length` -> `hidden_size`, ... (`config_dict`);
+- the tokenizer and chat template: `tokenizer.ggml.tokens`, `.merges`, `.token_type` and
+  `tokenizer.chat_template` -> a byte-level BPE `tokenizers.Tokenizer` (`gguf_tokenizer`);
+- the tensors under their HF names: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`
+  (`hf_name`), each a `GGUFTensor` (its stored rows, its qtype, its HF shape). llama.cpp's converter
+  writes Qwen3's q/k rows as HF has them (it permutes rows only for LLaMA-style interleaved RoPE).
+
+A GGUF matrix of ggml shape [cols, rows] is the HF (rows, cols) matrix: ggml lists the fastest axis first.
+`ollama:NAME[:TAG]` finds the GGUF blob of a model Ollama has pulled (`ollama_blob`).
+"""
+import json
+import os
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from . import quants
+from .errors import NpqwenError
+
+# general.architecture as llama.cpp writes it -> HF model_type
+ARCHITECTURES = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+
+# llama.cpp's tensor names (gguf-py's tensor_mapping for QWEN3 / QWEN3MOE) -> HF's, per layer and whole-model
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",   # the MoE router
+    # the experts of a sparse layer, stacked (E, rows, cols): expert e is HF's mlp.experts.{e}.*
+    "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# tokenizer.ggml.token_type: 1 normal (in the BPE vocabulary), 3 control (special), 4 user defined
+# (an added token that is not special: <think>, <tool_call>), 5 unused (the padding up to vocab_size)
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+# tokenizer.ggml.pre -> the pre-tokenizer's split regex (llama.cpp's llama-vocab.cpp; Qwen2's, from tokenizer.json)
+PRE_TOKENIZERS = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
+class GGUFTensor(NamedTuple):
+    """One tensor as the file stores it: `raw` is the reader's memory-mapped view, (rows, row bytes) uint8
+    for a matrix ((E, rows, row bytes) for stacked experts), `shape` the HF shape, `qtype` its ggml format."""
+    name: str          # llama.cpp's name (blk.0.attn_q.weight)
+    qtype: str         # "Q4_K", "F32", ... (quants.BLOCKS)
+    shape: tuple       # HF shape: (rows, cols), (E, rows, cols) or (n,)
+    raw: np.ndarray    # uint8 bytes, rows first
+
+    def dequantize(self) -> np.ndarray:
+        """The whole tensor widened to float32 (for small tensors: norms, one expert, tests)."""
+        out = np.empty(self.shape, np.float32)
+        rows = out.reshape(-1, self.shape[-1])
+        quants.dequantize_rows(self.qtype, self.raw.reshape(rows.shape[0], -1), rows)
+        return out
+
+
+def is_gguf(path) -> bool:
+    """Whether `path` is a file that starts with GGUF's magic bytes (Ollama's blobs have no .gguf suffix)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def open_gguf(path):
+    """llama.cpp's GGUFReader over the file, memory-mapped; a file it cannot read is one clear error."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise NpqwenError(f"{path}: reading GGUF files needs the gguf package: pip install 'npqwen[gguf]' "
+                          f"(or pip install gguf)") from None
+
+    class Reader(GGUFReader):
+        """GGUFReader reading through a plain ndarray view of its np.memmap: the same bytes, mapped the same way,
+        without np.memmap's cost on each of the ~10^6 small slices a 151k-token vocabulary takes (3.5x faster)."""
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            if type(self.data) is np.memmap:
+                self.data = self.data.view(np.ndarray)
+            return super()._get(offset, dtype, count, override_order)
+
+    try:
+        return Reader(path, "r")
+    except (ValueError, IndexError, KeyError, OSError) as e:
+        raise NpqwenError(f"{path}: not a complete GGUF file ({str(e)[:160]}); it may be truncated: download or "
+                          f"pull it again") from None
+
+
+def metadata(reader) -> dict:
+    """Every key/value of the file but the tokenizer's lists, as Python values."""
+    return {key: field.contents() for key, field in reader.fields.items()
+            if not key.startswith("GGUF.") and key not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                                                              "tokenizer.ggml.token_type", "tokenizer.ggml.scores")}
+
+
+def architecture(meta: dict, path) -> str:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise NpqwenError(f"{path}: a GGUF of architecture {arch!r}; npqwen runs Qwen3: "
+                          f"{', '.join(repr(a) for a in ARCHITECTURES)} (llama.cpp's names for Qwen3 and Qwen3-MoE)")
+    return arch
+
+
+def decimal(value: float) -> float:
+    """A float32 the file stores, as the shortest decimal that rounds to it (1e-06, not 9.99999997e-07)."""
+    return float(str(np.float32(value)))
+
+
+def config_dict(meta: dict, tensors: dict, path) -> dict:
+    """The GGUF metadata as HF config.json keys (convert_hf_to_gguf.py's set_gguf_parameters, read back)."""
+    arch = architecture(meta, path)
+
+    def key(name, default=None):
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise NpqwenError(f"{path}: the GGUF metadata has no {arch}.{name}; the file is incomplete")
+        return value
+
+    embedding = tensors["model.embed_tokens.weight"]
+    config = dict(
+        model_type=ARCHITECTURES[arch], hidden_size=key("embedding_length"), num_hidden_layers=key("block_count"),
+        intermediate_size=key("feed_forward_length", 0) or key("expert_feed_forward_length"),
+        num_attention_heads=key("attention.head_count"), num_key_value_heads=key("attention.head_count_kv"),
+        head_dim=key("attention.key_length"), rms_norm_eps=decimal(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=decimal(key("rope.freq_base")), max_position_embeddings=key("context_length"),
+        vocab_size=embedding.shape[0], tie_word_embeddings="lm_head.weight" not in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
+    if arch == "qwen3moe":   # llama.cpp always renormalises Qwen3-MoE's top-k router weights
+        config.update(num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+                      moe_intermediate_size=key("expert_feed_forward_length"), norm_topk_prob=True)
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        config["rope_scaling"] = {"rope_type": scaling, "factor": key("rope.scaling.factor"),
+                                  "original_max_position_embeddings": key("rope.scaling.original_context_length")}
+    return config
+
+
+def hf_name(name: str) -> str | None:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for a name npqwen does not use."""
+    base, _, suffix = name.rpartition(".")
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if match and match.group(2) in LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{LAYER_NAMES[match.group(2)]}.{suffix}"
+    return f"{MODEL_NAMES[base]}.{suffix}" if base in MODEL_NAMES else None
+
+
+def gguf_tensors(reader, path) -> dict[str, GGUFTensor]:
+    """Every tensor npqwen uses, under its HF name, as the file stores it (nothing is read yet)."""
+    tensors = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        qtype = t.tensor_type.name
+        if qtype not in quants.BLOCKS:
+            raise NpqwenError(f"{path}: tensor {t.name} is stored as {qtype}, a GGUF format npqwen does not read; "
+                              f"it reads {', '.join(quants.BLOCKS)} (a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file)")
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))   # ggml [cols, rows, E] -> HF (E, rows, cols)
+        raw = t.data.view(np.uint8).reshape(*shape[:-1], quants.row_bytes(qtype, shape[-1]))
+        tensors[name] = GGUFTensor(t.name, qtype, shape, raw)
+    if "model.embed_tokens.weight" not in tensors:
+        raise NpqwenError(f"{path}: the GGUF has no token_embd.weight; it is not a whole model")
+    return tensors
+
+
+def gguf_tokenizer(reader, meta: dict, path):
+    """tokenizer.ggml.* and tokenizer.chat_template -> npqwen's Tokenizer (byte-level BPE, as tokenizer.json)."""
+    from tokenizers import Tokenizer as Backend
+
+    from .tokenizer import Tokenizer
+
+    model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
+    if model != "gpt2":
+        raise NpqwenError(f"{path}: the GGUF's tokenizer is {model!r} (tokenizer.ggml.model); npqwen reads the "
+                          f"byte-level BPE tokenizer ('gpt2') that Qwen3's GGUF files hold")
+    if pre not in PRE_TOKENIZERS:
+        raise NpqwenError(f"{path}: the GGUF's pre-tokenizer is {pre!r} (tokenizer.ggml.pre); npqwen reads "
+                          f"{', '.join(map(repr, PRE_TOKENIZERS))} (Qwen3's)")
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        raise NpqwenError(f"{path}: the GGUF has no tokenizer (tokenizer.ggml.tokens); npqwen needs one in the file")
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents() if "tokenizer.ggml.token_type" in reader.fields \
+        else [NORMAL] * len(tokens)
+    merges = reader.fields["tokenizer.ggml.merges"].contents() if "tokenizer.ggml.merges" in reader.fields else []
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    spec = {   # the tokenizer.json a Qwen3 checkpoint ships, rebuilt from the GGUF's lists
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": kind == CONTROL}
+                         for i, (tok, kind) in enumerate(zip(tokens, types)) if kind in (CONTROL, USER_DEFINED)],
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": PRE_TOKENIZERS[pre]}, "behavior": "Isolated", "invert": False},
+            byte_level]},
+        "post_processor": byte_level, "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {tok: i for i, (tok, kind) in enumerate(zip(tokens, types)) if kind == NORMAL},
+                  "merges": merges},
+    }
+    backend = Backend.from_str(json.dumps(spec))
+    special = {f"{what}_token": tokens[meta[f"tokenizer.ggml.{key}_token_id"]]
+               for what, key in (("eos", "eos"), ("pad", "padding"))
+               if meta.get(f"tokenizer.ggml.{key}_token_id") is not None}
+    if meta.get("tokenizer.ggml.add_bos_token") and meta.get("tokenizer.ggml.bos_token_id") is not None:
+        special["bos_token"] = tokens[meta["tokenizer.ggml.bos_token_id"]]
+    return Tokenizer(backend, meta.get("tokenizer.chat_template"), special)
+
+
+def read_gguf(path):
+    """(config dict, HF name -> GGUFTensor, Tokenizer) of a GGUF file, its tensors left memory-mapped."""
+    reader = open_gguf(path)
+    meta = metadata(reader)
+    architecture(meta, path)
+    tensors = gguf_tensors(reader, path)
+    return config_dict(meta, tensors, path), tensors, gguf_tokenizer(reader, meta, path)
+
+
+def ollama_models_dir() -> Path:
+    return Path(os.environ.get("OLLAMA_MODELS") or Path.home() / ".ollama" / "models").expanduser()
+
+
+def ollama_blob(name: str) -> Path:
+    """The GGUF blob of a model Ollama has pulled: "qwen3:8b", "qwen3" (tag latest), "user/model:tag".
+
+    Ollama keeps a manifest per model at manifests/<host>/<namespace>/<model>/<tag> (host
+    registry.ollama.ai, namespace library by default) under ~/.ollama/models or $OLLAMA_MODELS; its layer
+    of mediaType application/vnd.ollama.image.model names the GGUF as blobs/sha256-<hex>.
+    """
+    model, _, tag = name.partition(":")
+    parts = model.split("/")
+    if not model or len(parts) > 3 or not all(parts):
+        raise NpqwenError(f"ollama:{name}: not an Ollama model name; use ollama:MODEL[:TAG], e.g. ollama:qwen3:8b")
+    parts = ["registry.ollama.ai", "library"][:3 - len(parts)] + parts
+    root = ollama_models_dir()
+    manifest = root.joinpath("manifests", *parts, tag or "latest")
+    if not manifest.is_file():
+        raise NpqwenError(f"ollama:{name}: Ollama has not pulled {model}:{tag or 'latest'} (no manifest "
+                          f"{manifest}); run `ollama pull {model}:{tag or 'latest'}`, or set OLLAMA_MODELS to "
+                          f"where Ollama keeps its models")
+    try:
+        layers = json.loads(manifest.read_text(encoding="utf-8"))["layers"]
+        digest = next(layer["digest"] for layer in layers
+                      if layer.get("mediaType") == "application/vnd.ollama.image.model")
+    except (ValueError, KeyError, TypeError, StopIteration):
+        raise NpqwenError(f"ollama:{name}: the manifest {manifest} names no model layer; pull it again") from None
+    blob = root / "blobs" / digest.replace(":", "-")
+    if not blob.is_file():
+        raise NpqwenError(f"ollama:{name}: the manifest names {blob}, which is missing; run "
+                          f"`ollama pull {model}:{tag or 'latest'}` again")
+    return blob
+
+
+def hf_tensors(tensors: dict[str, GGUFTensor]) -> dict[str, GGUFTensor]:
+    """Stacked experts split into HF's per-expert names: mlp.experts.gate_proj (E, I, D) -> mlp.experts.{e}.gate_proj
+    (I, D), each a view into the file's bytes."""
+    out = {}
+    for name, t in tensors.items():
+        if ".mlp.experts." in name:
+            prefix, _, part = name.partition(".mlp.experts.")
+            for e in range(t.shape[0]):
+                out[f"{prefix}.mlp.experts.{e}.{part}"] = GGUFTensor(t.name, t.qtype, t.shape[1:], t.raw[e])
+        else:
+            out[name] = t
+    return out
+
+
+def load_gguf_weights(config, tensors: dict[str, GGUFTensor], xp, dtype, path) -> tuple[dict, dict]:
+    """(weights, fused) as checkpoint.load_weights returns them, from a GGUF's tensors."""
+    from .checkpoint import allocate_weights, expected_shapes, tie_lm_head
+
+    tensors = hf_tensors(tensors)
+    shapes = expected_shapes(config, lm_head=not config.tie_word_embeddings)
+    for name, shape in shapes.items():
+        if name not in tensors:
+            raise NpqwenError(f"{path}: the GGUF has no tensor for {name} (expected shape {list(shape)})")
+        if tensors[name].shape != shape:
+            raise NpqwenError(f"{path}: tensor {tensors[name].name} has shape {list(tensors[name].shape)} where "
+                              f"the GGUF's metadata says {list(shape)}; the file is inconsistent")
+    weights, fused = allocate_weights(config, xp, dtype, shapes)
+    for name, array in weights.items():
+        array[...] = xp.asarray(tensors[name].dequantize())
+    return tie_lm_head(config, weights), fused
