@@ -29,21 +29,8 @@ from .backend import free_memory_bytes, xp_of
 from .config import Qwen3Config
 from .errors import NpqwenError
 from .parallel import shard_shape
-from .weights import (
-    FP8,
-    BFloat16,
-    Float16,
-    Ggml,
-    Int8,
-    Rows,
-    bf16_bits_to_float32,
-    bytes_per_value,
-    fits_format,
-    float32_to_bf16_bits,
-    join_rows,
-    quantize,
-    with_arrays,
-)
+from .weights import (FP8, BFloat16, Float16, Ggml, Int8, Rows, as_array, bf16_bits_to_float32, bytes_per_value,
+                      fits_format, float32_to_bf16_bits, join_rows, quantize, with_arrays)
 
 # safetensors dtype -> (NumPy dtype of the stored bits, bytes per element): the ones npqwen reads
 STORED_DTYPES = {"BF16": (np.uint16, 2), "F16": (np.float16, 2), "F32": (np.float32, 4)}
@@ -605,7 +592,7 @@ def float32_rows(w, a: int, b: int) -> np.ndarray:
 def weights_format(weights: str, found: dict, shapes: dict, xp, dtype) -> str:
     """The format the matrices are kept in: "float32" (in `dtype`), "stored", or a format to convert to."""
     from .weights import FORMATS
-    choices = ("auto", "float32", "stored", *(f for f in FORMATS if f != "fp8"))
+    choices = ("auto", "float32", "stored", *FORMATS)
     if weights not in choices:
         raise NpqwenError(f"unknown weights format {weights!r}; use one of {', '.join(choices)}")
     quantized = any(found[n].dtype not in STORED_DTYPES for n in shapes)
@@ -780,6 +767,6 @@ def save_safetensors(path: Path, tensors: dict, dtype: str = "F32"):
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for a in tensors.values():
-            a = np.asarray(a, dtype=np.float32)
+            a = np.asarray(as_array(a), dtype=np.float32)   # a compact weight widened here, one at a time
             bits = float32_to_bf16_bits(a) if dtype == "BF16" else a.astype(STORED_DTYPES[dtype][0])
             f.write(np.ascontiguousarray(bits).data)

@@ -265,6 +265,7 @@ class LLM:
 
         from .backend import to_numpy
         from .checkpoint import save_safetensors
+        from .weights import is_compact
 
         if self.comm.size > 1:
             raise NpqwenError("llm.save writes the whole model, and this rank holds only its part of it (tensor "
@@ -272,7 +273,8 @@ class LLM:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
-        tensors = {name: to_numpy(a) for name, a in self.weights.items()
+        tensors = {name: a if is_compact(a) else to_numpy(a) for name, a in self.weights.items()   # compact: widened
+                   # one at a time as it is written
                    if not (name == "lm_head.weight" and self.config.tie_word_embeddings)}
         save_safetensors(directory / "model.safetensors", tensors, dtype)
         defaults = self.generation_defaults
@@ -368,7 +370,7 @@ def load(path, device: str = "cpu", dtype: str = "float32", tensor_parallel=Fals
     weights: how the matrices are kept (docs/weights.md). "auto" (the default) is float32 where that fits the
     free memory and the file holds no quantized matrix, else as stored; "stored" as the file holds them
     (bfloat16 memory-mapped, Qwen's FP8, npqwen quantize's int8 / ggml blocks); "float32"; or a format to
-    convert to while loading: "bfloat16", "float16", "int8", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k".
+    convert to while loading: "bfloat16", "float16", "int8", "q8_0", "q4_0", "q4_k".
     """
     check_device_dtype(device, dtype)
     comm = communicator(tensor_parallel, device)
@@ -385,12 +387,7 @@ def load_part(path, device: str, dtype: str, comm, weights: str = "auto") -> LLM
     from .tiny import BUILTIN
 
     if str(path) in BUILTIN:
-        from .tiny import (
-            TINY_GENERATION,
-            tiny_embedding_config,
-            tiny_model,
-            tiny_tokenizer,
-        )
+        from .tiny import TINY_GENERATION, tiny_embedding_config, tiny_model, tiny_tokenizer
         model = tiny_model(device, dtype, str(path), comm, weights)
         llm = LLM(model, tiny_tokenizer(str(path)), dict(TINY_GENERATION), None)
         llm.embedding_config = tiny_embedding_config(str(path))   # tiny-embedding, tiny-reranker: as their files say

@@ -24,13 +24,7 @@ import numpy as np
 
 from .backend import array_module
 from .chat_format import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN
-from .checkpoint import (
-    allocate_weights,
-    compact_weights,
-    expected_shapes,
-    tie_lm_head,
-    weights_format,
-)
+from .checkpoint import allocate_weights, compact_weights, expected_shapes, tie_lm_head, weights_format
 from .config import Qwen3Config
 from .model import Qwen3
 from .parallel import check_split, shard_shape, shards, take_shards

@@ -23,13 +23,15 @@ ops.linear and ops.embed call `linear` and `take`; nothing else looks inside.
 """
 import numpy as np
 
+from . import quants
 from .backend import xp_of
 from .errors import NpqwenError
 
 BLOCK_VALUES = 1 << 18   # float32 values of one widened block (1 MiB): it stays in the core's L2 cache
 
-FORMATS = ("bfloat16", "float16", "fp8", "int8", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
-GGML = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}   # name -> ggml type
+# what npqwen.load(weights=...) and npqwen quantize convert to (fp8 and Q5_K, Q6_K are read as stored only)
+FORMATS = ("bfloat16", "float16", "int8", "q8_0", "q4_0", "q4_k")
+GGML = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K"}   # name -> ggml type
 
 
 def block_rows(n_in: int) -> int:
@@ -228,7 +230,6 @@ class Ggml(Compact):
     type_size bytes, widened by quants.dequantize_rows, which spells out each format's block (npqwen/quants.py)."""
 
     def __init__(self, qtype: str, raw, n_in: int):
-        from . import quants
         block, size = quants.BLOCKS[qtype]
         if n_in % block or raw.shape[1] != n_in // block * size:
             raise NpqwenError(f"a {qtype} matrix of {n_in} columns needs {n_in // block * size} bytes per row "
@@ -238,7 +239,6 @@ class Ggml(Compact):
 
     @classmethod
     def quantize(cls, qtype: str, w):
-        from . import quants
         return cls(qtype, quants.quantize_rows(qtype, np.ascontiguousarray(w, dtype=np.float32)), w.shape[1])
 
     @property
@@ -246,14 +246,12 @@ class Ggml(Compact):
         return (self.storage,)
 
     def widen(self, rows, out):
-        from . import quants
         quants.dequantize_rows(self.format, self.storage[rows], out)
 
     def rows(self, sel):
         return Ggml(self.format, self.storage[sel], self.shape[1])
 
     def columns(self, sel):
-        from . import quants
         block, size = quants.BLOCKS[self.format]
         a, b = check_block_columns(self, sel, block)
         part = self.storage[:, a // block * size:b // block * size]
@@ -324,7 +322,7 @@ def float32_to_bf16_bits(a) -> np.ndarray:
 
 
 def quantize(w, fmt: str):
-    """float32 rows w (n, in) in format `fmt` (one of FORMATS but fp8, which npqwen only reads)."""
+    """float32 rows w (n, in) in format `fmt` (one of FORMATS)."""
     if fmt == "bfloat16":
         return BFloat16(float32_to_bf16_bits(w))
     if fmt == "float16":
@@ -352,7 +350,6 @@ def with_arrays(w, arrays: list):
 def bytes_per_value(fmt: str) -> float:
     """Stored bytes per weight value of a format (scales included), for sizes before anything is read."""
     if fmt in GGML:
-        from . import quants
         block, size = quants.BLOCKS[GGML[fmt]]
         return size / block
     return {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1 + 4 / FP8_BLOCK, "int8": 1}[fmt]
@@ -362,7 +359,6 @@ def fits_format(fmt: str, n_in: int) -> bool:
     """Whether a matrix of n_in columns can be stored in `fmt` (ggml formats need whole blocks per row)."""
     if fmt not in GGML:
         return True
-    from . import quants
     return n_in % quants.BLOCKS[GGML[fmt]][0] == 0
 
 
