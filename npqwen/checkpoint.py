@@ -770,3 +770,39 @@ def save_safetensors(path: Path, tensors: dict, dtype: str = "F32"):
             a = np.asarray(as_array(a), dtype=np.float32)   # a compact weight widened here, one at a time
             bits = float32_to_bf16_bits(a) if dtype == "BF16" else a.astype(STORED_DTYPES[dtype][0])
             f.write(np.ascontiguousarray(bits).data)
+
+
+def stored_pieces(name: str, w) -> list[tuple[str, str, np.ndarray]]:
+    """What one weight is on disk, as `npqwen quantize` writes it: [(tensor name, safetensors dtype, array)].
+    bfloat16 BF16, float16 F16, float32 F32; int8 as I8 with its row scales `...weight_scale` (F32, (out,));
+    ggml blocks as U8 rows (out, bytes per row), their type in the file's __metadata__ (name -> "Q4_K")."""
+    from .backend import to_numpy
+    if isinstance(w, BFloat16):
+        return [(name, "BF16", w.storage)]
+    if isinstance(w, Float16):
+        return [(name, "F16", w.storage)]
+    if isinstance(w, Int8):
+        return [(name, "I8", w.storage), (name[:-len("weight")] + "weight_scale", "F32", w.scale)]
+    if isinstance(w, Ggml):
+        return [(name, "U8", w.storage)]
+    if isinstance(w, FP8):
+        raise NpqwenError("FP8 weights are written by the checkpoint that made them; convert them with --to")
+    return [(name, "F32", np.asarray(to_numpy(w), dtype=np.float32))]
+
+
+def save_compact(path: Path, weights: dict):
+    """Write weights (arrays and compact matrices, npqwen/weights.py) as one .safetensors file in their
+    formats (stored_pieces), a tensor at a time; npqwen.load reads it back as stored."""
+    pieces = [piece for name, w in weights.items() for piece in stored_pieces(name, w)]
+    metadata = {name: w.format for name, w in weights.items() if isinstance(w, Ggml)}
+    header, offset = {"__metadata__": metadata} if metadata else {}, 0
+    for name, dtype, a in pieces:
+        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)   # pad so the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for _, _, a in pieces:
+            f.write(np.ascontiguousarray(a).data)

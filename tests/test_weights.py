@@ -6,18 +6,14 @@ import json
 
 import numpy as np
 import pytest
-from conftest import (
-    build_hf_checkpoint,
-    hf_model,
-    tiny_config,
-    write_npqwen_checkpoint,
-)
 
 import npqwen
-from npqwen.checkpoint import allocate_weights, tie_lm_head
+from npqwen.checkpoint import allocate_weights, index_checkpoint, tie_lm_head
 from npqwen.errors import NpqwenError
 from npqwen.model import Qwen3
 from npqwen.weights import Ggml, Rows, as_array, is_compact
+
+from conftest import build_hf_checkpoint, hf_model, tiny_config, write_npqwen_checkpoint
 
 # every matrix of these takes whole Q4_K super-blocks (256 values a row): no format falls back
 BLOCKY = tiny_config(hidden_size=256, intermediate_size=512, head_dim=64, num_hidden_layers=2)
@@ -233,3 +229,29 @@ def test_save_writes_compact_weights_dequantized(tmp_path):
     again = npqwen.load(tmp_path)
     ids = list(range(30, 50))
     assert_close(again.forward(ids), llm.forward(ids), 1e-5, "saved")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4_k"])
+def test_quantize_writes_a_checkpoint_npqwen_loads_as_stored(fmt, blocky_dir, tmp_path, capsys):
+    from npqwen.cli import main
+
+    assert main(["quantize", str(blocky_dir), str(tmp_path / fmt), "--to", fmt]) == 0
+    stored = npqwen.load(tmp_path / fmt)                       # auto: a quantized file stays as stored
+    converted = npqwen.load(blocky_dir, weights=fmt)
+    for name, w in converted.weights.items():
+        if is_compact(w):
+            assert stored.weights[name].format == w.format
+            np.testing.assert_array_equal(np.asarray(stored.weights[name].storage), w.storage, err_msg=name)
+    ids = list(range(9, 40))
+    np.testing.assert_array_equal(stored.forward(ids), converted.forward(ids))
+    files = {name: info.dtype for name, info in index_checkpoint(tmp_path / fmt).items()}
+    assert files["model.layers.0.mlp.down_proj.weight"] == ("I8" if fmt == "int8" else "U8")
+    assert ("model.layers.0.mlp.down_proj.weight_scale" in files) == (fmt == "int8")
+    size = (tmp_path / fmt / "model.safetensors").stat().st_size
+    print(f"{fmt}: {size:,} bytes, bf16 {(blocky_dir / 'model.safetensors').stat().st_size:,}")
+    assert size < 0.6 * (blocky_dir / "model.safetensors").stat().st_size
+    capsys.readouterr()
+    assert main(["inspect", "--model", str(tmp_path / fmt)]) == 0
+    shown = capsys.readouterr().out
+    assert ("Q4_K" if fmt == "q4_k" else "I8") in shown and "weight_scale" not in shown
+    assert "weights in memory by --weights format" in shown
