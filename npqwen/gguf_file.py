@@ -279,9 +279,30 @@ def hf_tensors(tensors: dict[str, GGUFTensor]) -> dict[str, GGUFTensor]:
     return out
 
 
-def load_gguf_weights(config, tensors: dict[str, GGUFTensor], xp, dtype, path) -> tuple[dict, dict]:
-    """(weights, fused) as checkpoint.load_weights returns them, from a GGUF's tensors."""
-    from .checkpoint import allocate_weights, expected_shapes, tie_lm_head
+def stored_weight(t: GGUFTensor):
+    """A GGUF matrix as npqwen/weights.py keeps it, over the file's mapped bytes: ggml blocks as Ggml, F16 and BF16
+    as Float16 and BFloat16, F32 as a float32 array."""
+    from .weights import BFloat16, Float16, Ggml
+
+    if t.qtype == "F32":
+        return t.raw.view(np.float32)
+    if t.qtype == "F16":
+        return Float16(t.raw.view(np.float16))
+    if t.qtype == "BF16":
+        return BFloat16(t.raw.view(np.uint16))
+    return Ggml(t.qtype, t.raw, t.shape[-1])
+
+
+def load_gguf_weights(config, tensors: dict[str, GGUFTensor], xp, dtype, path, weights: str = "auto"):
+    """(weights, fused) as checkpoint.load_weights returns them, from a GGUF's tensors.
+
+    `weights` as npqwen.load's: "auto" keeps a quantized file's matrices as stored (memory-mapped, widened a
+    block of rows at a time) and widens an F32/F16/BF16 file to float32 where that fits; "stored"; "float32";
+    or a format to convert to. Norms and the router are small and always float32."""
+    from .backend import free_memory_bytes
+    from .checkpoint import (allocate_weights, compact, expected_shapes, is_matrix, stack_compact, tie_lm_head,
+                             widen_into)
+    from .weights import FORMATS
 
     tensors = hf_tensors(tensors)
     shapes = expected_shapes(config, lm_head=not config.tie_word_embeddings)
@@ -291,7 +312,29 @@ def load_gguf_weights(config, tensors: dict[str, GGUFTensor], xp, dtype, path) -
         if tensors[name].shape != shape:
             raise NpqwenError(f"{path}: tensor {tensors[name].name} has shape {list(tensors[name].shape)} where "
                               f"the GGUF's metadata says {list(shape)}; the file is inconsistent")
-    weights, fused = allocate_weights(config, xp, dtype, shapes)
-    for name, array in weights.items():
-        array[...] = xp.asarray(tensors[name].dequantize())
-    return tie_lm_head(config, weights), fused
+    choices = ("auto", "float32", "stored", *FORMATS)
+    if weights not in choices:
+        raise NpqwenError(f"unknown weights format {weights!r}; use one of {', '.join(choices)}")
+    if weights == "auto":
+        quantized = any(tensors[n].qtype not in ("F32", "F16", "BF16") for n in shapes)
+        need = sum(int(np.prod(shape)) for shape in shapes.values()) * np.dtype(dtype).itemsize
+        weights = "float32" if not quantized and need <= free_memory_bytes(xp) else "stored"
+    if weights == "stored" and all(tensors[n].qtype == "F32" for n in shapes if is_matrix(n)):
+        weights = "float32"   # an F32 file as stored is float32
+    if weights != "float32" and np.dtype(dtype) != np.float32:
+        raise NpqwenError(f"compact weights ({weights}) compute in float32; load the GGUF with dtype float32, or "
+                          f"with weights='float32' to compute in {np.dtype(dtype).name}")
+    if weights == "float32":   # every matrix widened into float32, a block of rows at a time
+        arrays, fused = allocate_weights(config, xp, dtype, shapes)
+        for name, array in arrays.items():
+            host = array if xp is np else np.empty(array.shape, np.float32)
+            if array.ndim == 1:
+                host[...] = tensors[name].dequantize()
+            else:
+                widen_into(stored_weight(tensors[name]), host)
+            if xp is not np:
+                array[...] = xp.asarray(host)
+        return tie_lm_head(config, arrays), fused
+    arrays = {name: compact(stored_weight(tensors[name]), weights, xp) if is_matrix(name)
+              else xp.asarray(tensors[name].dequantize()) for name in shapes}
+    return tie_lm_head(config, arrays), stack_compact(config, arrays)

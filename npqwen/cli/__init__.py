@@ -31,6 +31,7 @@ COMMANDS = [   # npqwen/cli/<name>.py, in the order `npqwen --help` lists them
     "compare",
     "perplexity",
     "merge-lora",
+    "quantize",
 ]
 
 

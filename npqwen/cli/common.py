@@ -54,6 +54,10 @@ def model_options() -> argparse.ArgumentParser:
     model.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: cpu)")
     model.add_argument("--dtype", default="float32",
                        help="compute dtype; cpu: float32, float64; cuda: also float16 (default: float32)")
+    model.add_argument("--weights", default="auto", metavar="FORMAT",
+                       help="how the weight matrices are kept (docs/weights.md): auto (float32 where it fits and the "
+                            "file is not quantized, else as stored), stored, float32, bfloat16, float16, int8, q8_0, "
+                            "q4_0, q4_k (default: auto)")
     return model
 
 
@@ -321,7 +325,7 @@ def load_model(args, chat_template: bool = False):
         check_checkpoint(model, tokenizer=True)
     share_load(args, str(model))   # tensor parallel: the other ranks load their parts with this rank
     llm = load(model, device=args.device, dtype=args.dtype, tensor_parallel=getattr(args, "comm", None) or False,
-               lora=lora_paths(args))
+               lora=lora_paths(args), weights=args.weights)
     if any(name.startswith("model.language_model.") for name in llm.weights):   # Qwen3.5's image-text layout
         print(f"npqwen: {model} is a Qwen3.5 image-text checkpoint; npqwen uses it for text (its vision tower "
               f"and multi-token-prediction head are not read)", file=sys.stderr)
