@@ -96,6 +96,10 @@ def write_gguf(path: Path, qtype: str = "Q8_0", arch: str = "qwen3", tokenizer_m
     w.add_key_length(Dh)
     w.add_value_length(Dh)
     w.add_rope_freq_base(c["rope_theta"])
+    if arch == "qwen3moe":   # 4 experts of width 256, 2 per token, in every layer
+        w.add_expert_count(4)
+        w.add_expert_used_count(2)
+        w.add_expert_feed_forward_length(256)
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     byte_chars = [chr(b) for b in range(ord("!"), ord("~") + 1)] + [chr(b) for b in range(0xA1, 0xAD)] + \
         [chr(b) for b in range(0xAE, 0x100)]
@@ -134,7 +138,14 @@ def write_gguf(path: Path, qtype: str = "Q8_0", arch: str = "qwen3", tokenizer_m
         for norm, n in (("attn_norm", D), ("ffn_norm", D), ("attn_q_norm", Dh), ("attn_k_norm", Dh)):
             add(f"blk.{i}.{norm}.weight", (n,), norm=True)
         for gguf_name, part in LAYER_PARTS.items():
-            add(f"blk.{i}.{gguf_name}.weight", (rows[part], cols[part]))
+            if arch != "qwen3moe":
+                add(f"blk.{i}.{gguf_name}.weight", (rows[part], cols[part]))
+            elif not gguf_name.startswith("ffn_"):
+                add(f"blk.{i}.{gguf_name}.weight", (rows[part], cols[part]))
+            else:   # the experts stacked (E, rows, cols), as convert_hf_to_gguf.py writes Qwen3-MoE's
+                add(f"blk.{i}.{gguf_name}_exps.weight", (4, D if part == "down" else 256, 256 if part == "down" else D))
+        if arch == "qwen3moe":
+            add(f"blk.{i}.ffn_gate_inp.weight", (4, D))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

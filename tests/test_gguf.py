@@ -4,6 +4,7 @@ the `gguf` package (llama.cpp's reader), llama.cpp's names and metadata, Ollama'
 The files here are written by gguf's own GGUFWriter (fast, any format); tests/test_gguf_llama_cpp.py uses
 real files from llama.cpp's converter and quantizer and compares with llama.cpp's logits."""
 import json
+import re
 import shutil
 
 import numpy as np
@@ -20,31 +21,33 @@ from test_cli import one_error_line, run  # noqa: E402
 PROMPT = [5, 77, 200, 13, 256, 91, 42, 3, 199, 120, 64, 7]
 
 
-def dequantized_reference(gguf_path, out_dir):
-    """An HF checkpoint directory (config.json, float32 model.safetensors) holding the GGUF's tensors widened by
-    gguf.quants.dequantize, under the HF names that gguf-py's own tensor map gives (not npqwen's map)."""
-    from gguf import GGUFReader, MODEL_ARCH_NAMES, get_tensor_name_map
+def dequantized_reference(gguf_path):
+    """npqwen in float32 on the GGUF's tensors widened by gguf.quants.dequantize, put under the HF names that
+    gguf-py's own tensor map gives (not npqwen's map)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
     from gguf.quants import dequantize
 
-    from npqwen.checkpoint import expected_shapes, save_safetensors
+    from npqwen.checkpoint import allocate_weights, expected_shapes, tie_lm_head
     from npqwen.config import Qwen3Config
-    from npqwen.gguf_file import config_dict, gguf_tensors, metadata
+    from npqwen.gguf_file import config_dict, gguf_tensors, metadata, open_gguf
+    from npqwen.llm import LLM
+    from npqwen.model import Qwen3
 
-    reader = GGUFReader(gguf_path)
+    reader = open_gguf(gguf_path)   # gguf's GGUFReader (through an ndarray view of its map: faster)
     meta = metadata(reader)
-    config = config_dict(meta, gguf_tensors(reader, gguf_path), gguf_path)
+    config = Qwen3Config.from_dict(config_dict(meta, gguf_tensors(reader, gguf_path), gguf_path))
     arch = next(a for a, name in MODEL_ARCH_NAMES.items() if name == meta["general.architecture"])
-    names = get_tensor_name_map(arch, config["num_hidden_layers"])
+    names = get_tensor_name_map(arch, config.num_hidden_layers)
     by_name = {t.name: t for t in reader.tensors}
-    tensors = {}
-    for hf in expected_shapes(Qwen3Config.from_dict(config), lm_head=not config["tie_word_embeddings"]):
+    shapes = expected_shapes(config, lm_head=not config.tie_word_embeddings)
+    arrays, fused = allocate_weights(config, np, np.float32, shapes)
+    for hf, array in arrays.items():
         base, _, suffix = hf.rpartition(".")
-        t = by_name[f"{names.get_name(base)}.{suffix}"]
-        tensors[hf] = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-    out_dir.mkdir()
-    (out_dir / "config.json").write_text(json.dumps(config))
-    save_safetensors(out_dir / "model.safetensors", tensors, "F32")
-    return out_dir
+        expert = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)", base)   # a slice of the stacked experts
+        t = by_name[f"{names.get_name(f'{expert[1]}.{expert[3]}' if expert else base)}.{suffix}"]
+        value = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        array[...] = value[int(expert[2])] if expert else value
+    return LLM(Qwen3(config, tie_lm_head(config, arrays), fused), None)
 
 
 def assert_close(ours, ref, rtol, what):
@@ -62,10 +65,20 @@ def test_logits_equal_float32_on_the_dequantized_weights(qtype, tmp_path):
     if qtype != "F32":
         assert q.format == {"F16": "float16", "BF16": "bfloat16"}.get(qtype, qtype)
         assert isinstance(q.arrays[0].base, np.ndarray)   # a view of the file's bytes, not a copy
-    ref = npqwen.load(dequantized_reference(path, tmp_path / "ref"), weights="float32")
-    assert llm.config == ref.config
+    ref = dequantized_reference(path)
     assert_close(llm.forward(PROMPT), ref.forward(PROMPT), 1e-5, f"{qtype} logits")
     assert llm.generate(PROMPT, 8).token_ids == ref.generate(PROMPT, 8).token_ids
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_qwen3_moe_stacked_experts(qtype, tmp_path):
+    """llama.cpp's qwen3moe stacks each layer's experts as one (E, rows, cols) tensor; expert e is HF's experts.{e}."""
+    path = write_gguf(tmp_path / "moe.gguf", qtype, arch="qwen3moe", qtypes={"blk.0.ffn_gate_inp.weight": "F32"})
+    llm = npqwen.load(path)
+    assert (llm.config.num_experts, llm.config.num_experts_per_tok, llm.config.moe_intermediate_size) == (4, 2, 256)
+    assert llm.weights["model.layers.1.mlp.experts.3.down_proj.weight"].format == qtype
+    ref = dequantized_reference(path)
+    assert_close(llm.forward(PROMPT), ref.forward(PROMPT), 1e-5, f"qwen3moe {qtype} logits")
 
 
 def test_names_are_hf_names_and_the_file_stays_mapped(tmp_path):
