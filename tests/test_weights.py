@@ -255,3 +255,14 @@ def test_quantize_writes_a_checkpoint_npqwen_loads_as_stored(fmt, blocky_dir, tm
     shown = capsys.readouterr().out
     assert ("Q4_K" if fmt == "q4_k" else "I8") in shown and "weight_scale" not in shown
     assert "weights in memory by --weights format" in shown
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K"])
+def test_decoding_by_sub_block_products_equals_the_widened_product(qtype):
+    from npqwen.weights import BLOCK_DOT_ROWS, Compact
+
+    w = Ggml.quantize(qtype, np.random.default_rng(5).standard_normal((300, 512)).astype(np.float32))
+    for T in (1, 5, BLOCK_DOT_ROWS):
+        x = np.random.default_rng(T).standard_normal((T, 512)).astype(np.float32)
+        want = Compact.linear(w, x)                      # widened by quants.dequantize_rows, then one matmul
+        assert_close(w.linear(x), want, 1e-5, f"{qtype} T={T}")
