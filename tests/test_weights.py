@@ -266,3 +266,21 @@ def test_decoding_by_sub_block_products_equals_the_widened_product(qtype):
         x = np.random.default_rng(T).standard_normal((T, 512)).astype(np.float32)
         want = Compact.linear(w, x)                      # widened by quants.dequantize_rows, then one matmul
         assert_close(w.linear(x), want, 1e-5, f"{qtype} T={T}")
+
+
+def test_two_ranks_keep_their_rows_compact_and_compute_what_one_process_does(npqwen_tiny_dir, tmp_path):
+    pytest.importorskip("mpi4py")
+    from test_parallel import assert_same, probe
+
+    one = probe(npqwen_tiny_dir, tmp_path / "one", 0, "--weights", "int8")[0]
+    ranks = probe(npqwen_tiny_dir, tmp_path / "tp", 2, "--weights", "int8")
+    assert_same(one, ranks, 1e-5)
+    shapes = [json.loads(str(r["shapes"])) for r in ranks]
+    assert shapes[1]["model.layers.0.self_attn.o_proj.weight"] == [64, 2 * 32]   # its 2 heads' columns only
+
+
+def test_a_split_off_the_block_boundaries_is_refused_with_what_to_do():
+    w = Ggml.quantize("Q8_0", np.ones((4, 96), np.float32))
+    assert w.columns(slice(32, 96)).shape == (4, 64)
+    with pytest.raises(NpqwenError, match="blocks of 32 columns.*tensor-parallel size"):
+        w.columns(slice(48, 96))
