@@ -652,6 +652,9 @@ def to_device(w, xp):
     """A compact matrix's bytes on `xp`'s device as they are (NumPy: unchanged)."""
     if xp is np:
         return w
+    if isinstance(w, Ggml):   # quants.py's block code is NumPy's
+        raise NpqwenError(f"ggml block formats ({w.format}) run on the CPU; on CUDA load the weights as bfloat16, "
+                          f"float16, int8 or float32 (--weights)")
     return xp.asarray(w) if isinstance(w, np.ndarray) else with_arrays(w, [xp.asarray(a) for a in w.arrays])
 
 

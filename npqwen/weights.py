@@ -466,9 +466,9 @@ def with_arrays(w, arrays: list):
 
 def bytes_per_value(fmt: str) -> float:
     """Stored bytes per weight value of a format (scales included), for sizes before anything is read."""
-    if fmt in GGML:
+    if fmt in GGML:   # the blocks, and the scale fields decoded beside them for decoding (Ggml.fields)
         block, size = quants.BLOCKS[GGML[fmt]]
-        return size / block
+        return (size + {"Q8_0": 2, "Q4_0": 2, "Q4_K": 20}.get(GGML[fmt], 0)) / block
     return {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1 + 4 / FP8_BLOCK, "int8": 1}[fmt]
 
 

@@ -284,3 +284,22 @@ def test_a_split_off_the_block_boundaries_is_refused_with_what_to_do():
     assert w.columns(slice(32, 96)).shape == (4, 64)
     with pytest.raises(NpqwenError, match="blocks of 32 columns.*tensor-parallel size"):
         w.columns(slice(48, 96))
+
+
+def test_on_cuda_the_strict_cupy_stand_in_gives_the_cpu_logits_and_real_cupy_names(npqwen_tiny_dir, monkeypatch):
+    import strict_cupy
+
+    ids = list(range(5, 40))
+    want = {fmt: npqwen.load(npqwen_tiny_dir, weights=fmt).forward(ids) for fmt in ("bfloat16", "int8", "float16")}
+    strict_cupy.install(monkeypatch)
+    strict_cupy.used.clear()
+    for fmt, logits in want.items():
+        llm = npqwen.load(npqwen_tiny_dir, device="cuda", weights=fmt)
+        assert_close(llm.forward(ids).get(), logits, 1e-5, f"{fmt} on the stand-in")
+        assert llm.generate(ids, max_new_tokens=4, temperature=0).token_ids
+    with pytest.raises(NpqwenError, match="run on the CPU"):
+        npqwen.load(npqwen_tiny_dir, device="cuda", weights="q8_0")
+    from test_cuda_standin import check_against, real_cupy
+
+    problems = check_against(real_cupy(), dict(strict_cupy.used))
+    assert not problems, "\n".join(problems)
