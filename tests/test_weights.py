@@ -13,11 +13,14 @@ from npqwen.errors import NpqwenError
 from npqwen.model import Qwen3
 from npqwen.weights import Ggml, Rows, as_array, is_compact
 
-from conftest import build_hf_checkpoint, hf_model, tiny_config, write_npqwen_checkpoint
+from conftest import QWEN3_0_6B, build_hf_checkpoint, hf_model, tiny_config, write_npqwen_checkpoint
 
 # every matrix of these takes whole Q4_K super-blocks (256 values a row): no format falls back
 BLOCKY = tiny_config(hidden_size=256, intermediate_size=512, head_dim=64, num_hidden_layers=2)
 CONVERTED = ["bfloat16", "float16", "int8", "q8_0", "q4_0", "q4_k"]
+# Qwen3-0.6B's width (D, F, heads) in 1 layer and a small vocabulary
+QWEN3_0_6B_WIDTH = {**QWEN3_0_6B, "num_hidden_layers": 1, "max_window_layers": 1, "vocab_size": 4096,
+                    "bos_token_id": 4094, "eos_token_id": 4095}
 
 
 def dequantized_twin(llm) -> Qwen3:
@@ -86,13 +89,13 @@ def test_bfloat16_checkpoint_equals_transformers_in_bfloat16_upcast(tmp_path):
     hf = hf_model(path)   # the bfloat16 weights upcast to float32 as transformers loads them (not .to(bfloat16),
     # which would round RoPE's inv_freq buffer too)
     assert all(torch.equal(p, p.bfloat16().float()) for p in hf.parameters())
-    ids = np.random.default_rng(3).integers(0, 512, 33)
+    ids = np.random.default_rng(3).integers(0, 512, 17)
     with torch.no_grad():
         want = hf(torch.tensor(ids)[None]).logits[0].numpy()
     assert_close(llm.forward(ids), want, 1e-4, "bfloat16 vs transformers")
     with torch.no_grad():
-        hf_tokens = hf.generate(torch.tensor(ids)[None], max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
-    assert llm.generate(ids.tolist(), max_new_tokens=12, temperature=0).token_ids == hf_tokens
+        hf_tokens = hf.generate(torch.tensor(ids)[None], max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    assert llm.generate(ids.tolist(), max_new_tokens=8, temperature=0).token_ids == hf_tokens
 
 
 def write_fp8_checkpoint(path, source, block: int = 128):
@@ -303,3 +306,19 @@ def test_on_cuda_the_strict_cupy_stand_in_gives_the_cpu_logits_and_real_cupy_nam
 
     problems = check_against(real_cupy(), dict(strict_cupy.used))
     assert not problems, "\n".join(problems)
+
+
+def test_qwen3_0_6b_width_in_every_converted_format_and_rerank_on_a_compact_head(tmp_path):
+    width = {**QWEN3_0_6B_WIDTH}
+    path = write_npqwen_checkpoint(tmp_path, width, dtype="BF16")
+    ids = np.random.default_rng(6).integers(0, width["vocab_size"], 24)
+    for fmt in ("int8", "q8_0"):   # (bfloat16: against transformers above)
+        llm = npqwen.load(path, weights=fmt)
+        assert_close(llm.forward(ids), dequantized_twin(llm).forward(ids), 1e-5, f"0.6B width, {fmt}")
+    reranker = npqwen.load("tiny-reranker", weights="int8")
+    twin = npqwen.LLM(dequantized_twin(reranker), reranker.tokenizer, reranker.generation_defaults)
+    twin.embedding_config = reranker.embedding_config
+    docs = ["a cat sat", "the dog ran", "numbers"]
+    got, want = reranker.rerank("a cat", docs), twin.rerank("a cat", docs)   # p(yes) per document
+    print("rerank scores", got, want)
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-6)

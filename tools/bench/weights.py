@@ -178,9 +178,10 @@ def run(engine, args, rng) -> dict:
 
 # ---------------------------------------------------------------------------- memory, a process per format
 
-def memory(fmt: str, generate: int) -> dict:
-    """Peak RSS (bytes) of a process that loads the whole 0.6B shape in `fmt` as stored, then generates."""
-    path = checkpoint(fmt, 28)
+def memory(fmt: str, generate: int, path: Path | None = None) -> dict:
+    """Peak RSS (bytes) of a process that loads a checkpoint (the whole 0.6B shape in `fmt`) as stored, then
+    generates `generate` tokens greedily after a 16-token prompt."""
+    path = path or checkpoint(fmt, 28)
     code = (f"import json, npqwen\nfrom tools.bench.weights import vm_hwm\n"
             f"llm = npqwen.load({str(path)!r}, weights={'float32' if fmt == 'float32' else 'stored'!r})\n"
             f"loaded = vm_hwm()\n"
