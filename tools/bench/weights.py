@@ -4,8 +4,9 @@ bytes): a batch-1 decode step after --weights-context cached positions, a --weig
 and one decode step of --weights-batch sequences (the engine's batched step: the widening shared by its rows).
 Each figure is the format's speed over float32's (float32's time / the format's), the two taken in turn,
 the median of --weights-steps; a shared machine moves both alike. With --weights-memory, each format's peak
-RSS in a process of its own at the whole 0.6B shape: after loading, and after a --weights-generate token
-greedy generation. Every checkpoint is random, written once in its own format (never through float32)."""
+RSS in a process of its own at the whole 0.6B shape: after loading, and after a context of --weights-generate
+positions (a prompt, then 16 tokens generated). Every checkpoint is random, written once in its own format
+(never through float32)."""
 import json
 import math
 import statistics
@@ -31,7 +32,7 @@ def add_arguments(p):
     p.add_argument("--weights-steps", type=int, default=9, help="weights: steps timed per figure (median)")
     p.add_argument("--weights-memory", action="store_true",
                    help="weights: also each format's peak RSS after load and after a generation (its own process)")
-    p.add_argument("--weights-generate", type=int, default=1024, help="weights: tokens generated for the RSS")
+    p.add_argument("--weights-generate", type=int, default=1024, help="weights: the context's positions for the RSS")
 
 
 def runs_on(engine, args) -> bool:
@@ -178,15 +179,18 @@ def run(engine, args, rng) -> dict:
 
 # ---------------------------------------------------------------------------- memory, a process per format
 
-def memory(fmt: str, generate: int, path: Path | None = None) -> dict:
+def memory(fmt: str, generate: int, path: Path | None = None, decode: int = 16) -> dict:
     """Peak RSS (bytes) of a process that loads a checkpoint (the whole 0.6B shape in `fmt`) as stored, then
-    generates `generate` tokens greedily after a 16-token prompt."""
+    fills a context of `generate` positions through the engine: a prompt of generate - decode tokens, then
+    `decode` tokens generated greedily (every position's keys and values written, as a generation of that
+    length writes them; decoding all of them would take a shared machine an hour for six formats)."""
     path = path or checkpoint(fmt, 28)
     code = (f"import json, npqwen\nfrom tools.bench.weights import vm_hwm\n"
             f"llm = npqwen.load({str(path)!r}, weights={'float32' if fmt == 'float32' else 'stored'!r})\n"
             f"loaded = vm_hwm()\n"
             f"engine = npqwen.Engine(llm, kv_cache_tokens={generate + 512})\n"
-            f"req = engine.new_request(list(range(1000, 1016)), max_new_tokens={generate}, temperature=0)\n"
+            f"req = engine.new_request([1000 + i % 5000 for i in range({generate - decode})], "
+            f"max_new_tokens={decode}, temperature=0)\n"
             f"req.eos_ids = frozenset()   # random weights: run to the length\n"
             f"engine.add(req)\n"
             f"n = 0\nwhile engine.has_unfinished():\n    n += sum(len(o.token_ids) for o in engine.step())\n"
@@ -230,7 +234,7 @@ def tables(report) -> list:
     for kind, label in (("decode", "batch-1 decode, x float32"), ("prefill", "prefill, x float32"),
                         ("batched", "batched decode step, x float32")):
         body.append((label, ["1.00"] + [cell(f"weights_{kind}_{f}_vs_float32") for f in formats[1:]]))
-    for kind, label in (("load", "peak RSS after load (GB)"), ("generate", "peak RSS after generating (GB)")):
+    for kind, label in (("load", "peak RSS after load (GB)"), ("generate", "peak RSS, 1,024 positions (GB)")):
         if any(f"weights_rss_{kind}_{f}" in ours for f in formats):
             body.append((label, [f"{ours[f'weights_rss_{kind}_{f}'] / 1e9:.2f}" if f"weights_rss_{kind}_{f}"
                                  in ours else "-" for f in formats]))
