@@ -596,9 +596,10 @@ def weights_format(weights: str, found: dict, shapes: dict, xp, dtype) -> str:
     if weights not in choices:
         raise NpqwenError(f"unknown weights format {weights!r}; use one of {', '.join(choices)}")
     quantized = any(found[n].dtype not in STORED_DTYPES for n in shapes)
-    if weights == "auto":
+    if weights == "auto":   # float32 unless it cannot fit (then check_fits says so for another compute dtype)
         need = sum(math.prod(shape) for shape in shapes.values()) * np.dtype(dtype).itemsize
-        weights = "float32" if not quantized and need <= free_memory_bytes(xp) else "stored"
+        fits = need <= free_memory_bytes(xp) or np.dtype(dtype) != np.float32
+        weights = "float32" if not quantized and fits else "stored"
     if weights != "float32" and np.dtype(dtype) != np.float32:
         raise NpqwenError(f"compact weights ({weights}) compute in float32; load them with dtype float32, or "
                           f"with weights='float32' to compute in {np.dtype(dtype).name}")

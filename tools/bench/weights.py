@@ -181,14 +181,15 @@ def run(engine, args, rng) -> dict:
 
 def memory(fmt: str, generate: int, path: Path | None = None, decode: int = 16) -> dict:
     """Peak RSS (bytes) of a process that loads a checkpoint (the whole 0.6B shape in `fmt`) as stored, then
-    fills a context of `generate` positions through the engine: a prompt of generate - decode tokens, then
-    `decode` tokens generated greedily (every position's keys and values written, as a generation of that
-    length writes them; decoding all of them would take a shared machine an hour for six formats)."""
+    fills a context of `generate` positions through the engine: a prompt of generate - decode tokens read in
+    chunks of 64 (a decode step's temporaries, not a long prefill's), then `decode` tokens generated greedily:
+    every position's keys and values written, as a generation of that length writes them (decoding all of
+    them would take a shared machine an hour for six formats)."""
     path = path or checkpoint(fmt, 28)
     code = (f"import json, npqwen\nfrom tools.bench.weights import vm_hwm\n"
             f"llm = npqwen.load({str(path)!r}, weights={'float32' if fmt == 'float32' else 'stored'!r})\n"
             f"loaded = vm_hwm()\n"
-            f"engine = npqwen.Engine(llm, kv_cache_tokens={generate + 512})\n"
+            f"engine = npqwen.Engine(llm, kv_cache_tokens={generate + 512}, max_batched_tokens=64)\n"
             f"req = engine.new_request([1000 + i % 5000 for i in range({generate - decode})], "
             f"max_new_tokens={decode}, temperature=0)\n"
             f"req.eos_ids = frozenset()   # random weights: run to the length\n"
