@@ -557,7 +557,7 @@ def stored_weight(found: dict, name: str, part=None):
     if part is None:
         return w
     rows, columns = part[0], part[1] if len(part) > 1 else slice(None)
-    if isinstance(w, np.ndarray):
+    if isinstance(w, np.ndarray):   # (an F32 matrix)
         return w[rows][:, columns]
     w = w.rows(rows)
     return w if columns == slice(None) else w.columns(columns)
@@ -596,9 +596,10 @@ def weights_format(weights: str, found: dict, shapes: dict, xp, dtype) -> str:
     if weights not in choices:
         raise NpqwenError(f"unknown weights format {weights!r}; use one of {', '.join(choices)}")
     quantized = any(found[n].dtype not in STORED_DTYPES for n in shapes)
-    if weights == "auto":
+    if weights == "auto":   # float32 unless it cannot fit (then check_fits says so for another compute dtype)
         need = sum(math.prod(shape) for shape in shapes.values()) * np.dtype(dtype).itemsize
-        weights = "float32" if not quantized and need <= free_memory_bytes(xp) else "stored"
+        fits = need <= free_memory_bytes(xp) or np.dtype(dtype) != np.float32
+        weights = "float32" if not quantized and fits else "stored"
     if weights != "float32" and np.dtype(dtype) != np.float32:
         raise NpqwenError(f"compact weights ({weights}) compute in float32; load them with dtype float32, or "
                           f"with weights='float32' to compute in {np.dtype(dtype).name}")
@@ -612,8 +613,12 @@ def load_compact(found: dict, config: Qwen3Config, xp, dtype, parts, shapes: dic
     weights = {}
     for name, shape in shapes.items():
         part = None if parts is None or shape == found[name].shape else parts[name]
-        if is_matrix(name):
-            weights[name] = compact(stored_weight(found, name, part), fmt, xp)
+        if is_matrix(name):   # a rank's rows, converted whole (int8's row scales, as one process has them), then
+            rows = None if part is None else part[:1]                      # its columns on whole blocks
+            w = compact(stored_weight(found, name, rows), fmt, np)
+            if part is not None and part[1] != slice(None):
+                w = w[:, part[1]] if isinstance(w, np.ndarray) else w.columns(part[1])
+            weights[name] = to_device(w, xp)
         else:
             weights[name] = array = xp.empty(shape, dtype=dtype)
             if part is None:
@@ -629,6 +634,11 @@ def compact(w, fmt: str, xp):
     stored = "float32" if isinstance(w, np.ndarray) else w.format.lower()
     if fmt == "stored" and stored == "float32":
         return xp.asarray(np.array(w, dtype=np.float32))   # an F32 matrix: float32 in memory, as before
+    return to_device(convert(w, fmt, stored), xp)
+
+
+def convert(w, fmt: str, stored: str):
+    """A stored matrix in `fmt`, converted a chunk of rows at a time unless it is stored so already."""
     if fmt not in ("stored", stored):
         target = fmt
         if not fits_format(fmt, w.shape[1]):   # ggml blocks need whole blocks per row: the nearest that fits
@@ -636,9 +646,17 @@ def compact(w, fmt: str, xp):
         step = max(1, CHUNK_BYTES // 4 // w.shape[1])
         w = join_rows([quantize(float32_rows(w, a, min(a + step, w.shape[0])), target)
                        for a in range(0, w.shape[0], step)])
-    if xp is not np:   # to the device, its bytes as they are
-        w = with_arrays(w, [xp.asarray(a) for a in w.arrays])
     return w
+
+
+def to_device(w, xp):
+    """A compact matrix's bytes on `xp`'s device as they are (NumPy: unchanged)."""
+    if xp is np:
+        return w
+    if isinstance(w, Ggml):   # quants.py's block code is NumPy's
+        raise NpqwenError(f"ggml block formats ({w.format}) run on the CPU; on CUDA load the weights as bfloat16, "
+                          f"float16, int8 or float32 (--weights)")
+    return xp.asarray(w) if isinstance(w, np.ndarray) else with_arrays(w, [xp.asarray(a) for a in w.arrays])
 
 
 def compact_weights(config: Qwen3Config, arrays: dict, fmt: str, xp) -> tuple[dict, dict]:

@@ -3,8 +3,8 @@
 Shapes: a weight is (out, in), the HF layout; x is (T, in); `linear(x)` is x @ W^T, (T, out), in float32.
 
 Decoding one token reads every weight once, so a decode step costs the bytes read from memory
-(docs/weights.md). A float32 Qwen3-0.6B reads 3 GB per token; the same matrices in bfloat16 are 1.5 GB,
-int8 0.75 GB, Q4_K 0.4 GB. Each format below keeps its bytes as stored and widens `block_rows` rows at a
+(docs/weights.md). A float32 Qwen3-0.6B reads 2.4 GB per token; the same matrices in bfloat16 are 1.2 GB,
+int8 0.6 GB, Q4_K 0.34 GB. Each format below keeps its bytes as stored and widens `block_rows` rows at a
 time into one float32 buffer that stays in the core's cache, then one matmul runs on the buffer: the
 widening is paid once per block and shared by every row of x (a prefill of 512 tokens, a batch of 64).
 
@@ -13,7 +13,8 @@ widening is paid once per block and shared by every row of x (a prefill of 512 t
     float16    float16                                             a cast
     fp8        float8 e4m3 (uint8) + one scale per 128x128 block   a 256-entry table, times the block's scale
     int8       int8 + one float32 scale per row                    a cast; the scale multiplies the output
-    Q8_0 ...   ggml blocks (npqwen/quants.py: llama.cpp's)         quants.dequantize_rows
+    Q8_0 ...   ggml blocks (npqwen/quants.py: llama.cpp's)         quants.dequantize_rows; for decoding,
+                                                                  products per sub-block (block_dot_linear)
 
 Every class has the same few members: `shape`, `nbytes`, `format`, `linear(x)`, `take(ids)` (an embedding
 lookup that widens only those rows), `rows(sel)` and `columns(sel)` (a tensor-parallel rank's part),
@@ -28,6 +29,10 @@ from .backend import xp_of
 from .errors import NpqwenError
 
 BLOCK_VALUES = 1 << 18   # float32 values of one widened block (1 MiB): it stays in the core's L2 cache
+# More than 128 rows of x (a prefill chunk): blocks 8 times larger. The widened block is read by BLAS once
+# per tile of x's rows either way, and a wider product runs closer to BLAS's rate (measured, one 3072x1024
+# matrix, 512 rows: 0.70x -> 0.78x float32's speed at int8, 0.54x -> 0.66x at Q4_K).
+PREFILL_BLOCKS = 8
 
 # what npqwen.load(weights=...) and npqwen quantize convert to (fp8 and Q5_K, Q6_K are read as stored only)
 FORMATS = ("bfloat16", "float16", "int8", "q8_0", "q4_0", "q4_k")
@@ -55,9 +60,9 @@ class Compact:
         Up to 128 rows of x (decoding) as (W @ x^T)^T, as ops.linear does for a float32 weight."""
         xp = xp_of(x)
         n_out, n_in = self.shape
-        step = min(block_rows(n_in), n_out)
-        buf = xp.empty((step, n_in), dtype=np.float32)                      # (rows, in), reused by every block
         transposed = x.shape[0] <= 128
+        step = min(block_rows(n_in) * (1 if transposed else PREFILL_BLOCKS), n_out)
+        buf = xp.empty((step, n_in), dtype=np.float32)                      # (rows, in), reused by every block
         y = xp.empty((n_out, x.shape[0]) if transposed else (x.shape[0], n_out), dtype=np.float32)
         for a in range(0, n_out, step):
             b = min(a + step, n_out)
@@ -236,6 +241,8 @@ class Ggml(Compact):
                               f"(blocks of {block} values in {size} bytes), got {raw.shape[1]}")
         self.format, self.storage = qtype, raw     # raw: (out, in/block * size) uint8
         self.shape = (raw.shape[0], n_in)
+        # the sub-blocks' scale fields, decoded once for decoding's products (block_dot_linear): 2-4 bytes per 32
+        self.fields = AFFINE[qtype][0](raw) if qtype in AFFINE and xp_of(raw) is np else ()
 
     @classmethod
     def quantize(cls, qtype: str, w):
@@ -245,8 +252,19 @@ class Ggml(Compact):
     def arrays(self):
         return (self.storage,)
 
+    @property
+    def nbytes(self) -> int:
+        return int(self.storage.nbytes) + sum(int(f.nbytes) for f in self.fields)
+
     def widen(self, rows, out):
         quants.dequantize_rows(self.format, self.storage[rows], out)
+
+    def linear(self, x):
+        """x @ W^T. A few rows of x (decoding) and a format whose sub-blocks are affine (Q8_0, Q4_0, Q4_K):
+        block_dot_linear, which never scales the widened values; else Compact's widen-then-matmul."""
+        if x.shape[0] > BLOCK_DOT_ROWS or not self.fields:
+            return Compact.linear(self, x)
+        return block_dot_linear(x, self)
 
     def rows(self, sel):
         return Ggml(self.format, self.storage[sel], self.shape[1])
@@ -256,6 +274,110 @@ class Ggml(Compact):
         a, b = check_block_columns(self, sel, block)
         part = self.storage[:, a // block * size:b // block * size]
         return Ggml(self.format, xp_of(self.storage).ascontiguousarray(part), b - a)
+
+
+# ---------------------------------------------------------------- decoding from ggml blocks: products per sub-block
+# Q8_0, Q4_0 and Q4_K are affine in each sub-block b of S = 32 values: w = scale_b * q - min_b, q a small integer.
+# Widening a block then scaling it costs a NumPy pass with an inner loop of 32 values per sub-block, which
+# measured 5-10x the matmul itself. So for up to BLOCK_DOT_ROWS rows of x, the integers alone are widened, laid
+# out sub-block first, and one batched matmul gives each sub-block's dot product with x; then
+#     x . w_r = sum_b scale_rb * (q_rb . x_b) - sum_b min_rb * sum(x_b),
+# the scales applied to (sub-blocks, rows, T) products, S times fewer values than the weights.
+BLOCK_DOT_ROWS = 64
+
+
+def f16_column(raw, type_size: int, first: int):
+    """The float16 at bytes first, first+1 of every block of rows raw (n, nb*type_size) -> (nb, n) float16,
+    sub-block first as the products read them."""
+    halves = np.ascontiguousarray(raw).view(np.float16)                       # (n, nb*type_size/2)
+    return np.ascontiguousarray(halves[:, first // 2::type_size // 2].T)
+
+
+# Each format in two parts: its sub-blocks' scale fields, decoded once when the weight is made (small: 2-4
+# bytes per 32 values, kept beside the blocks, as `Ggml.fields`; NumPy's cost per call makes them dear to
+# decode in small pieces at every product), turned into float32 scales and mins for a block of rows; and
+# its integers q, written for a block of rows into the buffer laid out (sub-block, row, 32). The rule is
+# quants.dequantize_q8_0 / _q4_0 / _q4_k's, which tests/test_weights.py checks them against.
+
+def q8_0_fields(raw):
+    """block_q8_0: f16 d | int8 q[32]; w = d * q."""
+    return (f16_column(raw, 34, 0),)
+
+
+def q8_0_scales(d):
+    return d.astype(np.float32), None
+
+
+def q8_0_ints(raw, out):
+    b = raw.reshape(raw.shape[0], -1, 34)
+    np.copyto(out, b[..., 2:].view(np.int8).transpose(1, 0, 2), casting="unsafe")
+
+
+def q4_0_fields(raw):
+    """block_q4_0: f16 d | uint8 qs[16]; w[j] = d * (lo(qs[j]) - 8), w[j + 16] = d * (hi(qs[j]) - 8)."""
+    return (f16_column(raw, 18, 0),)
+
+
+def q4_0_scales(d):
+    d = d.astype(np.float32)
+    return d, 8 * d
+
+
+def q4_0_ints(raw, out):
+    qs = raw.reshape(raw.shape[0], -1, 18)[..., 2:].transpose(1, 0, 2)       # (nb, n, 16)
+    np.copyto(out[..., :16], qs & 0x0F, casting="unsafe")
+    np.copyto(out[..., 16:], qs >> 4, casting="unsafe")
+
+
+def q4_k_fields(raw):
+    """block_q4_K: f16 d | f16 dmin | scales[12] | qs[128]: 8 sub-blocks of 32, w = d*sc_j * q - dmin*m_j;
+    the 6-bit sc and m unpacked (quants.k_scale_min) to one byte each."""
+    n = raw.shape[0]
+    sc, m = quants.k_scale_min(raw.reshape(n, -1, 144)[..., 4:16].reshape(-1, 12))   # (n*nb, 8) each
+    return (f16_column(raw, 144, 0), f16_column(raw, 144, 2), np.ascontiguousarray(sc.reshape(n, -1).T),
+            np.ascontiguousarray(m.reshape(n, -1).T))                       # (nb, n), (nb, n), (nb*8, n) x 2
+
+
+def q4_k_scales(d, dmin, sc, m):
+    n = d.shape[1]
+    scale = d.astype(np.float32)[:, None] * sc.reshape(-1, 8, n)
+    low = dmin.astype(np.float32)[:, None] * m.reshape(-1, 8, n)
+    return scale.reshape(-1, n), low.reshape(-1, n)                         # (nb*8, n): sub-blocks in order
+
+
+def q4_k_ints(raw, out):
+    """Each 32 bytes of qs hold two sub-blocks: the low nibbles sub-block 2j, the high nibbles 2j+1."""
+    n = raw.shape[0]
+    qs = raw.reshape(n, -1, 144)[..., 16:].reshape(n, -1, 4, 32).transpose(1, 2, 0, 3)   # (nb, 4, n, 32)
+    pairs = out.reshape(-1, 4, 2, n, 32)                                    # (nb, 4, low | high, n, 32)
+    np.copyto(pairs[:, :, 0], qs & 0x0F, casting="unsafe")
+    np.copyto(pairs[:, :, 1], qs >> 4, casting="unsafe")
+
+
+AFFINE = {"Q8_0": (q8_0_fields, q8_0_scales, q8_0_ints), "Q4_0": (q4_0_fields, q4_0_scales, q4_0_ints),
+          "Q4_K": (q4_k_fields, q4_k_scales, q4_k_ints)}
+
+
+def block_dot_linear(x, w: "Ggml"):
+    """x @ W^T for a few rows x (T, in), from each sub-block's dot products (above); (T, out)."""
+    xp = xp_of(x)
+    T, (n_out, n_in) = x.shape[0], w.shape
+    nb = n_in // 32
+    _, scales, ints = AFFINE[w.format]
+    xb = xp.ascontiguousarray(x.T).reshape(nb, 32, T)                          # (sub-blocks, 32, T)
+    sums = xb.sum(axis=1)                                                      # (nb, T): sum(x_b)
+    step = min(block_rows(n_in), n_out)
+    buf = xp.empty((nb, step, 32), dtype=np.float32)                           # reused: sub-block first
+    y = xp.empty((n_out, T), dtype=np.float32)
+    for a in range(0, n_out, step):
+        b = min(a + step, n_out)
+        scale, low = scales(*(f[:, a:b] for f in w.fields))                    # (nb, n) float32 each, low or None
+        ints(w.storage[a:b], buf[:, :b - a])                                   # (nb, n, 32) float32
+        dots = xp.matmul(buf[:, :b - a], xb)                                   # (nb, n, 32) @ (nb, 32, T)
+        y[a:b] = xp.einsum("bnt,bn->nt", dots, scale)                          # sum_b scale * (q . x_b)
+        if low is not None:
+            y[a:b] -= low.T @ sums                                             # sum_b min * sum(x_b)
+    return xp.ascontiguousarray(y.T)
 
 
 def check_block_columns(weight, sel: slice, block: int) -> tuple[int, int]:
@@ -349,9 +471,9 @@ def with_arrays(w, arrays: list):
 
 def bytes_per_value(fmt: str) -> float:
     """Stored bytes per weight value of a format (scales included), for sizes before anything is read."""
-    if fmt in GGML:
+    if fmt in GGML:   # the blocks, and the scale fields decoded beside them for decoding (Ggml.fields)
         block, size = quants.BLOCKS[GGML[fmt]]
-        return size / block
+        return (size + {"Q8_0": 2, "Q4_0": 2, "Q4_K": 20}.get(GGML[fmt], 0)) / block
     return {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1 + 4 / FP8_BLOCK, "int8": 1}[fmt]
 
 

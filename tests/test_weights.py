@@ -13,11 +13,14 @@ from npqwen.errors import NpqwenError
 from npqwen.model import Qwen3
 from npqwen.weights import Ggml, Rows, as_array, is_compact
 
-from conftest import build_hf_checkpoint, hf_model, tiny_config, write_npqwen_checkpoint
+from conftest import QWEN3_0_6B, build_hf_checkpoint, hf_model, tiny_config, write_npqwen_checkpoint
 
 # every matrix of these takes whole Q4_K super-blocks (256 values a row): no format falls back
 BLOCKY = tiny_config(hidden_size=256, intermediate_size=512, head_dim=64, num_hidden_layers=2)
 CONVERTED = ["bfloat16", "float16", "int8", "q8_0", "q4_0", "q4_k"]
+# Qwen3-0.6B's width (D, F, heads) in 1 layer and a small vocabulary
+QWEN3_0_6B_WIDTH = {**QWEN3_0_6B, "num_hidden_layers": 1, "max_window_layers": 1, "vocab_size": 4096,
+                    "bos_token_id": 4094, "eos_token_id": 4095}
 
 
 def dequantized_twin(llm) -> Qwen3:
@@ -86,13 +89,13 @@ def test_bfloat16_checkpoint_equals_transformers_in_bfloat16_upcast(tmp_path):
     hf = hf_model(path)   # the bfloat16 weights upcast to float32 as transformers loads them (not .to(bfloat16),
     # which would round RoPE's inv_freq buffer too)
     assert all(torch.equal(p, p.bfloat16().float()) for p in hf.parameters())
-    ids = np.random.default_rng(3).integers(0, 512, 33)
+    ids = np.random.default_rng(3).integers(0, 512, 17)
     with torch.no_grad():
         want = hf(torch.tensor(ids)[None]).logits[0].numpy()
     assert_close(llm.forward(ids), want, 1e-4, "bfloat16 vs transformers")
     with torch.no_grad():
-        hf_tokens = hf.generate(torch.tensor(ids)[None], max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
-    assert llm.generate(ids.tolist(), max_new_tokens=12, temperature=0).token_ids == hf_tokens
+        hf_tokens = hf.generate(torch.tensor(ids)[None], max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    assert llm.generate(ids.tolist(), max_new_tokens=8, temperature=0).token_ids == hf_tokens
 
 
 def write_fp8_checkpoint(path, source, block: int = 128):
@@ -255,3 +258,67 @@ def test_quantize_writes_a_checkpoint_npqwen_loads_as_stored(fmt, blocky_dir, tm
     shown = capsys.readouterr().out
     assert ("Q4_K" if fmt == "q4_k" else "I8") in shown and "weight_scale" not in shown
     assert "weights in memory by --weights format" in shown
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K"])
+def test_decoding_by_sub_block_products_equals_the_widened_product(qtype):
+    from npqwen.weights import BLOCK_DOT_ROWS, Compact
+
+    w = Ggml.quantize(qtype, np.random.default_rng(5).standard_normal((300, 512)).astype(np.float32))
+    for T in (1, 5, BLOCK_DOT_ROWS):
+        x = np.random.default_rng(T).standard_normal((T, 512)).astype(np.float32)
+        want = Compact.linear(w, x)                      # widened by quants.dequantize_rows, then one matmul
+        assert_close(w.linear(x), want, 1e-5, f"{qtype} T={T}")
+
+
+def test_two_ranks_keep_their_rows_compact_and_compute_what_one_process_does(npqwen_tiny_dir, tmp_path):
+    pytest.importorskip("mpi4py")
+    from test_parallel import assert_same, probe
+
+    one = probe(npqwen_tiny_dir, tmp_path / "one", 0, "--weights", "int8")[0]
+    ranks = probe(npqwen_tiny_dir, tmp_path / "tp", 2, "--weights", "int8")
+    assert_same(one, ranks, 1e-5)
+    shapes = [json.loads(str(r["shapes"])) for r in ranks]
+    assert shapes[1]["model.layers.0.self_attn.o_proj.weight"] == [64, 2 * 32]   # its 2 heads' columns only
+
+
+def test_a_split_off_the_block_boundaries_is_refused_with_what_to_do():
+    w = Ggml.quantize("Q8_0", np.ones((4, 96), np.float32))
+    assert w.columns(slice(32, 96)).shape == (4, 64)
+    with pytest.raises(NpqwenError, match="blocks of 32 columns.*tensor-parallel size"):
+        w.columns(slice(48, 96))
+
+
+def test_on_cuda_the_strict_cupy_stand_in_gives_the_cpu_logits_and_real_cupy_names(npqwen_tiny_dir, monkeypatch):
+    import strict_cupy
+
+    ids = list(range(5, 40))
+    want = {fmt: npqwen.load(npqwen_tiny_dir, weights=fmt).forward(ids) for fmt in ("bfloat16", "int8", "float16")}
+    strict_cupy.install(monkeypatch)
+    strict_cupy.used.clear()
+    for fmt, logits in want.items():
+        llm = npqwen.load(npqwen_tiny_dir, device="cuda", weights=fmt)
+        assert_close(llm.forward(ids).get(), logits, 1e-5, f"{fmt} on the stand-in")
+        assert llm.generate(ids, max_new_tokens=4, temperature=0).token_ids
+    with pytest.raises(NpqwenError, match="run on the CPU"):
+        npqwen.load(npqwen_tiny_dir, device="cuda", weights="q8_0")
+    from test_cuda_standin import check_against, real_cupy
+
+    problems = check_against(real_cupy(), dict(strict_cupy.used))
+    assert not problems, "\n".join(problems)
+
+
+def test_qwen3_0_6b_width_in_every_converted_format_and_rerank_on_a_compact_head(tmp_path):
+    width = {**QWEN3_0_6B_WIDTH}
+    path = write_npqwen_checkpoint(tmp_path, width, dtype="BF16")
+    ids = np.random.default_rng(6).integers(0, width["vocab_size"], 24)
+    for fmt in ("int8", "q8_0"):   # (bfloat16: against transformers above)
+        llm = npqwen.load(path, weights=fmt)
+        assert_close(llm.forward(ids), dequantized_twin(llm).forward(ids), 1e-5, f"0.6B width, {fmt}")
+    reranker = npqwen.load("tiny-reranker", weights="int8")
+    twin = npqwen.LLM(dequantized_twin(reranker), reranker.tokenizer, reranker.generation_defaults)
+    twin.embedding_config = reranker.embedding_config
+    docs = ["a cat sat", "the dog ran", "numbers"]
+    got, want = reranker.rerank("a cat", docs), twin.rerank("a cat", docs)   # p(yes) per document
+    print("rerank scores", got, want)
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-6)

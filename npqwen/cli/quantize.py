@@ -52,5 +52,5 @@ def cmd_quantize(args) -> int:
         elif f.is_dir() and not f.name.startswith("."):   # sentence-transformers' 1_Pooling/
             shutil.copytree(f, out / f.name, dirs_exist_ok=True)
     print(f"npqwen: wrote {out} ({Path(source).name} with its matrices as {args.to}: "
-          f"{total_bytes(llm.model.weights) / 2**20:,.1f} MiB of weights)")
+          f"{total_bytes(llm.model.weights):,} bytes of weights)")
     return 0

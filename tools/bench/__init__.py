@@ -61,6 +61,10 @@ Suites (--suites, comma-separated, or all; the default is prefill,decode):
     lora      what LoRA adapters cost (npqwen): a batch-1 decode step through one adapter of rank --lora-rank (16)
               on all seven projections vs none, and a decode step of --lora-batch (32) sequences mixing 4
               adapters vs none (targets: at most 15% and 25% more time).
+    weights   compact weights (bfloat16, int8, Q8_0, Q4_0, Q4_K; docs/weights.md) against float32, side by side
+              at the Qwen3-0.6B shape: batch-1 decode, a prefill, a batched decode step, as speed ratios; with
+              --weights-memory each format's peak RSS after load and after a 1,024-token generation
+              (random checkpoints written in each format, its own; run it alone: --suites weights).
 
     python -m tools.bench --suites batch1,serving,prefix    # the serving benchmark alone
     python -m tools.bench --suites moe                      # the mixture-of-experts steps
@@ -86,7 +90,8 @@ prefix run in another worker per engine, once whatever --rounds says, so their p
 #   tables(report)        tables of its own: [(column names, rows)]
 #   notes(report)         sentences printed under the tables
 # The order here is the order of the rows, tables, notes and targets, and of the runs in a worker.
-from tools.bench import batch1, decode, embed, hybrid, lora, moe, prefill, prefix, serving, step, structured, tp
+from tools.bench import (batch1, decode, embed, hybrid, lora, moe, prefill, prefix, serving, step, structured, tp,
+                         weights)
 
 SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe, hybrid, structured, tp,
-                                          embed, lora)}
+                                          embed, lora, weights)}
