@@ -1,15 +1,13 @@
 """Shared by the GGUF tests: llama.cpp from node-llama-cpp (tools/fetch_node_llama_cpp.sh), or a skip saying why."""
-import ctypes
-import os
 import platform
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-NODE_LLAMA_CPP = Path(os.environ.get("NPQWEN_NODE_LLAMA_CPP", ROOT / ".cache" / "node-llama-cpp"))
-LLAMA_CPP_BINS = NODE_LLAMA_CPP / "node_modules" / "@node-llama-cpp" / "linux-x64" / "bins" / "linux-x64"
-LLAMA_CPP_SOURCE = NODE_LLAMA_CPP / "llama.cpp"
+from tools import llama_cpp
+from tools.llama_cpp import NODE_LLAMA_CPP, ROOT
+
+LLAMA_CPP_BINS, LLAMA_CPP_SOURCE = llama_cpp.BINS, llama_cpp.SOURCE
 
 
 def needs_llama_cpp():
@@ -20,49 +18,23 @@ def needs_llama_cpp():
                     f"tools/fetch_node_llama_cpp.sh (needs npm) or set NPQWEN_NODE_LLAMA_CPP")
 
 
-def llama_cpp_lib(name: str) -> ctypes.CDLL:
+def llama_cpp_lib(name: str):
     """One of llama.cpp's prebuilt shared libraries (libggml-base.so, libllama.v0.4.0.so)."""
     needs_llama_cpp()
-    return ctypes.CDLL(str(LLAMA_CPP_BINS / name))
-
-
-class QuantizeParams(ctypes.Structure):
-    """llama.h's llama_model_quantize_params (llama.cpp v0.4.0, as node-llama-cpp 3.21.1 ships it)."""
-    _fields_ = [("nthread", ctypes.c_int32), ("ftype", ctypes.c_int32), ("output_tensor_type", ctypes.c_int32),
-                ("token_embedding_type", ctypes.c_int32), ("allow_requantize", ctypes.c_bool),
-                ("quantize_output_tensor", ctypes.c_bool), ("only_copy", ctypes.c_bool), ("pure", ctypes.c_bool),
-                ("keep_split", ctypes.c_bool), ("dry_run", ctypes.c_bool), ("imatrix", ctypes.c_void_p),
-                ("kv_overrides", ctypes.c_void_p), ("tt_overrides", ctypes.c_void_p),
-                ("prune_layers", ctypes.c_void_p), ("max_buf_size", ctypes.c_size_t)]
-
-
-FTYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "BF16": 32, "F16": 1}  # llama_ftype
+    return llama_cpp.library(name)
 
 
 def llama_quantize(src: Path, dst: Path, ftype: str) -> Path:
     """llama.cpp's own quantizer (llama_model_quantize, what `llama-quantize` runs) from an F32 GGUF."""
-    lib = llama_cpp_lib("libllama.v0.4.0.so")
-    lib.llama_model_quantize_default_params.restype = QuantizeParams
-    lib.llama_model_quantize.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(QuantizeParams)]
-    lib.llama_model_quantize.restype = ctypes.c_uint32
-    params = lib.llama_model_quantize_default_params()
-    params.ftype, params.nthread = FTYPES[ftype], 1
-    assert lib.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0, ftype
-    return dst
+    needs_llama_cpp()
+    return llama_cpp.quantize(src, dst, ftype)
 
 
 def convert_hf_to_gguf(checkpoint: Path, out: Path, outtype: str = "f32") -> Path:
     """llama.cpp's convert_hf_to_gguf.py (with its own gguf-py) on an HF checkpoint directory."""
-    import subprocess
-    import sys
-
     needs_llama_cpp()
     pytest.importorskip("sentencepiece", reason="convert_hf_to_gguf.py imports sentencepiece")
-    env = {**os.environ, "PYTHONPATH": str(LLAMA_CPP_SOURCE / "gguf-py")}
-    result = subprocess.run([sys.executable, str(LLAMA_CPP_SOURCE / "convert_hf_to_gguf.py"), str(checkpoint),
-                             "--outfile", str(out), "--outtype", outtype], capture_output=True, text=True, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    return llama_cpp.convert(checkpoint, out, outtype)
 
 
 # A small Qwen3 whose matrices have rows of 256 (a k-quant super-block), written straight by gguf's GGUFWriter
