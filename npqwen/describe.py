@@ -42,6 +42,12 @@ def describe(model: str, device: str = "cpu", dtype: str = "float32") -> str:
                    if not (n == "lm_head.weight" and config.tie_word_embeddings)}
     else:
         path = resolve_model(model)
+        if path.is_file():   # a GGUF file: its metadata and tensors (their ggml types) under HF's names
+            from .gguf_file import hf_tensors, read_config
+
+            config, tensors = read_config(path)
+            tensors = {n: (t.shape, t.qtype) for n, t in hf_tensors(tensors).items()}
+            return render(config, tensors, f"{path} (GGUF)", lm_head=True, dtype=dtype)
         config, source = Qwen3Config.from_json(path / "config.json"), str(path)
         found = canonical_names(index_checkpoint(path))   # a Qwen3Model checkpoint's names get the model. prefix
         check_config_matches(config, found, path)   # before render sizes its table from the config

@@ -221,6 +221,17 @@ def gguf_tokenizer(reader, meta: dict, path):
     return Tokenizer(backend, meta.get("tokenizer.chat_template"), special)
 
 
+def read_config(path):
+    """(Qwen3Config, HF name -> GGUFTensor) of a GGUF file, without its tokenizer (npqwen inspect)."""
+    from .config import Qwen3Config
+
+    reader = open_gguf(path)
+    meta = metadata(reader)
+    architecture(meta, path)
+    tensors = gguf_tensors(reader, path)
+    return Qwen3Config.from_dict(config_dict(meta, tensors, path), source=str(path)), tensors
+
+
 def read_gguf(path):
     """(config dict, HF name -> GGUFTensor, Tokenizer) of a GGUF file, its tensors left memory-mapped."""
     reader = open_gguf(path)

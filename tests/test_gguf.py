@@ -95,6 +95,9 @@ def test_names_are_hf_names_and_the_file_stays_mapped(tmp_path):
     q = tensors["model.layers.0.self_attn.q_proj.weight"]
     assert q.qtype == "Q8_0" and q.shape == (256, 256) and q.raw.shape == (256, 256 // 32 * 34)
     assert isinstance(q.raw.base, np.ndarray) and q.raw.nbytes < 256 * 256 * 4   # a view of the file's bytes
+    code, out, err = run("inspect", "--model", str(path))
+    assert code == 0, err
+    assert "(GGUF)" in out and "model.layers.1.self_attn.q_proj.weight           [256, 256]       Q8_0" in out
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
