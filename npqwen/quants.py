@@ -40,22 +40,22 @@ def _f16(b: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- dequantize, one function per format
-# Each takes `b` (N, type_size) uint8 blocks and returns (N, block_size) float32 weights.
+# Each takes `b` (N, type_size) uint8 blocks and fills `out` (N, block_size) float32 with their weights.
 
 
-def dequantize_q8_0(b):
+def dequantize_q8_0(b, out):
     # block_q8_0: f16 d | int8 qs[32];  w = d * q
     d = _f16(b[:, :2])  # (N, 1)
     q = b[:, 2:].view(np.int8)  # (N, 32)
-    return q * d
+    np.multiply(q, d, out=out)
 
 
-def dequantize_q4_0(b):
+def dequantize_q4_0(b, out):
     # block_q4_0: f16 d | uint8 qs[16];  w[j] = d * ((qs[j] & 0xF) - 8), w[j+16] = d * ((qs[j] >> 4) - 8)
     d = _f16(b[:, :2])  # (N, 1)
     qs = b[:, 2:]  # (N, 16)
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int8) - 8  # (N, 32)
-    return q * d
+    np.multiply(q, d, out=out)
 
 
 def k_scale_min(s):
@@ -70,44 +70,55 @@ def k_scale_min(s):
     return sc, m  # (N, 8) each, 0..63
 
 
-def dequantize_q4_k(b):
+def nibbles(qs):
+    """(N, k, 32) bytes -> (N, k, 2, 32) 4-bit values: the low nibbles, then the high ones."""
+    q = np.empty((*qs.shape[:-1], 2, 32), np.uint8)
+    np.bitwise_and(qs, 0x0F, out=q[..., 0, :])
+    np.right_shift(qs, 4, out=q[..., 1, :])
+    return q
+
+
+def dequantize_q4_k(b, out):
     # block_q4_K: f16 d | f16 dmin | uint8 scales[12] | uint8 qs[128]
     # 8 sub-blocks of 32 weights: w = d * sc[j] * q - dmin * m[j], q a 4-bit value; each 32 bytes of
     # qs hold two sub-blocks: the low nibbles sub-block 2i, the high nibbles sub-block 2i+1.
+    N = b.shape[0]
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])  # (N, 1)
     sc, m = k_scale_min(b[:, 4:16])  # (N, 8)
-    qs = b[:, 16:].reshape(-1, 4, 1, 32)  # (N, 4, 1, 32)
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)  # (N, 8, 32)
-    return ((d * sc)[..., None] * q - (dmin * m)[..., None]).reshape(-1, QK_K)
+    q = nibbles(b[:, 16:].reshape(N, 4, 32)).reshape(N, 8, 32)  # (N, 8, 32)
+    w = out.reshape(N, 8, 32)
+    np.multiply((d * sc)[..., None], q, out=w)
+    w -= (dmin * m)[..., None]
 
 
-def dequantize_q5_k(b):
+def dequantize_q5_k(b, out):
     # block_q5_K: f16 d | f16 dmin | uint8 scales[12] | uint8 qh[32] | uint8 qs[128]
     # as Q4_K, with a 5th bit per weight: bit j of qh[l] is the high bit of weight l of sub-block j.
+    N = b.shape[0]
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])  # (N, 1)
     sc, m = k_scale_min(b[:, 4:16])  # (N, 8)
     qh = b[:, 16:48]  # (N, 32)
-    qs = b[:, 48:].reshape(-1, 4, 1, 32)  # (N, 4, 1, 32)
-    ql = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)  # (N, 8, 32)
-    hi = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (N, 8, 32)
-    q = ql | (hi << 4)  # (N, 8, 32), 0..31
-    return ((d * sc)[..., None] * q - (dmin * m)[..., None]).reshape(-1, QK_K)
+    q = nibbles(b[:, 48:].reshape(N, 4, 32)).reshape(N, 8, 32)  # (N, 8, 32)
+    q |= ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4  # 0..31
+    w = out.reshape(N, 8, 32)
+    np.multiply((d * sc)[..., None], q, out=w)
+    w -= (dmin * m)[..., None]
 
 
-def dequantize_q6_k(b):
+def dequantize_q6_k(b, out):
     # block_q6_K: uint8 ql[128] | uint8 qh[64] | int8 scales[16] | f16 d
     # 16 sub-blocks of 16 weights: w = d * scales[j] * (q - 32), q a 6-bit value. Each half of 128
     # weights takes 64 bytes of ql and 32 of qh: weights l, l+32, l+64, l+96 (l < 32) take the low
     # nibble of ql[l], of ql[l+32], the high nibble of ql[l], of ql[l+32], and bits 0-1, 2-3, 4-5,
     # 6-7 of qh[l] as their top two bits.
-    ql = b[:, :128].reshape(-1, 2, 1, 64)  # (N, 2 halves, 1, 64)
-    qh = b[:, 128:192].reshape(-1, 2, 1, 32)  # (N, 2, 1, 32)
-    scales = b[:, 192:208].view(np.int8).astype(np.float32)  # (N, 16)
+    N = b.shape[0]
+    q = nibbles(b[:, :128].reshape(N, 2, 2, 32)).transpose(0, 1, 3, 2, 4).reshape(N, 2, 4, 32)  # low 4 bits
+    qh = b[:, 128:192].reshape(N, 2, 1, 32)  # (N, 2, 1, 32)
+    q |= ((qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3) << 4  # 0..63
+    scales = b[:, 192:208].view(np.int8)  # (N, 16)
     d = _f16(b[:, 208:210])  # (N, 1)
-    lo = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(-1, 2, 4, 32)  # (N, 2, 4, 32)
-    hi = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3  # (N, 2, 4, 32)
-    q = (lo | (hi << 4)).astype(np.int8) - 32  # (N, 2, 4, 32), -32..31
-    return ((d * scales).reshape(-1, 16, 1) * q.reshape(-1, 16, 16)).reshape(-1, QK_K)
+    np.multiply((d * scales).reshape(N, 16, 1), q.view(np.int8).reshape(N, 16, 16) - np.int8(32),
+                out=out.reshape(N, 16, 16))
 
 
 DEQUANTIZE_BLOCKS = {"Q8_0": dequantize_q8_0, "Q4_0": dequantize_q4_0, "Q4_K": dequantize_q4_k,
@@ -127,8 +138,11 @@ def dequantize_rows(qtype: str, raw: np.ndarray, out: np.ndarray) -> np.ndarray:
         out.view(np.uint32)[...] = raw.view(np.uint16).astype(np.uint32) << 16
     else:
         block_size, type_size = BLOCKS[qtype]
-        blocks = raw.reshape(-1, type_size)  # (rows * cols / block_size, type_size)
-        out.reshape(-1, block_size)[...] = DEQUANTIZE_BLOCKS[qtype](blocks)
+        blocks = np.ascontiguousarray(raw).reshape(-1, type_size)  # (rows * cols / block_size, type_size)
+        target = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
+        DEQUANTIZE_BLOCKS[qtype](blocks, target.reshape(-1, block_size))
+        if target is not out:
+            out[...] = target
     return out
 
 
