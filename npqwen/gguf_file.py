@@ -304,15 +304,31 @@ def stored_weight(t: GGUFTensor):
     return Ggml(t.qtype, t.raw, t.shape[-1])
 
 
-def load_gguf_weights(config, tensors: dict[str, GGUFTensor], xp, dtype, path, weights: str = "auto"):
+def part_of(t: GGUFTensor, part):
+    """A tensor-parallel rank's part (rows, columns) of a stored matrix: rows stay mapped, columns are copied
+    (on whole blocks; weights.check_block_columns says what to do otherwise)."""
+    w = stored_weight(t)
+    if part is None:
+        return w
+    rows, columns = part[0], part[1] if len(part) > 1 else slice(None)
+    if isinstance(w, np.ndarray):
+        return w[rows][:, columns]
+    w = w.rows(rows)
+    return w if columns == slice(None) else w.columns(columns)
+
+
+def load_gguf_weights(config, tensors: dict[str, GGUFTensor], xp, dtype, path, weights: str = "auto",
+                      parts: dict | None = None):
     """(weights, fused) as checkpoint.load_weights returns them, from a GGUF's tensors.
 
     `weights` as npqwen.load's: "auto" keeps a quantized file's matrices as stored (memory-mapped, widened a
     block of rows at a time) and widens an F32/F16/BF16 file to float32 where that fits; "stored"; "float32";
-    or a format to convert to. Norms and the router are small and always float32."""
+    or a format to convert to. Norms and the router are small and always float32. With `parts` (tensor
+    parallelism: HF name -> (rows, columns), parallel.shards) each rank keeps only its part of each tensor."""
     from .backend import free_memory_bytes
     from .checkpoint import (allocate_weights, compact, expected_shapes, is_matrix, stack_compact, tie_lm_head,
                              widen_into)
+    from .parallel import shard_shape
     from .weights import FORMATS
 
     tensors = hf_tensors(tensors)
@@ -335,17 +351,29 @@ def load_gguf_weights(config, tensors: dict[str, GGUFTensor], xp, dtype, path, w
     if weights != "float32" and np.dtype(dtype) != np.float32:
         raise NpqwenError(f"compact weights ({weights}) compute in float32; load the GGUF with dtype float32, or "
                           f"with weights='float32' to compute in {np.dtype(dtype).name}")
+    full = shapes
+    if parts is not None:
+        shapes = {name: shard_shape(shape, parts[name]) for name, shape in shapes.items()}
+
+    def part(name):   # this rank's (rows, columns) of `name`, or None for the whole tensor
+        return None if parts is None or shapes[name] == full[name] else parts[name]
+
+    def small(name):   # a norm or the router, widened whole, then this rank's part
+        value = tensors[name].dequantize()
+        return xp.asarray(value if part(name) is None else value[part(name)[0]][..., part(name)[1]]
+                          if value.ndim > 1 else value[part(name)[0]])
+
     if weights == "float32":   # every matrix widened into float32, a block of rows at a time
         arrays, fused = allocate_weights(config, xp, dtype, shapes)
         for name, array in arrays.items():
             host = array if xp is np else np.empty(array.shape, np.float32)
             if array.ndim == 1:
-                host[...] = tensors[name].dequantize()
+                host[...] = small(name)
             else:
-                widen_into(stored_weight(tensors[name]), host)
+                widen_into(part_of(tensors[name], part(name)), host)
             if xp is not np:
                 array[...] = xp.asarray(host)
         return tie_lm_head(config, arrays), fused
-    arrays = {name: compact(stored_weight(tensors[name]), weights, xp) if is_matrix(name)
-              else xp.asarray(tensors[name].dequantize()) for name in shapes}
+    arrays = {name: compact(part_of(tensors[name], part(name)), weights, xp) if is_matrix(name) else small(name)
+              for name in shapes}
     return tie_lm_head(config, arrays), stack_compact(config, arrays)

@@ -386,11 +386,11 @@ def load_gguf(path, xp, dtype: str, comm, weights: str) -> LLM:
     """A GGUF file (llama.cpp, Ollama): npqwen/gguf_file.py maps its metadata, tokenizer and tensors to HF's."""
     from .gguf_file import load_gguf_weights, read_gguf
 
-    if comm.size > 1:
-        raise NpqwenError(f"{path}: tensor parallelism over a GGUF file is not supported yet; run it in one process")
     raw_config, tensors, tokenizer = read_gguf(path)
     config = Qwen3Config.from_dict(raw_config, source=str(path))
-    arrays, fused = load_gguf_weights(config, tensors, xp, np.dtype(dtype), path, weights)
+    check_split(config, comm.size)
+    parts = None if comm.size == 1 else shards(config, expected_shapes(config), comm.size, comm.rank)
+    arrays, fused = load_gguf_weights(config, tensors, xp, np.dtype(dtype), path, weights, parts)
     return LLM(Qwen3(config, arrays, fused, comm), tokenizer, {}, path)
 
 

@@ -160,3 +160,18 @@ def test_ollama_names_find_the_blob_and_a_missing_one_says_pull(tmp_path, monkey
     assert code == 0, err
     code, _, err = run("generate", "--model", "ollama:qwen3:8b", "--prompt", "hi", env=env)
     one_error_line(code, err, "Ollama has not pulled qwen3:8b")
+
+
+def test_two_ranks_of_a_gguf_compute_what_one_process_does(tmp_path):
+    """Tensor parallelism on a GGUF: each rank keeps its rows of the mapped Q8_0 blocks (its columns copied on
+    whole blocks); tests/parallel_probe.py's calls on 2 ranks equal one process's."""
+    pytest.importorskip("mpi4py")
+    from test_parallel import assert_same, probe
+
+    path = write_gguf(tmp_path / "tp.gguf", "Q8_0", tied=False)
+    one = probe(path, tmp_path / "one")[0]
+    ranks = probe(path, tmp_path / "tp", 2)
+    assert_same(one, ranks, 1e-5)
+    shapes = [json.loads(str(r["shapes"])) for r in ranks]
+    assert shapes[0]["model.layers.0.self_attn.q_proj.weight"] == [2 * 64, 256]   # 2 of the 4 heads
+    assert shapes[1]["model.layers.0.mlp.down_proj.weight"] == [256, 256]          # half the width, as columns
