@@ -526,14 +526,10 @@ def matrix_shape(info: TensorInfo) -> tuple[int, ...]:
     return (info.shape[0], info.shape[1] // size * block)
 
 
-_MAPS = {}   # file -> its bytes, memory-mapped once
-
-
 def mapped(info: TensorInfo, dtype, shape=None) -> np.ndarray:
-    """A tensor's bytes in the file, memory-mapped (read-only): nothing is read until it is used."""
-    if info.file not in _MAPS:
-        _MAPS[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
-    raw = _MAPS[info.file][info.start:info.end]
+    """A tensor's bytes in the file, memory-mapped (read-only): nothing is read until it is used, and the map
+    goes when the last array that views it does."""
+    raw = np.memmap(info.file, dtype=np.uint8, mode="r", offset=info.start, shape=(info.end - info.start,))
     return raw.view(dtype).reshape(shape or info.shape)
 
 
