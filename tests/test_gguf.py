@@ -175,3 +175,14 @@ def test_two_ranks_of_a_gguf_compute_what_one_process_does(tmp_path):
     shapes = [json.loads(str(r["shapes"])) for r in ranks]
     assert shapes[0]["model.layers.0.self_attn.q_proj.weight"] == [2 * 64, 256]   # 2 of the 4 heads
     assert shapes[1]["model.layers.0.mlp.down_proj.weight"] == [256, 256]          # half the width, as columns
+
+
+def test_compare_runs_hf_transformers_on_the_dequantized_weights(tmp_path):
+    """npqwen compare on a GGUF: HF transformers reads its weights saved widened to float32; every step agrees."""
+    pytest.importorskip("transformers")
+    from npqwen.compare import compare, relative
+
+    llm = npqwen.load(write_gguf(tmp_path / "tiny.gguf", "Q4_K"))
+    rows = compare(llm, PROMPT)
+    assert len(rows) >= 30, [r["name"] for r in rows]   # trace names HF's modules, as for a checkpoint directory
+    assert max(relative(r) for r in rows) < 1e-4, max(rows, key=relative)
