@@ -27,11 +27,16 @@ from . import quants
 from .errors import NpqwenError
 
 # general.architecture as llama.cpp writes it -> HF model_type
-ARCHITECTURES = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+ARCHITECTURES = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text"}
 
 # llama.cpp's tensor names (gguf-py's tensor_mapping for QWEN3 / QWEN3MOE) -> HF's, per layer and whole-model
 LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",   # qwen35's name for it
+    # qwen35's Gated DeltaNet layers (HF's linear_attn); ssm_a and ssm_dt.bias: see hf_name
+    "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z", "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_beta": "linear_attn.in_proj_b", "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
@@ -111,7 +116,7 @@ def architecture(meta: dict, path) -> str:
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise NpqwenError(f"{path}: a GGUF of architecture {arch!r}; npqwen runs Qwen3: "
-                          f"{', '.join(repr(a) for a in ARCHITECTURES)} (llama.cpp's names for Qwen3 and Qwen3-MoE)")
+                          f"{', '.join(repr(a) for a in ARCHITECTURES)} (llama.cpp's names for Qwen3, Qwen3-MoE and Qwen3.5)")
     return arch
 
 
@@ -142,6 +147,20 @@ def config_dict(meta: dict, tensors: dict, path) -> dict:
     if arch == "qwen3moe":   # llama.cpp always renormalises Qwen3-MoE's top-k router weights
         config.update(num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
                       moe_intermediate_size=key("expert_feed_forward_length"), norm_topk_prob=True)
+    if arch == "qwen35":   # Qwen3.5's Gated DeltaNet layers and its partial, multimodal RoPE
+        Hv = key("ssm.time_step_rank")
+        config.update(linear_conv_kernel_dim=key("ssm.conv_kernel"), linear_key_head_dim=key("ssm.state_size"),
+                      linear_num_key_heads=key("ssm.group_count"), linear_num_value_heads=Hv,
+                      linear_value_head_dim=key("ssm.inner_size") // Hv,
+                      full_attention_interval=key("full_attention_interval"),
+                      rope_parameters={"rope_type": "default", "rope_theta": config.pop("rope_theta"),
+                                       "partial_rotary_factor": key("rope.dimension_count") / config["head_dim"],
+                                       "mrope_section": list(key("rope.dimension_sections"))[:3],
+                                       "mrope_interleaved": True})
+        if config["linear_num_key_heads"] != Hv:
+            raise NpqwenError(f"{path}: a qwen35 GGUF with {Hv} value heads over {config['linear_num_key_heads']} key "
+                              f"heads: llama.cpp reorders such value heads, which npqwen does not undo yet; use the "
+                              f"HF checkpoint (npqwen reads qwen35 files whose value and key heads are as many)")
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         config["rope_scaling"] = {"rope_type": scaling, "factor": key("rope.scaling.factor"),
@@ -151,6 +170,9 @@ def config_dict(meta: dict, tensors: dict, path) -> dict:
 
 def hf_name(name: str) -> str | None:
     """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for a name npqwen does not use."""
+    bare = re.fullmatch(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias)", name)   # qwen35: A (as -exp(A_log)) and dt's bias
+    if bare:
+        return f"model.layers.{bare[1]}.linear_attn.{'A_log' if bare[2] == 'ssm_a' else 'dt_bias'}"
     base, _, suffix = name.rpartition(".")
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     if match and match.group(2) in LAYER_NAMES:
@@ -170,6 +192,8 @@ def gguf_tensors(reader, path) -> dict[str, GGUFTensor]:
             raise NpqwenError(f"{path}: tensor {t.name} is stored as {qtype}, a GGUF format npqwen does not read; "
                               f"it reads {', '.join(quants.BLOCKS)} (a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file)")
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))   # ggml [cols, rows, E] -> HF (E, rows, cols)
+        if name.endswith("conv1d.weight"):   # qwen35 squeezed HF's (C, 1, W) convolution to (C, W)
+            shape = (shape[0], 1, shape[1])
         raw = t.data.view(np.uint8).reshape(*shape[:-1], quants.row_bytes(qtype, shape[-1]))
         tensors[name] = GGUFTensor(t.name, qtype, shape, raw)
     if "model.embed_tokens.weight" not in tensors:
@@ -304,6 +328,18 @@ def stored_weight(t: GGUFTensor):
     return Ggml(t.qtype, t.raw, t.shape[-1])
 
 
+def hf_value(config, name: str, value: np.ndarray) -> np.ndarray:
+    """A small tensor as HF holds it. convert_hf_to_gguf.py stores Qwen3.5's (1 + weight) norms as 1 + weight
+    and A_log as -exp(A_log); undone here (to float32 rounding)."""
+    if not config.hybrid:
+        return value
+    if name.endswith(".A_log"):
+        return np.log(-value)
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return value - np.float32(1)
+    return value
+
+
 def part_of(t: GGUFTensor, part):
     """A tensor-parallel rank's part (rows, columns) of a stored matrix: rows stay mapped, columns are copied
     (on whole blocks; weights.check_block_columns says what to do otherwise)."""
@@ -359,7 +395,7 @@ def load_gguf_weights(config, tensors: dict[str, GGUFTensor], xp, dtype, path, w
         return None if parts is None or shapes[name] == full[name] else parts[name]
 
     def small(name):   # a norm or the router, widened whole, then this rank's part
-        value = tensors[name].dequantize()
+        value = hf_value(config, name, tensors[name].dequantize())
         return xp.asarray(value if part(name) is None else value[part(name)[0]][..., part(name)[1]]
                           if value.ndim > 1 else value[part(name)[0]])
 

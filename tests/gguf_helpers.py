@@ -30,11 +30,11 @@ def llama_quantize(src: Path, dst: Path, ftype: str) -> Path:
     return llama_cpp.quantize(src, dst, ftype)
 
 
-def convert_hf_to_gguf(checkpoint: Path, out: Path, outtype: str = "f32") -> Path:
+def convert_hf_to_gguf(checkpoint: Path, out: Path, outtype: str = "f32", *flags: str) -> Path:
     """llama.cpp's convert_hf_to_gguf.py (with its own gguf-py) on an HF checkpoint directory."""
     needs_llama_cpp()
     pytest.importorskip("sentencepiece", reason="convert_hf_to_gguf.py imports sentencepiece")
-    return llama_cpp.convert(checkpoint, out, outtype)
+    return llama_cpp.convert(checkpoint, out, outtype, *flags)
 
 
 # A small Qwen3 whose matrices have rows of 256 (a k-quant super-block), written straight by gguf's GGUFWriter

@@ -132,3 +132,20 @@ def test_agrees_with_llama_cpp(files, loaded, ftype, tmp_path):
     first = np.argmax(ours.argmax(axis=1) != theirs.argmax(axis=1))
     assert top1 >= 0.95, f"{ftype}: top-1 equal on {top1:.1%} of positions; the first differs at {first}"
     assert kl.mean() < 1e-3, f"{ftype}: KL(llama.cpp || npqwen) {kl.mean():.2e} (max {kl.max():.2e} at {kl.argmax()})"
+
+
+def test_qwen3_5_from_llama_cpp(tmp_path):
+    """Qwen3.5 (llama.cpp's qwen35): its Gated DeltaNet tensors (attn_qkv, attn_gate, ssm_*) map to HF's linear_attn,
+    the norms stored as 1 + weight and A as -exp(A_log) are undone, the convolution reshaped; the F32 file computes
+    what the HF checkpoint does."""
+    from hybrid_checkpoints import build_hybrid_checkpoint, hybrid_config
+
+    needs_llama_cpp()
+    needs_qwen3_tokenizer()
+    config = hybrid_config(vocab_size=151936, eos_token_id=151645, linear_num_value_heads=2)   # Hv = Hk
+    hf = add_qwen3_tokenizer(build_hybrid_checkpoint(tmp_path / "hf", config, save_dtype="float32"))
+    gguf, ref = npqwen.load(convert_hf_to_gguf(hf, tmp_path / "q35.gguf", "f32", "--no-mtp")), npqwen.load(hf)
+    assert gguf.config == ref.config and gguf.config.hybrid
+    ids = ref.tokenizer.encode(TEXT)
+    assert_close(gguf.forward(ids), ref.forward(ids), 1e-5, "qwen35 F32 logits")
+    assert gguf.generate(ids, 8).token_ids == ref.generate(ids, 8).token_ids

@@ -43,11 +43,12 @@ def quantize(src: Path, dst: Path, ftype: str, threads: int = 1) -> Path:
     return dst
 
 
-def convert(checkpoint: Path, out: Path, outtype: str = "f32") -> Path:
-    """llama.cpp's convert_hf_to_gguf.py (with its own gguf-py) on an HF checkpoint directory."""
+def convert(checkpoint: Path, out: Path, outtype: str = "f32", *flags: str) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py (with its own gguf-py) on an HF checkpoint directory; `flags` its own
+    (--no-mtp: a Qwen3.5 without its multi-token-prediction layers)."""
     env = {**os.environ, "PYTHONPATH": str(SOURCE / "gguf-py")}
     result = subprocess.run([sys.executable, str(SOURCE / "convert_hf_to_gguf.py"), str(checkpoint),
-                             "--outfile", str(out), "--outtype", outtype], capture_output=True, text=True, env=env)
+                             "--outfile", str(out), "--outtype", outtype, *flags], capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{result.stderr[-3000:]}")
     return out
