@@ -156,7 +156,7 @@ def test_ollama_names_find_the_blob_and_a_missing_one_says_pull(tmp_path, monkey
     with pytest.raises(NpqwenError, match=r"Ollama has not pulled qwen3:latest"):
         npqwen.load("ollama:qwen3")
     env = {"OLLAMA_MODELS": str(root)}
-    code, out, err = run("generate", "--model", "ollama:qwen3:tiny", "--prompt", "hi", "-n", "3", env=env)
+    code, _, err = run("generate", "--model", "ollama:qwen3:tiny", "--prompt", "hi", "-n", "3", env=env)
     assert code == 0, err
     code, _, err = run("generate", "--model", "ollama:qwen3:8b", "--prompt", "hi", env=env)
     one_error_line(code, err, "Ollama has not pulled qwen3:8b")
