@@ -24,6 +24,31 @@ def llama_cpp_lib(name: str):
     return llama_cpp.library(name)
 
 
+def made_once(what, make, work: Path) -> Path:
+    """A folder of files `make(folder)` writes, made once and kept in .cache/gguf-tests/<key> (ignored by git;
+    the key hashes `what` with the llama.cpp and torch versions that made them): converting and quantizing
+    take tens of seconds, reading them back a few."""
+    import hashlib
+    import json
+    import os
+    import shutil
+
+    import torch
+
+    made_by = json.dumps([what, torch.__version__, (NODE_LLAMA_CPP / "llama.cpp" / ".git" / "HEAD").read_text()])
+    root = ROOT / ".cache" / "gguf-tests" / hashlib.sha256(made_by.encode()).hexdigest()[:16]
+    if not (root / "done").is_file():
+        make(work)
+        (work / "done").write_text(made_by)
+        root.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(root, ignore_errors=True)
+        if work.stat().st_dev == root.parent.stat().st_dev:
+            os.replace(work, root)
+        else:
+            shutil.copytree(work, root)
+    return root
+
+
 def llama_quantize(src: Path, dst: Path, ftype: str) -> Path:
     """llama.cpp's own quantizer (llama_model_quantize, what `llama-quantize` runs) from an F32 GGUF."""
     needs_llama_cpp()

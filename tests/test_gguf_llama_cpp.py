@@ -3,7 +3,6 @@ tools/fetch_node_llama_cpp.sh), read by npqwen: the config, names and tokenizer 
 logits equal npqwen's float32 on the weights gguf.quants.dequantize widens; and llama.cpp's own next-token
 probabilities on the same Q8_0 file agree (top-1 on >= 95% of positions, KL < 1e-3). Skips, saying why, without
 llama.cpp, node or the real Qwen3 tokenizer files."""
-import json
 import shutil
 import subprocess
 
@@ -15,7 +14,8 @@ import npqwen
 pytest.importorskip("gguf", reason="the gguf package (pip install gguf) reads GGUF files")
 
 from conftest import add_qwen3_tokenizer, build_hf_checkpoint, needs_qwen3_tokenizer, tiny_config  # noqa: E402
-from gguf_helpers import NODE_LLAMA_CPP, ROOT, convert_hf_to_gguf, llama_quantize, needs_llama_cpp  # noqa: E402
+from gguf_helpers import (NODE_LLAMA_CPP, ROOT, convert_hf_to_gguf, llama_quantize, made_once,  # noqa: E402
+                          needs_llama_cpp)
 from test_gguf import assert_close, dequantized_reference  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog. 日本語も少し。 def f(x):\n    return x ** 2\n<think>a</think>"
@@ -29,30 +29,19 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """An HF Qwen3 (float32, the real tokenizer) and llama.cpp's GGUF files of it: F32, Q8_0, Q4_K_M. Written once
-    into .cache/gguf-tests/<key> (ignored by git; the key names what made them) and reused: converting and
-    quantizing cost ~30 s."""
-    import hashlib
-    import os
-
-    import torch
-
+    """An HF Qwen3 (float32, the real tokenizer) and llama.cpp's GGUF files of it: F32, Q8_0, Q4_K_M (made once)."""
     needs_llama_cpp()
     needs_qwen3_tokenizer()
-    made_by = json.dumps([SHAPE, torch.__version__, (NODE_LLAMA_CPP / "llama.cpp" / ".git" / "HEAD").read_text()])
-    root = ROOT / ".cache" / "gguf-tests" / hashlib.sha256(made_by.encode()).hexdigest()[:16]
     names = {"hf": "hf", "F32": "tiny-F32.gguf", "Q8_0": "tiny-Q8_0.gguf", "Q4_K_M": "tiny-Q4_K_M.gguf"}
-    if not (root / "done").is_file():
-        work = tmp_path_factory.mktemp("gguf_llama_cpp")
+
+    def make(work):
         hf = build_hf_checkpoint(work / "hf", tiny_config(**SHAPE), save_dtype="float32", std=0.05)
         add_qwen3_tokenizer(hf)
         convert_hf_to_gguf(hf, work / names["F32"])
         for ftype in ("Q8_0", "Q4_K_M"):
             llama_quantize(work / names["F32"], work / names[ftype], ftype)
-        (work / "done").write_text(made_by)
-        root.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(root, ignore_errors=True)
-        os.replace(work, root) if work.stat().st_dev == root.parent.stat().st_dev else shutil.copytree(work, root)
+
+    root = made_once(SHAPE, make, tmp_path_factory.mktemp("gguf_llama_cpp"))
     return {kind: root / name for kind, name in names.items()}
 
 
@@ -143,8 +132,13 @@ def test_qwen3_5_from_llama_cpp(tmp_path):
     needs_llama_cpp()
     needs_qwen3_tokenizer()
     config = hybrid_config(vocab_size=151936, eos_token_id=151645, linear_num_value_heads=2)   # Hv = Hk
-    hf = add_qwen3_tokenizer(build_hybrid_checkpoint(tmp_path / "hf", config, save_dtype="float32"))
-    gguf, ref = npqwen.load(convert_hf_to_gguf(hf, tmp_path / "q35.gguf", "f32", "--no-mtp")), npqwen.load(hf)
+
+    def make(work):
+        add_qwen3_tokenizer(build_hybrid_checkpoint(work / "hf", config, save_dtype="float32"))
+        convert_hf_to_gguf(work / "hf", work / "q35.gguf", "f32", "--no-mtp")
+
+    root = made_once(config, make, tmp_path / "made")
+    gguf, ref = npqwen.load(root / "q35.gguf"), npqwen.load(root / "hf")
     assert gguf.config == ref.config and gguf.config.hybrid
     ids = ref.tokenizer.encode(TEXT)
     assert_close(gguf.forward(ids), ref.forward(ids), 1e-5, "qwen35 F32 logits")
