@@ -29,6 +29,8 @@ from .backend import free_memory_bytes, xp_of
 from .config import Qwen3Config
 from .errors import NpqwenError
 from .parallel import shard_shape
+from .weights import (FP8, BFloat16, Float16, Ggml, Int8, Rows, as_array, bf16_bits_to_float32, bytes_per_value,
+                      fits_format, float32_to_bf16_bits, join_rows, quantize, with_arrays)
 
 # safetensors dtype -> (NumPy dtype of the stored bits, bytes per element): the ones npqwen reads
 STORED_DTYPES = {"BF16": (np.uint16, 2), "F16": (np.float16, 2), "F32": (np.float32, 4)}
@@ -39,6 +41,8 @@ SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1,
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # as the safetensors specification
 CHUNK_BYTES = 32 * 1024 * 1024        # convert this much at a time to keep peak memory low
 MAX_NAMES_IN_WARNING = 10             # unused tensor names listed before "... and N more"
+# a compact matrix's scales beside it: Qwen's FP8 (per 128x128 block), npqwen's int8 (per row)
+SCALE_SUFFIXES = {"F8_E4M3": "weight_scale_inv", "I8": "weight_scale"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     start: int
     end: int
+    qtype: str | None = None   # a U8 tensor's ggml block type (Q4_K, ...), from the file's __metadata__
 
 
 def short(value, limit: int = 80) -> str:
@@ -102,7 +107,8 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     tensors = {}
     for name, entry in header.items():
         dtype, shape, begin, end = check_header_entry(path, name, entry, data_bytes)
-        tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, data_start + end)
+        qtype = metadata.get(name) if dtype == "U8" else None   # npqwen quantize's ggml rows: their block type
+        tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, data_start + end, qtype)
     check_byte_ranges(path, tensors, data_start, size)
     return tensors
 
@@ -226,10 +232,8 @@ def check_config_matches(config: Qwen3Config, found: dict[str, TensorInfo], sour
         info = found.get(name)
         if info is None:
             return None
-        if info.dtype not in STORED_DTYPES:
-            raise NpqwenError(f"{info.file}: tensor {short(name)} has dtype {info.dtype}; npqwen reads BF16, "
-                              f"F16 and F32 (quantized checkpoints are unsupported)")
-        return info.shape
+        check_dtype(found, name, directory=source)
+        return matrix_shape(info)
 
     def agree(key, value, name, axis, what):
         shape = stored(name)
@@ -295,7 +299,9 @@ def check_experts_match(config: Qwen3Config, found: dict[str, TensorInfo], sourc
 
 def warn_unused(found: dict[str, TensorInfo], config: Qwen3Config, shapes: dict, directory) -> None:
     """As transformers does: tensors the config does not use are loaded past, with one warning."""
-    unused = sorted(n for n in set(found) - set(shapes) - {"lm_head.weight"}   # a tied lm_head is expected
+    scales = {n[:-len("weight")] + SCALE_SUFFIXES[found[n].dtype] for n in shapes
+              if n in found and found[n].dtype in SCALE_SUFFIXES}   # read with their matrices
+    unused = sorted(n for n in set(found) - set(shapes) - scales - {"lm_head.weight"}   # a tied lm_head is expected
                     if not (config.hybrid and n.startswith("mtp.")))   # Qwen3.5's MTP head: read on demand (mtp.py)
     if unused:
         listed = ", ".join(short(n, 100) for n in unused[:MAX_NAMES_IN_WARNING])
@@ -378,17 +384,6 @@ def parameter_counts(config: Qwen3Config) -> tuple[int, int]:
     return total, total - sparse * (config.num_experts - config.num_experts_per_tok) * expert
 
 
-def bf16_bits_to_float32(bits, out):
-    """Widen bfloat16 bit patterns (uint16) into float32 `out`: bf16 is a float32's top 16 bits."""
-    xp = xp_of(out)
-    if out.dtype == xp.float32:
-        wide = out.view(xp.uint32)   # write in place, no temporary
-        wide[...] = bits
-        wide <<= 16
-    else:
-        out[...] = (bits.astype(xp.uint32) << 16).view(xp.float32)
-
-
 def read_tensor(info: TensorInfo, out):
     """Copy one tensor from its file into the contiguous array `out`, converting to out's dtype.
 
@@ -457,8 +452,12 @@ def check_finite(info: TensorInfo, out):
                           f"corrupt, download it again")
 
 
-def load_weights(directory: Path, config: Qwen3Config, xp, dtype, parts: dict | None = None) -> tuple[dict, dict]:
-    """Read every expected tensor into arrays of `dtype` on `xp`'s device.
+def load_weights(directory: Path, config: Qwen3Config, xp, dtype, parts: dict | None = None,
+                 weights: str = "float32") -> tuple[dict, dict]:
+    """Read every expected tensor into arrays of `dtype` on `xp`'s device, or with `weights` other than
+    "float32" the matrices as compact weights (npqwen/weights.py): "stored" keeps each as the file holds it
+    (bfloat16 memory-mapped, FP8, int8, ggml blocks), a format name ("int8", "q4_k", ...) converts it a few
+    rows at a time; "auto" is float32 where it fits the free memory and the file holds no quantized matrix.
 
     Returns (weights, fused): `weights` maps each HF name to an array of its HF shape;
     `fused` holds the stacked per-layer matrices `...self_attn.qkv_proj.weight` and
@@ -477,28 +476,243 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype, parts: dict | 
         if name not in found:
             raise NpqwenError(f"{directory}: tensor {name!r} is missing (expected shape {list(shape)}); "
                               f"the checkpoint does not match its config.json{family_hint(config, name)}")
-        if found[name].dtype not in STORED_DTYPES:
-            raise NpqwenError(f"{found[name].file}: tensor {name!r} has dtype {found[name].dtype}; npqwen reads "
-                              f"BF16, F16 and F32 (quantized checkpoints are unsupported)")
-        if found[name].shape != shape:
-            raise NpqwenError(f"{directory}: tensor {name!r} has shape {list(found[name].shape)}, expected "
+        check_dtype(found, name, directory)
+        if matrix_shape(found[name]) != shape:
+            raise NpqwenError(f"{directory}: tensor {name!r} has shape {list(matrix_shape(found[name]))}, expected "
                               f"{list(shape)} from config.json; the checkpoint does not match its config.json")
     read = {f"{p}.{part}": () for p in stacked for part in ("gate_up_proj", "down_proj")}   # (Qwen3-VL-MoE)
     warn_unused(found, config, {**shapes, **read}, directory)
     if parts is not None:
         shapes = {name: shard_shape(shape, parts[name]) for name, shape in shapes.items()}
+    weights = weights_format(weights, found, shapes, xp, dtype)
+    if weights != "float32":
+        return load_compact(found, config, xp, dtype, parts, shapes, weights, directory)
     check_fits(shapes, xp, dtype, directory)
-    weights, fused = allocate_weights(config, xp, dtype, shapes)
+    arrays, fused = allocate_weights(config, xp, dtype, shapes)
     for p, layer in stacked.items():   # (E, D, 2I) -> fused (E, 2I, D); (E, I, D) -> (E, D, I): one expert at a time
         read_fused_experts(layer["stored"], fused[f"{p}.gate_up_proj"], fused[f"{p}.down_proj"])
-    for name, array in weights.items():
+    for name, array in arrays.items():
         if any(name in layer["names"] for layer in stacked.values()):
             continue
-        if parts is None or array.shape == found[name].shape:
+        if found[name].dtype not in STORED_DTYPES:   # a quantized file read into float32: widened a block at a time
+            widen_into(stored_weight(found, name, None if parts is None else parts[name]), array)
+        elif parts is None or array.shape == found[name].shape:
             read_tensor(found[name], array)
         else:
             read_tensor_part(found[name], array, *parts[name])
-    return tie_lm_head(config, weights), fused
+    return tie_lm_head(config, arrays), fused
+
+
+def is_matrix(name: str) -> bool:
+    """The weights kept compact: every linear layer's, the embedding, lm_head. Norms, the router, a shared
+    expert's gate and the convolution stay float32, as llama.cpp keeps them (they are small and read whole)."""
+    return name.endswith("_proj.weight") or name in ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def check_dtype(found: dict, name: str, directory) -> None:
+    """A tensor npqwen can read: BF16, F16 or F32; a matrix also FP8 with its block scales, int8 with its row
+    scales, or ggml blocks (U8 with their type in the file's metadata: what `npqwen quantize` writes)."""
+    info = found[name]
+    if info.dtype in STORED_DTYPES:
+        return
+    where = f"{info.file}: tensor {short(name)} has dtype {info.dtype}"
+    if not is_matrix(name) or info.dtype not in (*SCALE_SUFFIXES, "U8"):
+        raise NpqwenError(f"{where}; npqwen reads BF16, F16 and F32 tensors, and for linear layers also FP8 "
+                          f"(F8_E4M3 with weight_scale_inv), int8 (I8 with weight_scale) and the ggml blocks "
+                          f"`npqwen quantize` writes")
+    if info.dtype == "U8":
+        from .quants import BLOCKS
+        if info.qtype not in BLOCKS:
+            raise NpqwenError(f"{where} but the file's metadata names no ggml block type for it (it says "
+                              f"{short(info.qtype)}; npqwen reads {', '.join(BLOCKS)}); write it with npqwen quantize")
+        return
+    scale = name[:-len("weight")] + SCALE_SUFFIXES[info.dtype]
+    if scale not in found:
+        raise NpqwenError(f"{where} but the checkpoint has no {scale} for it (its scales); the checkpoint is "
+                          f"incomplete, download it again")
+
+
+def matrix_shape(info: TensorInfo) -> tuple[int, ...]:
+    """The HF shape of a stored tensor: ggml rows (out, bytes per row) hold (out, in) values."""
+    if info.dtype != "U8" or info.qtype is None:
+        return info.shape
+    from .quants import BLOCKS
+    block, size = BLOCKS.get(info.qtype, (1, 1))
+    return (info.shape[0], info.shape[1] // size * block)
+
+
+def mapped(info: TensorInfo, dtype, shape=None) -> np.ndarray:
+    """A tensor's bytes in the file, memory-mapped (read-only): nothing is read until it is used, and the map
+    goes when the last array that views it does."""
+    raw = np.memmap(info.file, dtype=np.uint8, mode="r", offset=info.start, shape=(info.end - info.start,))
+    return raw.view(dtype).reshape(shape or info.shape)
+
+
+def stored_weight(found: dict, name: str, part=None):
+    """A matrix as the file stores it, memory-mapped: a compact weight, or a float32 array for F32. With
+    `part` (rows, columns; tensor parallelism) only those: rows stay mapped, columns are copied."""
+    info = found[name]
+    scale = found.get(name[:-len("weight")] + SCALE_SUFFIXES.get(info.dtype, ""))
+    if info.dtype == "BF16":
+        w = BFloat16(mapped(info, np.uint16))
+    elif info.dtype == "F16":
+        w = Float16(mapped(info, np.float16))
+    elif info.dtype == "F8_E4M3":
+        w = FP8.from_blocks(mapped(info, np.uint8), read_small(scale))
+    elif info.dtype == "I8":
+        w = Int8(mapped(info, np.int8), read_small(scale).reshape(-1))
+    elif info.dtype == "U8":
+        w = Ggml(info.qtype, mapped(info, np.uint8), matrix_shape(info)[1])
+    else:
+        w = mapped(info, np.float32)
+    if part is None:
+        return w
+    rows, columns = part[0], part[1] if len(part) > 1 else slice(None)
+    if isinstance(w, np.ndarray):   # (an F32 matrix)
+        return w[rows][:, columns]
+    w = w.rows(rows)
+    return w if columns == slice(None) else w.columns(columns)
+
+
+def read_small(info: TensorInfo) -> np.ndarray:
+    """A small tensor (scales) in float32, checked finite."""
+    out = np.empty(info.shape, dtype=np.float32)
+    read_tensor(info, out)
+    return out
+
+
+def widen_into(w, out):
+    """A stored matrix into float32 `out`, a block of rows at a time, checked finite."""
+    for a in range(0, out.shape[0], 4096):
+        b = min(a + 4096, out.shape[0])
+        out[a:b] = float32_rows(w, a, b)
+
+
+def float32_rows(w, a: int, b: int) -> np.ndarray:
+    """Rows a .. b-1 of a stored matrix in float32 (n, in) on the host, checked finite."""
+    if isinstance(w, np.ndarray):
+        rows = np.array(w[a:b], dtype=np.float32)
+    else:
+        rows = w.take(np.arange(a, b))
+    if not np.isfinite(rows).all():
+        raise NpqwenError(f"a weight holds NaN or infinite values in rows {a}..{b - 1}; the file is corrupt, "
+                          f"download it again")
+    return rows
+
+
+def weights_format(weights: str, found: dict, shapes: dict, xp, dtype) -> str:
+    """The format the matrices are kept in: "float32" (in `dtype`), "stored", or a format to convert to."""
+    from .weights import FORMATS
+    choices = ("auto", "float32", "stored", *FORMATS)
+    if weights not in choices:
+        raise NpqwenError(f"unknown weights format {weights!r}; use one of {', '.join(choices)}")
+    quantized = any(found[n].dtype not in STORED_DTYPES for n in shapes)
+    if weights == "auto":   # float32 unless it cannot fit (then check_fits says so for another compute dtype)
+        need = sum(math.prod(shape) for shape in shapes.values()) * np.dtype(dtype).itemsize
+        fits = need <= free_memory_bytes(xp) or np.dtype(dtype) != np.float32
+        weights = "float32" if not quantized and fits else "stored"
+    if weights != "float32" and np.dtype(dtype) != np.float32:
+        raise NpqwenError(f"compact weights ({weights}) compute in float32; load them with dtype float32, or "
+                          f"with weights='float32' to compute in {np.dtype(dtype).name}")
+    return weights
+
+
+def load_compact(found: dict, config: Qwen3Config, xp, dtype, parts, shapes: dict, fmt: str, directory):
+    """The matrices as compact weights in `fmt` ("stored": as the file holds them), the rest in float32;
+    q/k/v and gate/up stacked as Rows of their parts, a sparse layer's experts as lists."""
+    check_fits_compact(found, shapes, fmt, xp, directory)
+    weights = {}
+    for name, shape in shapes.items():
+        part = None if parts is None or shape == found[name].shape else parts[name]
+        if is_matrix(name):   # a rank's rows, converted whole (int8's row scales, as one process has them), then
+            rows = None if part is None else part[:1]                      # its columns on whole blocks
+            w = compact(stored_weight(found, name, rows), fmt, np)
+            if part is not None and part[1] != slice(None):
+                w = w[:, part[1]] if isinstance(w, np.ndarray) else w.columns(part[1])
+            weights[name] = to_device(w, xp)
+        else:
+            weights[name] = array = xp.empty(shape, dtype=dtype)
+            if part is None:
+                read_tensor(found[name], array)
+            else:
+                read_tensor_part(found[name], array, *part)
+    return tie_lm_head(config, weights), stack_compact(config, weights)
+
+
+def compact(w, fmt: str, xp):
+    """A stored matrix (compact, or a float32 array) in `fmt`: as it is where it is in that format already
+    ("stored": always), else converted a few rows at a time; on `xp`'s device."""
+    stored = "float32" if isinstance(w, np.ndarray) else w.format.lower()
+    if fmt == "stored" and stored == "float32":
+        return xp.asarray(np.array(w, dtype=np.float32))   # an F32 matrix: float32 in memory, as before
+    return to_device(convert(w, fmt, stored), xp)
+
+
+def convert(w, fmt: str, stored: str):
+    """A stored matrix in `fmt`, converted a chunk of rows at a time unless it is stored so already."""
+    if fmt not in ("stored", stored):
+        target = fmt
+        if not fits_format(fmt, w.shape[1]):   # ggml blocks need whole blocks per row: the nearest that fits
+            target = "q8_0" if fits_format("q8_0", w.shape[1]) else "bfloat16"
+        step = max(1, CHUNK_BYTES // 4 // w.shape[1])
+        w = join_rows([quantize(float32_rows(w, a, min(a + step, w.shape[0])), target)
+                       for a in range(0, w.shape[0], step)])
+    return w
+
+
+def to_device(w, xp):
+    """A compact matrix's bytes on `xp`'s device as they are (NumPy: unchanged)."""
+    if xp is np:
+        return w
+    if isinstance(w, Ggml):   # quants.py's block code is NumPy's
+        raise NpqwenError(f"ggml block formats ({w.format}) run on the CPU; on CUDA load the weights as bfloat16, "
+                          f"float16, int8 or float32 (--weights)")
+    return xp.asarray(w) if isinstance(w, np.ndarray) else with_arrays(w, [xp.asarray(a) for a in w.arrays])
+
+
+def compact_weights(config: Qwen3Config, arrays: dict, fmt: str, xp) -> tuple[dict, dict]:
+    """Weights made in memory (the built-in tiny models) with their matrices converted to `fmt`."""
+    from .backend import to_numpy
+    weights = {name: compact(to_numpy(a), fmt, xp) if is_matrix(name) else a for name, a in arrays.items()
+               if not (name == "lm_head.weight" and config.tie_word_embeddings)}
+    return tie_lm_head(config, weights), stack_compact(config, weights)
+
+
+def stack_compact(config: Qwen3Config, weights: dict) -> dict:
+    """The stacked matrices of allocate_weights, of compact parts: qkv_proj and gate_up_proj as Rows (the
+    HF-named entries are the parts), a sparse layer's experts as lists (E gate_up Rows, E down_proj)."""
+    fused = {}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        if not config.is_linear_layer(i):
+            fused[f"{p}.self_attn.qkv_proj.weight"] = Rows([weights[f"{p}.self_attn.{t}_proj.weight"] for t in "qkv"])
+        mlp = f"{p}.mlp.shared_expert" if config.is_moe_layer(i) else f"{p}.mlp"
+        if f"{mlp}.gate_proj.weight" in weights:
+            fused[f"{mlp}.gate_up_proj.weight"] = Rows([weights[f"{mlp}.gate_proj.weight"],
+                                                        weights[f"{mlp}.up_proj.weight"]])
+        if config.is_moe_layer(i):
+            E = range(config.num_experts)
+            fused[f"{p}.mlp.experts.gate_up_proj"] = [
+                Rows([weights[f"{p}.mlp.experts.{e}.gate_proj.weight"], weights[f"{p}.mlp.experts.{e}.up_proj.weight"]])
+                for e in E]
+            fused[f"{p}.mlp.experts.down_proj"] = [weights[f"{p}.mlp.experts.{e}.down_proj.weight"] for e in E]
+    return fused
+
+
+def check_fits_compact(found: dict, shapes: dict, fmt: str, xp, directory) -> None:
+    """check_fits for compact weights: each matrix's bytes in its format, the rest in float32."""
+    need = 0
+    for name, shape in shapes.items():
+        if not is_matrix(name):
+            need += math.prod(shape) * 4
+        elif fmt == "stored":
+            need += (found[name].end - found[name].start) * math.prod(shape) // math.prod(matrix_shape(found[name]))
+        else:
+            need += int(math.prod(shape) * bytes_per_value(fmt if fits_format(fmt, shape[1]) else "q8_0"))
+    free = free_memory_bytes(xp)
+    if need > free:
+        raise NpqwenError(f"{directory}: the weights need {size(need)} as {fmt} but {'the host' if xp is np else 'the GPU'} "
+                          f"has {size(free)} free; use a machine with more memory or a smaller format (--weights q4_k)")
 
 
 def fused_expert_tensors(config: Qwen3Config, found: dict, directory, parts) -> dict:
@@ -627,13 +841,6 @@ def tie_lm_head(config: Qwen3Config, weights: dict) -> dict:
     return weights
 
 
-def float32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
-    """Round float32 to bfloat16 (nearest, ties to even, as torch does) and return the uint16 bits."""
-    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-    return (rounded >> np.uint32(16)).astype(np.uint16)
-
-
 def save_safetensors(path: Path, tensors: dict, dtype: str = "F32"):
     """Write float arrays as one .safetensors file in `dtype` ("F32", "F16" or "BF16"), a tensor at a time."""
     if dtype not in STORED_DTYPES:
@@ -650,6 +857,42 @@ def save_safetensors(path: Path, tensors: dict, dtype: str = "F32"):
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for a in tensors.values():
-            a = np.asarray(a, dtype=np.float32)
+            a = np.asarray(as_array(a), dtype=np.float32)   # a compact weight widened here, one at a time
             bits = float32_to_bf16_bits(a) if dtype == "BF16" else a.astype(STORED_DTYPES[dtype][0])
             f.write(np.ascontiguousarray(bits).data)
+
+
+def stored_pieces(name: str, w) -> list[tuple[str, str, np.ndarray]]:
+    """What one weight is on disk, as `npqwen quantize` writes it: [(tensor name, safetensors dtype, array)].
+    bfloat16 BF16, float16 F16, float32 F32; int8 as I8 with its row scales `...weight_scale` (F32, (out,));
+    ggml blocks as U8 rows (out, bytes per row), their type in the file's __metadata__ (name -> "Q4_K")."""
+    from .backend import to_numpy
+    if isinstance(w, BFloat16):
+        return [(name, "BF16", w.storage)]
+    if isinstance(w, Float16):
+        return [(name, "F16", w.storage)]
+    if isinstance(w, Int8):
+        return [(name, "I8", w.storage), (name[:-len("weight")] + "weight_scale", "F32", w.scale)]
+    if isinstance(w, Ggml):
+        return [(name, "U8", w.storage)]
+    if isinstance(w, FP8):
+        raise NpqwenError("FP8 weights are written by the checkpoint that made them; convert them with --to")
+    return [(name, "F32", np.asarray(to_numpy(w), dtype=np.float32))]
+
+
+def save_compact(path: Path, weights: dict):
+    """Write weights (arrays and compact matrices, npqwen/weights.py) as one .safetensors file in their
+    formats (stored_pieces), a tensor at a time; npqwen.load reads it back as stored."""
+    pieces = [piece for name, w in weights.items() for piece in stored_pieces(name, w)]
+    metadata = {name: w.format for name, w in weights.items() if isinstance(w, Ggml)}
+    header, offset = {"__metadata__": metadata} if metadata else {}, 0
+    for name, dtype, a in pieces:
+        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)   # pad so the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for _, _, a in pieces:
+            f.write(np.ascontiguousarray(a).data)

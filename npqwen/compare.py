@@ -75,7 +75,8 @@ def hf_reference(llm, ids) -> dict:
     import torch
 
     with tempfile.TemporaryDirectory() as tmp, no_progress_bars():
-        path = llm.path if llm.path is not None else llm.save(Path(tmp) / "model")
+        # a GGUF file (or a model made in memory): its weights saved widened to float32, for HF to read
+        path = llm.path if llm.path is not None and Path(llm.path).is_dir() else llm.save(Path(tmp) / "model")
         hf = hf_model(path)
     refs, hooks = {}, []
 

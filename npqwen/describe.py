@@ -9,14 +9,15 @@ import dataclasses
 import math
 import re
 
-from .checkpoint import (MAX_NAMES_IN_WARNING, canonical_names, check_config_matches, expected_shapes,
-                         fused_expert_tensors, has_lm_head, index_checkpoint, parameter_counts)
+from .checkpoint import (MAX_NAMES_IN_WARNING, SCALE_SUFFIXES, canonical_names, check_config_matches, expected_shapes,
+                         fused_expert_tensors, has_lm_head, index_checkpoint, matrix_shape, parameter_counts, size)
 from .config import HYBRID_KEYS, MOE_DEFAULTS, Qwen3Config
 from .hub import resolve_model
 
 EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(.+)$")   # prefix, expert, projection
 
 GROUPS = ("embed", "layers", "norm", "lm_head")
+SCALES = tuple(SCALE_SUFFIXES.values())   # FP8's weight_scale_inv, int8's weight_scale
 
 
 def group_of(name: str) -> str:
@@ -41,10 +42,17 @@ def describe(model: str, device: str = "cpu", dtype: str = "float32") -> str:
                    if not (n == "lm_head.weight" and config.tie_word_embeddings)}
     else:
         path = resolve_model(model)
+        if path.is_file():   # a GGUF file: its metadata and tensors (their ggml types) under HF's names
+            from .gguf_file import hf_tensors, read_config
+
+            config, tensors = read_config(path)
+            tensors = {n: (t.shape, t.qtype) for n, t in hf_tensors(tensors).items()}
+            return render(config, tensors, f"{path} (GGUF)", lm_head=True, dtype=dtype)
         config, source = Qwen3Config.from_json(path / "config.json"), str(path)
         found = canonical_names(index_checkpoint(path))   # a Qwen3Model checkpoint's names get the model. prefix
         check_config_matches(config, found, path)   # before render sizes its table from the config
-        tensors = {n: (t.shape, t.dtype) for n, t in found.items()}
+        tensors = {n: (matrix_shape(t), t.qtype or t.dtype) for n, t in found.items()   # ggml rows: Q4_K, ...
+                   if not n.endswith(SCALES)}   # a compact matrix's scales are part of it
         if config.fused_experts:   # Qwen3-VL-MoE: each expert's projections are slices of its layer's two tensors
             shapes = expected_shapes(config)
             for layer in fused_expert_tensors(config, found, path, None).values():
@@ -141,4 +149,26 @@ def render(config: Qwen3Config, tensors: dict, source: str, lm_head: bool = True
     if config.num_experts:
         k, E = config.num_experts_per_tok, config.num_experts
         lines.append(f"active per token:  {parameter_counts(config)[1]:,}  ({k} of {E} experts in each sparse layer)")
+    lines += ["", "weights in memory by --weights format (the linear layers' matrices and the embedding in it; "
+                  "norms and routers float32; docs/weights.md)"]
+    lines += [f"  {fmt:<10} {size(nbytes):>10}" for fmt, nbytes in format_bytes(config, lm_head).items()]
     return "\n".join(lines)
+
+
+def format_bytes(config: Qwen3Config, lm_head: bool = True) -> dict[str, int]:
+    """The bytes the weights take in memory in each format (a tied lm_head counted once). A matrix whose rows are
+    not whole blocks of a ggml format is kept in Q8_0 (or bfloat16), as npqwen.load does."""
+    from .checkpoint import is_matrix
+    from .weights import FORMATS, bytes_per_value, fits_format
+
+    sizes = {}
+    for fmt in ("float32", *FORMATS):
+        total = 0
+        for name, shape in expected_shapes(config, lm_head).items():
+            if not is_matrix(name):
+                total += math.prod(shape) * 4
+                continue
+            kept = fmt if fits_format(fmt, shape[1]) else "q8_0" if fits_format("q8_0", shape[1]) else "bfloat16"
+            total += int(math.prod(shape) * bytes_per_value(kept))
+        sizes[fmt] = total
+    return sizes

@@ -52,16 +52,21 @@ def find_cached(repo_id: str) -> Path | None:
 
 
 def resolve_model(name: str | os.PathLike) -> Path:
-    """A checkpoint directory for `name`: a local path, or a cached (or downloadable) hub id."""
+    """A checkpoint directory for `name`: a local path, or a cached (or downloadable) hub id; or a GGUF file
+    (a path, or "ollama:qwen3:8b" for the blob of a model Ollama has pulled)."""
+    from .gguf_file import is_gguf, ollama_blob
+
     if not isinstance(name, (str, os.PathLike)):
         raise NpqwenError(f"a model is a checkpoint directory (a str or a path), a hub id such as {DEFAULT_MODEL}, "
-                          f"or a built-in name such as 'tiny'; got {type(name).__name__} {str(name)[:40]!r}")
+                          f"a GGUF file, or a built-in name such as 'tiny'; got {type(name).__name__} {str(name)[:40]!r}")
+    if str(name).startswith("ollama:"):
+        return ollama_blob(str(name).removeprefix("ollama:"))
     path = Path(name).expanduser()
-    if path.is_dir():
+    if path.is_dir() or is_gguf(path):
         return path
     if path.exists():
-        raise NpqwenError(f"{str(name)!r} is a file, not a checkpoint directory: give the directory that holds "
-                          f"config.json and the *.safetensors weights, or a hub id such as {DEFAULT_MODEL}")
+        raise NpqwenError(f"{str(name)!r} is a file, not a checkpoint directory nor a GGUF file: give the directory "
+                          f"that holds config.json and the *.safetensors weights, a GGUF file, or a hub id such as {DEFAULT_MODEL}")
     if not HUB_ID.match(str(name)):
         from .tiny import BUILTIN   # a built-in name mistyped: --model tinyy
 

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import ops
-from .backend import to_numpy, xp_of
+from .backend import to_numpy
 from .errors import NpqwenError
 from .model import check_lm_head
+from .weights import as_array
 
 
 @dataclass
@@ -41,7 +42,7 @@ def lens_logits(llm, block_output):
     check_lm_head(llm.model)
     W, cfg = llm.weights, llm.config
     head = W["lm_head.weight"]                                                              # (V, D)
-    x = ops.rms_norm(xp_of(head).asarray(block_output), W["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+    x = ops.rms_norm(llm.model.xp.asarray(block_output), W["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
     return to_numpy(ops.linear(x, head))
 
 
@@ -130,7 +131,7 @@ def head_shares(llm, row, i: int, direction) -> np.ndarray:
         out, w = row(f"{p}.self_attn.attn_output").reshape(H, Dh), W[f"{p}.self_attn.o_proj.weight"]   # (H, Dh)
         if cfg.hybrid:   # the gate: the second Dh of each head's 2*Dh q_proj values
             out = out / (1.0 + np.exp(-row(f"{p}.self_attn.q_proj").reshape(H, 2 * Dh)[:, Dh:]))
-    wo = to_numpy(w).astype(np.float64).reshape(-1, *out.shape)                                   # (D, heads, d)
+    wo = to_numpy(as_array(w)).astype(np.float64).reshape(-1, *out.shape)                         # (D, heads, d)
     return np.einsum("hd,ehd,e->h", out, wo, direction)
 
 
@@ -142,12 +143,12 @@ def logit_attribution(llm, prompt, target, contrast=None, position: int = -1) ->
     names = ["model.embed_tokens", f"model.layers.{L - 1}"] + [n for i in range(L) for n in block_names(cfg, i)]
     logits, cache = llm.run_with_cache(prompt, names=names)
     row = lambda name: cache[name][position].astype(np.float64)   # noqa: E731   that step's row at that position
-    U = to_numpy(llm.model.lm_head_weight())                          # (V, D)
-    u = U[t].astype(np.float64)
+    U = llm.model.lm_head_weight()                                    # (V, D)
+    u = lm_head_row(llm, U, t)
     logit = float(to_numpy(logits)[position, t])
     if contrast is not None:
         c = token_id(llm, contrast)
-        u = u - U[c].astype(np.float64)
+        u = u - lm_head_row(llm, U, c)
         logit -= float(to_numpy(logits)[position, c])
     x = row(f"model.layers.{L - 1}")                                  # (D,) the final residual stream
     scale = 1.0 / np.sqrt(np.mean(x * x) + cfg.rms_norm_eps)          # the final norm's, from this run
@@ -160,6 +161,11 @@ def logit_attribution(llm, prompt, target, contrast=None, position: int = -1) ->
     return Attribution(logit, float(row("model.embed_tokens") @ direction),
                        np.array([row(attention_output(cfg, i)) @ direction for i in range(L)]),
                        np.array([mlp_output(cfg, row, i) @ direction for i in range(L)]), heads)
+
+
+def lm_head_row(llm, U, t: int) -> np.ndarray:
+    """Row t of lm_head (D,) in float64: only that row is read (widened, for a compact weight)."""
+    return to_numpy(ops.embed(U, llm.model.xp.asarray([t]))[0]).astype(np.float64)
 
 
 def mlp_output(cfg, row, i: int):

@@ -280,6 +280,7 @@ class LLM:
 
         from .backend import to_numpy
         from .checkpoint import save_safetensors
+        from .weights import is_compact
 
         if self.comm.size > 1:
             raise NpqwenError("llm.save writes the whole model, and this rank holds only its part of it (tensor "
@@ -287,7 +288,8 @@ class LLM:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
-        tensors = {name: to_numpy(a) for name, a in self.weights.items()
+        tensors = {name: a if is_compact(a) else to_numpy(a) for name, a in self.weights.items()   # compact: widened
+                   # one at a time as it is written
                    if not (name == "lm_head.weight" and self.config.tie_word_embeddings)}
         save_safetensors(directory / "model.safetensors", tensors, dtype)
         defaults = self.generation_defaults
@@ -366,7 +368,8 @@ def check_device_dtype(device: str, dtype: str):
                           f"{', '.join(DTYPES[device])}")
 
 
-def load(path, device: str = "cpu", dtype: str = "float32", tensor_parallel=False, lora: dict | None = None) -> LLM:
+def load(path, device: str = "cpu", dtype: str = "float32", tensor_parallel=False, lora: dict | None = None,
+         weights: str = "auto") -> LLM:
     """Load a Qwen3 checkpoint onto `device` ("cpu" or "cuda") in `dtype`.
 
     `path` is a Hugging Face checkpoint directory, a hub id such as "Qwen/Qwen3-0.6B" found in
@@ -379,10 +382,15 @@ def load(path, device: str = "cpu", dtype: str = "float32", tensor_parallel=Fals
     results on every rank. A communicator (npqwen/comm.py) may be given instead of True.
 
     lora={"name": path, ...} loads PEFT LoRA adapters (llm.load_lora); a request picks one by name.
+
+    weights: how the matrices are kept (docs/weights.md). "auto" (the default) is float32 where that fits the
+    free memory and the file holds no quantized matrix, else as stored; "stored" as the file holds them
+    (bfloat16 memory-mapped, Qwen's FP8, npqwen quantize's int8 / ggml blocks); "float32"; or a format to
+    convert to while loading: "bfloat16", "float16", "int8", "q8_0", "q4_0", "q4_k".
     """
     check_device_dtype(device, dtype)
     comm = communicator(tensor_parallel, device)
-    llm = agreed(comm, lambda: load_part(path, device, dtype, comm))   # a rank that fails stops them all
+    llm = agreed(comm, lambda: load_part(path, device, dtype, comm, weights))   # a rank that fails stops them all
     if lora is not None and not isinstance(lora, dict):
         raise NpqwenError(f"lora must be a dict of adapter name -> adapter directory, got {type(lora).__name__}")
     for name, adapter_path in (lora or {}).items():
@@ -390,20 +398,35 @@ def load(path, device: str = "cpu", dtype: str = "float32", tensor_parallel=Fals
     return llm
 
 
-def load_part(path, device: str, dtype: str, comm) -> LLM:
+def load_gguf(path, xp, dtype: str, comm, weights: str) -> LLM:
+    """A GGUF file (llama.cpp, Ollama): npqwen/gguf_file.py maps its metadata, tokenizer and tensors to HF's."""
+    from .gguf_file import load_gguf_weights, read_gguf
+
+    raw_config, tensors, tokenizer = read_gguf(path)
+    config = Qwen3Config.from_dict(raw_config, source=str(path))
+    check_split(config, comm.size)
+    parts = None if comm.size == 1 else shards(config, expected_shapes(config), comm.size, comm.rank)
+    arrays, fused = load_gguf_weights(config, tensors, xp, np.dtype(dtype), path, weights, parts)
+    return LLM(Qwen3(config, arrays, fused, comm), tokenizer, {}, path)
+
+
+def load_part(path, device: str, dtype: str, comm, weights: str = "auto") -> LLM:
     """This rank's part of the model (the whole model in one process)."""
     from .tiny import BUILTIN
 
     if str(path) in BUILTIN:
         from .tiny import TINY_GENERATION, tiny_embedding_config, tiny_model, tiny_tokenizer
-        llm = LLM(tiny_model(device, dtype, str(path), comm), tiny_tokenizer(str(path)), dict(TINY_GENERATION), None)
+        model = tiny_model(device, dtype, str(path), comm, weights)
+        llm = LLM(model, tiny_tokenizer(str(path)), dict(TINY_GENERATION), None)
         llm.embedding_config = tiny_embedding_config(str(path))   # tiny-embedding, tiny-reranker: as their files say
         return llm
     path = resolve_model(path)
     xp = array_module(device)
+    if path.is_file():   # a GGUF file (resolve_model checked): config, tokenizer and weights in one file
+        return load_gguf(path, xp, dtype, comm, weights)
     config = Qwen3Config.from_json(path / "config.json")
     check_split(config, comm.size)
     parts = None if comm.size == 1 else shards(config, expected_shapes(config), comm.size, comm.rank)
-    weights, fused = load_weights(path, config, xp, np.dtype(dtype), parts)
+    arrays, fused = load_weights(path, config, xp, np.dtype(dtype), parts, weights)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
-    return LLM(Qwen3(config, weights, fused, comm), tokenizer, read_generation_config(path), path, stored_names(path))
+    return LLM(Qwen3(config, arrays, fused, comm), tokenizer, read_generation_config(path), path, stored_names(path))

@@ -28,6 +28,7 @@ import numpy as np
 
 from .checkpoint import read_safetensors_header, read_tensor
 from .errors import NpqwenError
+from .weights import is_compact
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -102,6 +103,9 @@ def row_groups(loras, rows, T: int, xp) -> list:
 
 def merge(weights: dict, adapter: LoraAdapter):
     """Fold the adapter into the base weights in place: W += scale * B @ A (PEFT's merge_and_unload)."""
+    if any(is_compact(weights[f"{d.module}.weight"]) for ds in adapter.deltas.values() for d in ds):
+        raise NpqwenError("an adapter is merged into float32 weights, and these are compact (npqwen/weights.py); "
+                          "load the base with weights='float32' (--weights float32) to merge")
     for ds in adapter.deltas.values():
         for d in ds:
             weights[f"{d.module}.weight"] += d.scale * (d.B @ d.A)          # (out, r) @ (r, in) -> (out, in)

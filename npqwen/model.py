@@ -108,8 +108,8 @@ class Qwen3:
         self.weights = weights    # HF name -> array with the HF shape (a rank's part of it under tensor parallelism)
         self.fused = fused        # per-layer stacked qkv_proj / gate_up_proj; HF q/k/v/gate/up (and experts) are views
         self.comm = comm or SingleProcess()   # the ranks the model is split over (npqwen/comm.py)
-        embed = weights["model.embed_tokens.weight"]
-        self.xp, self.dtype = xp_of(embed), embed.dtype
+        norm = weights["model.norm.weight"]       # always an array (matrices may be compact: npqwen/weights.py)
+        self.xp, self.dtype = xp_of(norm), norm.dtype
         Dh = config.head_dim      # this rank's heads (all of them in one process), and its first token id
         first = next((i for i in range(config.num_hidden_layers) if not config.is_linear_layer(i)), None)
         attn = f"model.layers.{first}.self_attn" if first is not None else None   # (a hybrid one may have none)

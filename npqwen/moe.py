@@ -56,11 +56,12 @@ def route_backward(d_weights, x, gate_weight, logits, chosen, norm_topk_prob: bo
 def experts(x, chosen, weights, gate_up, down):
     """sum_j weights[t, j] * expert_{chosen[t, j]}(x[t]) for x (T, D); each expert that has tokens runs once.
 
-    gate_up (E, 2I, D) holds each expert's gate_proj rows, then its up_proj rows; down is (E, D, I).
+    gate_up (E, 2I, D) holds each expert's gate_proj rows, then its up_proj rows; down is (E, D, I). (Compact
+    weights, npqwen/weights.py: a list of E matrices each, which ops.linear multiplies the same way.)
     """
     xp = xp_of(x)
     T, k = chosen.shape
-    E, I = down.shape[0], down.shape[2]
+    E, I = len(down), down[0].shape[1]
     # The T*k (token, expert) pairs, grouped by expert with one sort: expert e's pairs become one
     # block of consecutive rows, so each expert with tokens is two matrix products over all of
     # its tokens at once, instead of one small product per token (T*k of them). The block

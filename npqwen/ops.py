@@ -16,16 +16,19 @@ import math
 import numpy as np
 
 from .backend import xp_of
+from .weights import is_compact
 
 
 def embed(weight, token_ids, first: int = 0):
     """Row lookup: one D-vector per token. Under tensor parallelism `weight` holds the vocabulary's
     rows first .. first + len(weight) - 1 only, and a token outside them gets zeros (the rank that
-    holds it adds its row; in one process every token is inside)."""
-    xp = xp_of(weight)
+    holds it adds its row; in one process every token is inside). A compact weight (npqwen/weights.py)
+    widens only the rows looked up."""
+    xp = xp_of(token_ids)
     local = token_ids - first                                            # (T,) rows of this shard
     inside = xp.logical_and(local >= 0, local < weight.shape[0])         # (T,) all True in one process
-    x = weight[xp.where(inside, local, 0)]                               # (V/N, D)[(T,)] -> (T, D)
+    rows = xp.where(inside, local, 0)
+    x = weight.take(rows) if is_compact(weight) else weight[rows]        # (V/N, D)[(T,)] -> (T, D)
     x *= inside[:, None]                                                 # zeros for other ranks' tokens
     return x
 
@@ -47,7 +50,11 @@ def linear(x, weight):
     rows), and the copy is small. For more rows (prefill chunks) the gain is under 10% and
     copying the transposed result back would eat it, so x @ weight^T it is. (The steps after
     a linear layer, QK-norm, RoPE, SiLU, run several times slower over a transposed array.)
+    A compact weight (bfloat16, int8, Q4_K... npqwen/weights.py) computes the same product itself,
+    widening a block of its rows at a time.
     """
+    if is_compact(weight):
+        return weight.linear(x)                       # (T, in) -> (T, out), in float32
     if x.shape[0] > 128:
         return x @ weight.T                           # (T, in) @ (in, out) -> (T, out)
     y = weight @ x.T                                  # (out, in) @ (in, T) -> (out, T)

@@ -24,7 +24,7 @@ import numpy as np
 
 from .backend import array_module
 from .chat_format import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN
-from .checkpoint import allocate_weights, expected_shapes, tie_lm_head
+from .checkpoint import allocate_weights, compact_weights, expected_shapes, tie_lm_head, weights_format
 from .config import Qwen3Config
 from .model import Qwen3
 from .parallel import check_split, shard_shape, shards, take_shards
@@ -110,10 +110,12 @@ def random_value(name: str, noise: np.ndarray, config: Qwen3Config) -> np.ndarra
     return 0.3 * noise
 
 
-def tiny_model(device: str = "cpu", dtype: str = "float32", name: str = "tiny", comm=None) -> Qwen3:
+def tiny_model(device: str = "cpu", dtype: str = "float32", name: str = "tiny", comm=None,
+               weights: str = "auto") -> Qwen3:
     """The tiny Qwen3 (or Qwen3-MoE "tiny-moe", Qwen3.5 "tiny-qwen3.5") with its seeded random weights
-    (`random_value`); with a tensor-parallel communicator, this rank's part of them."""
-    xp = array_module(device)
+    (`random_value`); with a tensor-parallel communicator, this rank's part of them. `weights`: a compact
+    format ("int8", "bfloat16", ...; npqwen/weights.py) its matrices are converted to."""
+    fmt, xp = weights, array_module(device)
     config = Qwen3Config.from_dict(BUILTIN[name], source=f"{name} model")
     weights, fused = allocate_weights(config, xp, np.dtype(dtype))
     rng = np.random.default_rng(SEED)
@@ -126,4 +128,7 @@ def tiny_model(device: str = "cpu", dtype: str = "float32", name: str = "tiny", 
         whole, (weights, fused) = weights, allocate_weights(
             config, xp, np.dtype(dtype), {name: shard_shape(shape, parts[name]) for name, shape in shapes.items()})
         take_shards(whole, parts, weights)
-    return Qwen3(config, tie_lm_head(config, weights), fused, comm)
+    weights = tie_lm_head(config, weights)
+    if weights_format(fmt, {}, {}, xp, dtype) not in ("float32", "stored"):   # "auto": float32, it is tiny
+        weights, fused = compact_weights(config, weights, fmt, xp)
+    return Qwen3(config, weights, fused, comm)

@@ -1,6 +1,6 @@
 """The same calls in one process, or on every rank of `mpiexec -n N` (tensor parallel); what each rank got.
 
-    python tests/parallel_probe.py MODEL OUT [--tp] [--lengths 1,2,300] [--heavy]
+    python tests/parallel_probe.py MODEL OUT [--tp] [--lengths 1,2,300] [--heavy] [--weights FORMAT]
 
 Writes OUT.rank<r>.npz (one process: OUT.rank0.npz) for tests/test_parallel.py to compare: greedy
 tokens first, then this process's peak RSS (weights + KV pages: nothing large has been computed
@@ -39,8 +39,9 @@ def main():
     p.add_argument("--tp", action="store_true")
     p.add_argument("--lengths", default="1,2,17,300")
     p.add_argument("--heavy", action="store_true")
+    p.add_argument("--weights", default="auto")
     args = p.parse_args()
-    llm = npqwen.load(args.model, tensor_parallel=args.tp)
+    llm = npqwen.load(args.model, tensor_parallel=args.tp, weights=args.weights)
     V, out = llm.config.vocab_size, {}
     out["greedy"] = llm.generate(prompt(12, V), max_new_tokens=16, temperature=0).token_ids
     out["peak_rss"] = peak_rss()

@@ -69,6 +69,8 @@ KEYWORDS = {
     "take_along_axis": ("a", "indices", "axis"),
     "bincount": ("x", "weights", "minlength"),
     "empty_like": ("prototype", "dtype", "order", "subok", "shape"),
+    "copyto": ("dst", "src", "casting", "where"),       # compact weights (npqwen/weights.py): a block widened
+    "take": ("a", "indices", "axis", "out"),
     **{name: UFUNC for name in UFUNCS},
 }
 METHOD_KEYWORDS = {

@@ -33,6 +33,7 @@ COMMANDS = [   # npqwen/cli/<name>.py, in the order `npqwen --help` lists them
     "perplexity",
     "merge-lora",
     "finetune",
+    "quantize",
 ]
 
 

@@ -54,6 +54,10 @@ def model_options() -> argparse.ArgumentParser:
     model.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: cpu)")
     model.add_argument("--dtype", default="float32",
                        help="compute dtype; cpu: float32, float64; cuda: also float16 (default: float32)")
+    model.add_argument("--weights", default="auto", metavar="FORMAT",
+                       help="how the weight matrices are kept (docs/weights.md): auto (float32 where it fits and the "
+                            "file is not quantized, else as stored), stored, float32, bfloat16, float16, int8, q8_0, "
+                            "q4_0, q4_k (default: auto)")
     return model
 
 
@@ -342,13 +346,16 @@ def load_model(args, chat_template: bool = False):
         check_checkpoint(model, tokenizer=True)
     share_load(args, str(model))   # tensor parallel: the other ranks load their parts with this rank
     llm = load(model, device=args.device, dtype=args.dtype, tensor_parallel=getattr(args, "comm", None) or False,
-               lora=lora_paths(args))
+               lora=lora_paths(args), weights=args.weights)
     if any(name.startswith("model.language_model.") for name in llm.weights):   # Qwen3.5's image-text layout
         print(f"npqwen: {model} is a Qwen3.5 image-text checkpoint; npqwen uses it for text (its vision tower "
               f"and multi-token-prediction head are not read)", file=sys.stderr)
     if chat_template and llm.tokenizer.chat_template is None:
         instead = {"generate": ", or use --raw for a plain completion", "chat": ""}.get(args.command,
                                                                                        ", or leave out --chat")
+        if Path(model).is_file():
+            raise NpqwenError(f"{model}: the GGUF file has no tokenizer.chat_template, so messages cannot be "
+                              f"formatted; use a file with one{instead}")
         raise NpqwenError(f"{model}: tokenizer_config.json has no chat_template (nor is there a chat_template.jinja), "
                           f"so messages cannot be formatted; add the model's tokenizer_config.json{instead}")
     if args.command in ("generate", "chat") and llm.kind == "embedding":   # as the server's 400 (--allow-generation)
@@ -360,6 +367,8 @@ def load_model(args, chat_template: bool = False):
 def check_checkpoint(path: Path, tokenizer: bool):
     """Every command's check of a checkpoint directory (the text commands need its `tokenizer` too):
     what is missing is named all at once, config.json, weights and tokenizer.json."""
+    if path.is_file():   # a GGUF file: config, weights and tokenizer in one, checked as it loads
+        return
     missing = missing_files(path, tokenizer=True)
     if not missing or (missing == ["tokenizer.json"] and not tokenizer):
         return

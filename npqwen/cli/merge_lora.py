@@ -31,7 +31,7 @@ def cmd_merge_lora(args) -> int:
     except OSError as e:
         raise NpqwenError(f"{out}: cannot make the directory ({e.strerror or e})") from None
     check_writable(str(out / "model.safetensors"), "OUT")
-    llm = load(base, lora={"merged": args.adapter})
+    llm = load(base, lora={"merged": args.adapter}, weights="float32")   # merged into float32, whatever is stored
     merge(llm.model.weights, llm.lora_adapter("merged"))
     llm.save(out, dtype=args.save_dtype)
     print(f"npqwen: wrote {out} ({base.name} + {Path(args.adapter).name})")

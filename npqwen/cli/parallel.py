@@ -202,7 +202,7 @@ def start(args, argv: list[str]):
 def share_load(args, model: str):
     """Rank 0, about to load: the other ranks load the same model with it."""
     if getattr(args, "comm", None) is not None:
-        args.comm.broadcast(("load", model, args.device, args.dtype))
+        args.comm.broadcast(("load", model, args.device, args.dtype, args.weights))
 
 
 def follow_command(comm) -> int:
@@ -215,9 +215,9 @@ def follow_command(comm) -> int:
         kind, *rest = comm.broadcast(patient=True)
         if kind == "stop":
             return rest[0]
-        model, device, dtype = rest
+        model, device, dtype, weights = rest
         try:
-            llm = load(model, device=device, dtype=dtype, tensor_parallel=comm)
+            llm = load(model, device=device, dtype=dtype, tensor_parallel=comm, weights=weights)
         except GroupFailed:
             raise
         except NpqwenError:    # every rank has the same error, and rank 0 prints it; then it says stop

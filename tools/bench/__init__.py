@@ -69,6 +69,10 @@ Suites (--suites, comma-separated, or all; the default is prefill,decode):
     finetune  LoRA training (its own checkpoint: the 0.6B shape with --finetune-layers (4) layers, float32): npqwen's
               train_step against PEFT + torch float32, tokens/s of one --finetune-tokens (256) example per step,
               and each worker's peak RSS (targets: >= 0.8x the tokens/s, less memory).
+    weights   compact weights (bfloat16, int8, Q8_0, Q4_0, Q4_K; docs/weights.md) against float32, side by side
+              at the Qwen3-0.6B shape: batch-1 decode, a prefill, a batched decode step, as speed ratios; with
+              --weights-memory each format's peak RSS after load and after a 1,024-token generation
+              (random checkpoints written in each format, its own; run it alone: --suites weights).
 
     python -m tools.bench --suites batch1,serving,prefix    # the serving benchmark alone
     python -m tools.bench --suites moe                      # the mixture-of-experts steps
@@ -95,7 +99,7 @@ prefix run in another worker per engine, once whatever --rounds says, so their p
 #   notes(report)         sentences printed under the tables
 # The order here is the order of the rows, tables, notes and targets, and of the runs in a worker.
 from tools.bench import (batch1, decode, embed, finetune, hybrid, lora, moe, prefill, prefix, serving, speculative,
-                         step, structured, tp)
+                         step, structured, tp, weights)
 
 SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe, hybrid, structured, tp,
-                                          embed, lora, speculative, finetune)}
+                                          embed, lora, speculative, finetune, weights)}

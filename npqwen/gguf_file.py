@@ -1,0 +1,415 @@
+"""GGUF files (llama.cpp's format, what Ollama pulls): the config, tokenizer and weights of a Qwen3 in one file.
+
+A GGUF holds key/value metadata and tensors. The `gguf` package (llama.cpp's own reader) memory-maps the
+file; every tensor stays the reader's view of its bytes, in its stored ggml format (`npqwen/quants.py`),
+and only a block of rows at a time is ever widened. This module turns what llama.cpp's converter
+(`convert_hf_to_gguf.py`) wrote back into what npqwen reads from a Hugging Face checkpoint:
+
+- the config: `qwen3.embedding_length` -> `hidden_size`, ... (`config_dict`);
+- the tokenizer and chat template: `tokenizer.ggml.tokens`, `.merges`, `.token_type` and
+  `tokenizer.chat_template` -> a byte-level BPE `tokenizers.Tokenizer` (`gguf_tokenizer`);
+- the tensors under their HF names: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`
+  (`hf_name`), each a `GGUFTensor` (its stored rows, its qtype, its HF shape). llama.cpp's converter
+  writes Qwen3's q/k rows as HF has them (it permutes rows only for LLaMA-style interleaved RoPE).
+
+A GGUF matrix of ggml shape [cols, rows] is the HF (rows, cols) matrix: ggml lists the fastest axis first.
+`ollama:NAME[:TAG]` finds the GGUF blob of a model Ollama has pulled (`ollama_blob`).
+"""
+import json
+import os
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from . import quants
+from .errors import NpqwenError
+
+# general.architecture as llama.cpp writes it -> HF model_type
+ARCHITECTURES = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text"}
+
+# llama.cpp's tensor names (gguf-py's tensor_mapping for QWEN3 / QWEN3MOE) -> HF's, per layer and whole-model
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",   # qwen35's name for it
+    # qwen35's Gated DeltaNet layers (HF's linear_attn); ssm_a and ssm_dt.bias: see hf_name
+    "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z", "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_beta": "linear_attn.in_proj_b", "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",   # the MoE router
+    # the experts of a sparse layer, stacked (E, rows, cols): expert e is HF's mlp.experts.{e}.*
+    "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# tokenizer.ggml.token_type: 1 normal (in the BPE vocabulary), 3 control (special), 4 user defined
+# (an added token that is not special: <think>, <tool_call>), 5 unused (the padding up to vocab_size)
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+# tokenizer.ggml.pre -> the pre-tokenizer's split regex (llama.cpp's llama-vocab.cpp; Qwen2's, from tokenizer.json)
+PRE_TOKENIZERS = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
+class GGUFTensor(NamedTuple):
+    """One tensor as the file stores it: `raw` is the reader's memory-mapped view, (rows, row bytes) uint8
+    for a matrix ((E, rows, row bytes) for stacked experts), `shape` the HF shape, `qtype` its ggml format."""
+    name: str          # llama.cpp's name (blk.0.attn_q.weight)
+    qtype: str         # "Q4_K", "F32", ... (quants.BLOCKS)
+    shape: tuple       # HF shape: (rows, cols), (E, rows, cols) or (n,)
+    raw: np.ndarray    # uint8 bytes, rows first
+
+    def dequantize(self) -> np.ndarray:
+        """The whole tensor widened to float32 (for small tensors: norms, one expert, tests)."""
+        out = np.empty(self.shape, np.float32)
+        rows = out.reshape(-1, self.shape[-1])
+        quants.dequantize_rows(self.qtype, self.raw.reshape(rows.shape[0], -1), rows)
+        return out
+
+
+def is_gguf(path) -> bool:
+    """Whether `path` is a file that starts with GGUF's magic bytes (Ollama's blobs have no .gguf suffix)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def open_gguf(path):
+    """llama.cpp's GGUFReader over the file, memory-mapped; a file it cannot read is one clear error."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise NpqwenError(f"{path}: reading GGUF files needs the gguf package: pip install 'npqwen[gguf]' "
+                          f"(or pip install gguf)") from None
+
+    class Reader(GGUFReader):
+        """GGUFReader reading through a plain ndarray view of its np.memmap: the same bytes, mapped the same way,
+        without np.memmap's cost on each of the ~10^6 small slices a 151k-token vocabulary takes (3.5x faster)."""
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            if type(self.data) is np.memmap:
+                self.data = self.data.view(np.ndarray)
+            return super()._get(offset, dtype, count, override_order)
+
+    try:
+        return Reader(path, "r")
+    except (ValueError, IndexError, KeyError, OSError) as e:
+        raise NpqwenError(f"{path}: not a complete GGUF file ({str(e)[:160]}); it may be truncated: download or "
+                          f"pull it again") from None
+
+
+def metadata(reader) -> dict:
+    """Every key/value of the file but the tokenizer's lists, as Python values."""
+    return {key: field.contents() for key, field in reader.fields.items()
+            if not key.startswith("GGUF.") and key not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                                                              "tokenizer.ggml.token_type", "tokenizer.ggml.scores")}
+
+
+def architecture(meta: dict, path) -> str:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise NpqwenError(f"{path}: a GGUF of architecture {arch!r}; npqwen runs Qwen3: "
+                          f"{', '.join(repr(a) for a in ARCHITECTURES)} (llama.cpp's names for Qwen3, Qwen3-MoE and Qwen3.5)")
+    return arch
+
+
+def decimal(value: float) -> float:
+    """A float32 the file stores, as the shortest decimal that rounds to it (1e-06, not 9.99999997e-07)."""
+    return float(str(np.float32(value)))
+
+
+def config_dict(meta: dict, tensors: dict, path) -> dict:
+    """The GGUF metadata as HF config.json keys (convert_hf_to_gguf.py's set_gguf_parameters, read back)."""
+    arch = architecture(meta, path)
+
+    def key(name, default=None):
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise NpqwenError(f"{path}: the GGUF metadata has no {arch}.{name}; the file is incomplete")
+        return value
+
+    embedding = tensors["model.embed_tokens.weight"]
+    config = dict(
+        model_type=ARCHITECTURES[arch], hidden_size=key("embedding_length"), num_hidden_layers=key("block_count"),
+        intermediate_size=key("feed_forward_length", 0) or key("expert_feed_forward_length"),
+        num_attention_heads=key("attention.head_count"), num_key_value_heads=key("attention.head_count_kv"),
+        head_dim=key("attention.key_length"), rms_norm_eps=decimal(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=decimal(key("rope.freq_base")), max_position_embeddings=key("context_length"),
+        vocab_size=embedding.shape[0], tie_word_embeddings="lm_head.weight" not in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
+    if arch == "qwen3moe":   # llama.cpp always renormalises Qwen3-MoE's top-k router weights
+        config.update(num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+                      moe_intermediate_size=key("expert_feed_forward_length"), norm_topk_prob=True)
+    if arch == "qwen35":   # Qwen3.5's Gated DeltaNet layers and its partial, multimodal RoPE
+        Hv = key("ssm.time_step_rank")
+        config.update(linear_conv_kernel_dim=key("ssm.conv_kernel"), linear_key_head_dim=key("ssm.state_size"),
+                      linear_num_key_heads=key("ssm.group_count"), linear_num_value_heads=Hv,
+                      linear_value_head_dim=key("ssm.inner_size") // Hv,
+                      full_attention_interval=key("full_attention_interval"),
+                      rope_parameters={"rope_type": "default", "rope_theta": config.pop("rope_theta"),
+                                       "partial_rotary_factor": key("rope.dimension_count") / config["head_dim"],
+                                       "mrope_section": list(key("rope.dimension_sections"))[:3],
+                                       "mrope_interleaved": True})
+        if config["linear_num_key_heads"] != Hv:
+            raise NpqwenError(f"{path}: a qwen35 GGUF with {Hv} value heads over {config['linear_num_key_heads']} key "
+                              f"heads: llama.cpp reorders such value heads, which npqwen does not undo yet; use the "
+                              f"HF checkpoint (npqwen reads qwen35 files whose value and key heads are as many)")
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        config["rope_scaling"] = {"rope_type": scaling, "factor": key("rope.scaling.factor"),
+                                  "original_max_position_embeddings": key("rope.scaling.original_context_length")}
+    return config
+
+
+def hf_name(name: str) -> str | None:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for a name npqwen does not use."""
+    bare = re.fullmatch(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias)", name)   # qwen35: A (as -exp(A_log)) and dt's bias
+    if bare:
+        return f"model.layers.{bare[1]}.linear_attn.{'A_log' if bare[2] == 'ssm_a' else 'dt_bias'}"
+    base, _, suffix = name.rpartition(".")
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if match and match.group(2) in LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{LAYER_NAMES[match.group(2)]}.{suffix}"
+    return f"{MODEL_NAMES[base]}.{suffix}" if base in MODEL_NAMES else None
+
+
+def gguf_tensors(reader, path) -> dict[str, GGUFTensor]:
+    """Every tensor npqwen uses, under its HF name, as the file stores it (nothing is read yet)."""
+    tensors = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        qtype = t.tensor_type.name
+        if qtype not in quants.BLOCKS:
+            raise NpqwenError(f"{path}: tensor {t.name} is stored as {qtype}, a GGUF format npqwen does not read; "
+                              f"it reads {', '.join(quants.BLOCKS)} (a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file)")
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))   # ggml [cols, rows, E] -> HF (E, rows, cols)
+        if name.endswith("conv1d.weight"):   # qwen35 squeezed HF's (C, 1, W) convolution to (C, W)
+            shape = (shape[0], 1, shape[1])
+        raw = t.data.view(np.uint8).reshape(*shape[:-1], quants.row_bytes(qtype, shape[-1]))
+        tensors[name] = GGUFTensor(t.name, qtype, shape, raw)
+    if "model.embed_tokens.weight" not in tensors:
+        raise NpqwenError(f"{path}: the GGUF has no token_embd.weight; it is not a whole model")
+    return tensors
+
+
+def gguf_tokenizer(reader, meta: dict, path):
+    """tokenizer.ggml.* and tokenizer.chat_template -> npqwen's Tokenizer (byte-level BPE, as tokenizer.json)."""
+    from tokenizers import Tokenizer as Backend
+
+    from .tokenizer import Tokenizer
+
+    model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
+    if model != "gpt2":
+        raise NpqwenError(f"{path}: the GGUF's tokenizer is {model!r} (tokenizer.ggml.model); npqwen reads the "
+                          f"byte-level BPE tokenizer ('gpt2') that Qwen3's GGUF files hold")
+    if pre not in PRE_TOKENIZERS:
+        raise NpqwenError(f"{path}: the GGUF's pre-tokenizer is {pre!r} (tokenizer.ggml.pre); npqwen reads "
+                          f"{', '.join(map(repr, PRE_TOKENIZERS))} (Qwen3's)")
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        raise NpqwenError(f"{path}: the GGUF has no tokenizer (tokenizer.ggml.tokens); npqwen needs one in the file")
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents() if "tokenizer.ggml.token_type" in reader.fields \
+        else [NORMAL] * len(tokens)
+    merges = reader.fields["tokenizer.ggml.merges"].contents() if "tokenizer.ggml.merges" in reader.fields else []
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    spec = {   # the tokenizer.json a Qwen3 checkpoint ships, rebuilt from the GGUF's lists
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": kind == CONTROL}
+                         for i, (tok, kind) in enumerate(zip(tokens, types)) if kind in (CONTROL, USER_DEFINED)],
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": PRE_TOKENIZERS[pre]}, "behavior": "Isolated", "invert": False},
+            byte_level]},
+        "post_processor": byte_level, "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {tok: i for i, (tok, kind) in enumerate(zip(tokens, types)) if kind == NORMAL},
+                  "merges": merges},
+    }
+    backend = Backend.from_str(json.dumps(spec))
+    special = {f"{what}_token": tokens[meta[f"tokenizer.ggml.{key}_token_id"]]
+               for what, key in (("eos", "eos"), ("pad", "padding"))
+               if meta.get(f"tokenizer.ggml.{key}_token_id") is not None}
+    if meta.get("tokenizer.ggml.add_bos_token") and meta.get("tokenizer.ggml.bos_token_id") is not None:
+        special["bos_token"] = tokens[meta["tokenizer.ggml.bos_token_id"]]
+    return Tokenizer(backend, meta.get("tokenizer.chat_template"), special)
+
+
+def read_config(path):
+    """(Qwen3Config, HF name -> GGUFTensor) of a GGUF file, without its tokenizer (npqwen inspect)."""
+    from .config import Qwen3Config
+
+    reader = open_gguf(path)
+    meta = metadata(reader)
+    architecture(meta, path)
+    tensors = gguf_tensors(reader, path)
+    return Qwen3Config.from_dict(config_dict(meta, tensors, path), source=str(path)), tensors
+
+
+def read_gguf(path):
+    """(config dict, HF name -> GGUFTensor, Tokenizer) of a GGUF file, its tensors left memory-mapped."""
+    reader = open_gguf(path)
+    meta = metadata(reader)
+    architecture(meta, path)
+    tensors = gguf_tensors(reader, path)
+    return config_dict(meta, tensors, path), tensors, gguf_tokenizer(reader, meta, path)
+
+
+def ollama_models_dir() -> Path:
+    return Path(os.environ.get("OLLAMA_MODELS") or Path.home() / ".ollama" / "models").expanduser()
+
+
+def ollama_blob(name: str) -> Path:
+    """The GGUF blob of a model Ollama has pulled: "qwen3:8b", "qwen3" (tag latest), "user/model:tag".
+
+    Ollama keeps a manifest per model at manifests/<host>/<namespace>/<model>/<tag> (host
+    registry.ollama.ai, namespace library by default) under ~/.ollama/models or $OLLAMA_MODELS; its layer
+    of mediaType application/vnd.ollama.image.model names the GGUF as blobs/sha256-<hex>.
+    """
+    model, _, tag = name.partition(":")
+    parts = model.split("/")
+    if not model or len(parts) > 3 or not all(parts):
+        raise NpqwenError(f"ollama:{name}: not an Ollama model name; use ollama:MODEL[:TAG], e.g. ollama:qwen3:8b")
+    parts = ["registry.ollama.ai", "library"][:3 - len(parts)] + parts
+    root = ollama_models_dir()
+    manifest = root.joinpath("manifests", *parts, tag or "latest")
+    if not manifest.is_file():
+        raise NpqwenError(f"ollama:{name}: Ollama has not pulled {model}:{tag or 'latest'} (no manifest "
+                          f"{manifest}); run `ollama pull {model}:{tag or 'latest'}`, or set OLLAMA_MODELS to "
+                          f"where Ollama keeps its models")
+    try:
+        layers = json.loads(manifest.read_text(encoding="utf-8"))["layers"]
+        digest = next(layer["digest"] for layer in layers
+                      if layer.get("mediaType") == "application/vnd.ollama.image.model")
+    except (ValueError, KeyError, TypeError, StopIteration):
+        raise NpqwenError(f"ollama:{name}: the manifest {manifest} names no model layer; pull it again") from None
+    blob = root / "blobs" / digest.replace(":", "-")
+    if not blob.is_file():
+        raise NpqwenError(f"ollama:{name}: the manifest names {blob}, which is missing; run "
+                          f"`ollama pull {model}:{tag or 'latest'}` again")
+    return blob
+
+
+def hf_tensors(tensors: dict[str, GGUFTensor]) -> dict[str, GGUFTensor]:
+    """Stacked experts split into HF's per-expert names: mlp.experts.gate_proj (E, I, D) -> mlp.experts.{e}.gate_proj
+    (I, D), each a view into the file's bytes."""
+    out = {}
+    for name, t in tensors.items():
+        if ".mlp.experts." in name:
+            prefix, _, part = name.partition(".mlp.experts.")
+            for e in range(t.shape[0]):
+                out[f"{prefix}.mlp.experts.{e}.{part}"] = GGUFTensor(t.name, t.qtype, t.shape[1:], t.raw[e])
+        else:
+            out[name] = t
+    return out
+
+
+def stored_weight(t: GGUFTensor):
+    """A GGUF matrix as npqwen/weights.py keeps it, over the file's mapped bytes: ggml blocks as Ggml, F16 and BF16
+    as Float16 and BFloat16, F32 as a float32 array."""
+    from .weights import BFloat16, Float16, Ggml
+
+    if t.qtype == "F32":
+        return t.raw.view(np.float32)
+    if t.qtype == "F16":
+        return Float16(t.raw.view(np.float16))
+    if t.qtype == "BF16":
+        return BFloat16(t.raw.view(np.uint16))
+    return Ggml(t.qtype, t.raw, t.shape[-1])
+
+
+def hf_value(config, name: str, value: np.ndarray) -> np.ndarray:
+    """A small tensor as HF holds it. convert_hf_to_gguf.py stores Qwen3.5's (1 + weight) norms as 1 + weight
+    and A_log as -exp(A_log); undone here (to float32 rounding)."""
+    if not config.hybrid:
+        return value
+    if name.endswith(".A_log"):
+        return np.log(-value)
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return value - np.float32(1)
+    return value
+
+
+def part_of(t: GGUFTensor, part):
+    """A tensor-parallel rank's part (rows, columns) of a stored matrix: rows stay mapped, columns are copied
+    (on whole blocks; weights.check_block_columns says what to do otherwise)."""
+    w = stored_weight(t)
+    if part is None:
+        return w
+    rows, columns = part[0], part[1] if len(part) > 1 else slice(None)
+    if isinstance(w, np.ndarray):
+        return w[rows][:, columns]
+    w = w.rows(rows)
+    return w if columns == slice(None) else w.columns(columns)
+
+
+def load_gguf_weights(config, tensors: dict[str, GGUFTensor], xp, dtype, path, weights: str = "auto",
+                      parts: dict | None = None):
+    """(weights, fused) as checkpoint.load_weights returns them, from a GGUF's tensors.
+
+    `weights` as npqwen.load's: "auto" keeps a quantized file's matrices as stored (memory-mapped, widened a
+    block of rows at a time) and widens an F32/F16/BF16 file to float32 where that fits; "stored"; "float32";
+    or a format to convert to. Norms and the router are small and always float32. With `parts` (tensor
+    parallelism: HF name -> (rows, columns), parallel.shards) each rank keeps only its part of each tensor."""
+    from .backend import free_memory_bytes
+    from .checkpoint import (allocate_weights, compact, expected_shapes, is_matrix, stack_compact, tie_lm_head,
+                             widen_into)
+    from .parallel import shard_shape
+    from .weights import FORMATS
+
+    tensors = hf_tensors(tensors)
+    shapes = expected_shapes(config, lm_head=not config.tie_word_embeddings)
+    for name, shape in shapes.items():
+        if name not in tensors:
+            raise NpqwenError(f"{path}: the GGUF has no tensor for {name} (expected shape {list(shape)})")
+        if tensors[name].shape != shape:
+            raise NpqwenError(f"{path}: tensor {tensors[name].name} has shape {list(tensors[name].shape)} where "
+                              f"the GGUF's metadata says {list(shape)}; the file is inconsistent")
+    choices = ("auto", "float32", "stored", *FORMATS)
+    if weights not in choices:
+        raise NpqwenError(f"unknown weights format {weights!r}; use one of {', '.join(choices)}")
+    if weights == "auto":
+        quantized = any(tensors[n].qtype not in ("F32", "F16", "BF16") for n in shapes)
+        need = sum(int(np.prod(shape)) for shape in shapes.values()) * np.dtype(dtype).itemsize
+        weights = "float32" if not quantized and need <= free_memory_bytes(xp) else "stored"
+    if weights == "stored" and all(tensors[n].qtype == "F32" for n in shapes if is_matrix(n)):
+        weights = "float32"   # an F32 file as stored is float32
+    if weights != "float32" and np.dtype(dtype) != np.float32:
+        raise NpqwenError(f"compact weights ({weights}) compute in float32; load the GGUF with dtype float32, or "
+                          f"with weights='float32' to compute in {np.dtype(dtype).name}")
+    full = shapes
+    if parts is not None:
+        shapes = {name: shard_shape(shape, parts[name]) for name, shape in shapes.items()}
+
+    def part(name):   # this rank's (rows, columns) of `name`, or None for the whole tensor
+        return None if parts is None or shapes[name] == full[name] else parts[name]
+
+    def small(name):   # a norm or the router, widened whole, then this rank's part
+        value = hf_value(config, name, tensors[name].dequantize())
+        return xp.asarray(value if part(name) is None else value[part(name)[0]][..., part(name)[1]]
+                          if value.ndim > 1 else value[part(name)[0]])
+
+    if weights == "float32":   # every matrix widened into float32, a block of rows at a time
+        arrays, fused = allocate_weights(config, xp, dtype, shapes)
+        for name, array in arrays.items():
+            host = array if xp is np else np.empty(array.shape, np.float32)
+            if array.ndim == 1:
+                host[...] = small(name)
+            else:
+                widen_into(part_of(tensors[name], part(name)), host)
+            if xp is not np:
+                array[...] = xp.asarray(host)
+        return tie_lm_head(config, arrays), fused
+    arrays = {name: compact(part_of(tensors[name], part(name)), weights, xp) if is_matrix(name) else small(name)
+              for name in shapes}
+    return tie_lm_head(config, arrays), stack_compact(config, arrays)

@@ -1,0 +1,496 @@
+"""Compact weights: a matrix kept in memory as its file stores it, multiplied a block of rows at a time.
+
+Shapes: a weight is (out, in), the HF layout; x is (T, in); `linear(x)` is x @ W^T, (T, out), in float32.
+
+Decoding one token reads every weight once, so a decode step costs the bytes read from memory
+(docs/weights.md). A float32 Qwen3-0.6B reads 2.4 GB per token; the same matrices in bfloat16 are 1.2 GB,
+int8 0.6 GB, Q4_K 0.34 GB. Each format below keeps its bytes as stored and widens `block_rows` rows at a
+time into one float32 buffer that stays in the core's cache, then one matmul runs on the buffer: the
+widening is paid once per block and shared by every row of x (a prefill of 512 tokens, a batch of 64).
+
+    format     stored per value                                   widened by
+    bfloat16   uint16: a float32's top 16 bits                     a shift left by 16
+    float16    float16                                             a cast
+    fp8        float8 e4m3 (uint8) + one scale per 128x128 block   a 256-entry table, times the block's scale
+    int8       int8 + one float32 scale per row                    a cast; the scale multiplies the output
+    Q8_0 ...   ggml blocks (npqwen/quants.py: llama.cpp's)         quants.dequantize_rows; for decoding,
+                                                                  products per sub-block (block_dot_linear)
+
+Every class has the same few members: `shape`, `nbytes`, `format`, `linear(x)`, `take(ids)` (an embedding
+lookup that widens only those rows), `rows(sel)` and `columns(sel)` (a tensor-parallel rank's part),
+`dequantize()` (the whole matrix in float32: for tests and inspection, never on the forward path).
+`Rows` stacks several of them by rows (q | k | v as qkv_proj, gate | up as gate_up_proj) without a copy.
+ops.linear and ops.embed call `linear` and `take`; nothing else looks inside.
+"""
+import numpy as np
+
+from . import quants
+from .backend import xp_of
+from .errors import NpqwenError
+
+BLOCK_VALUES = 1 << 18   # float32 values of one widened block (1 MiB): it stays in the core's L2 cache
+# More than 128 rows of x (a prefill chunk): blocks 8 times larger. The widened block is read by BLAS once
+# per tile of x's rows either way, and a wider product runs closer to BLAS's rate (measured, one 3072x1024
+# matrix, 512 rows: 0.70x -> 0.78x float32's speed at int8, 0.54x -> 0.66x at Q4_K).
+PREFILL_BLOCKS = 8
+
+# what npqwen.load(weights=...) and npqwen quantize convert to (fp8 and Q5_K, Q6_K are read as stored only)
+FORMATS = ("bfloat16", "float16", "int8", "q8_0", "q4_0", "q4_k")
+GGML = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K"}   # name -> ggml type
+
+
+def block_rows(n_in: int) -> int:
+    """Rows widened at a time: a block of about BLOCK_VALUES floats, at least 16 rows."""
+    return max(16, BLOCK_VALUES // max(n_in, 1))
+
+
+def is_compact(weight) -> bool:
+    return isinstance(weight, (Compact, Rows))
+
+
+class Compact:
+    """What every format shares: the block loop of linear, take, dequantize. A format says how rows widen:
+    widen(rows, out) writes rows `rows` (a slice or an index array) into float32 `out` (n, in) and returns
+    None, or a (n,) scale that those rows' outputs are still to be multiplied by."""
+    dtype = np.dtype(np.float32)   # of what linear, take and dequantize return
+    ndim = 2
+
+    def linear(self, x):
+        """x @ W^T: (T, in) -> (T, out). Each block of rows is widened into one reused buffer, then one matmul.
+        Up to 128 rows of x (decoding) as (W @ x^T)^T, as ops.linear does for a float32 weight."""
+        xp = xp_of(x)
+        n_out, n_in = self.shape
+        transposed = x.shape[0] <= 128
+        step = min(block_rows(n_in) * (1 if transposed else PREFILL_BLOCKS), n_out)
+        buf = xp.empty((step, n_in), dtype=np.float32)                      # (rows, in), reused by every block
+        y = xp.empty((n_out, x.shape[0]) if transposed else (x.shape[0], n_out), dtype=np.float32)
+        for a in range(0, n_out, step):
+            b = min(a + step, n_out)
+            w = buf[:b - a]
+            scale = self.widen(slice(a, b), w)                             # (n, in) float32
+            if transposed:
+                xp.matmul(w, x.T, out=y[a:b])                              # (n, in) @ (in, T) -> (n, T)
+                if scale is not None:
+                    y[a:b] *= scale[:, None]
+            else:
+                y[:, a:b] = x @ w.T                                        # (T, in) @ (in, n) -> (T, n)
+                if scale is not None:
+                    y[:, a:b] *= scale
+        return xp.ascontiguousarray(y.T) if transposed else y
+
+    def take(self, ids):
+        """The rows `ids` (T,) widened to float32 (T, in): an embedding lookup."""
+        out = xp_of(self.storage).empty((len(ids), self.shape[1]), dtype=np.float32)
+        scale = self.widen(ids, out)
+        if scale is not None:
+            out *= scale[:, None]
+        return out
+
+    def dequantize(self):
+        """The whole matrix in float32 (out, in): for tests and inspection only."""
+        return self.take(xp_of(self.storage).arange(self.shape[0]))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.arrays)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(shape={self.shape}, format={self.format!r}, {self.nbytes:,} bytes)"
+
+
+class BFloat16(Compact):
+    """bfloat16 as uint16 bits (out, in): a float32's top 16 bits, widened by a shift."""
+    format = "bfloat16"
+
+    def __init__(self, bits):
+        self.storage = bits                    # (out, in) uint16; a memory-mapped file's bytes as they are
+        self.shape = tuple(bits.shape)
+
+    @property
+    def arrays(self):
+        return (self.storage,)
+
+    def widen(self, rows, out):
+        bf16_bits_to_float32(self.storage[rows], out)
+
+    def rows(self, sel):
+        return BFloat16(self.storage[sel])
+
+    def columns(self, sel):
+        return BFloat16(xp_of(self.storage).ascontiguousarray(self.storage[:, sel]))
+
+
+class Float16(Compact):
+    """IEEE float16 (out, in), widened by a cast. (Never multiplied in float16 on the CPU: NumPy has no
+    float16 BLAS, and its float16 matmul runs 7-19x slower than float32.)"""
+    format = "float16"
+
+    def __init__(self, half):
+        self.storage = half                    # (out, in) float16
+        self.shape = tuple(half.shape)
+
+    @property
+    def arrays(self):
+        return (self.storage,)
+
+    def widen(self, rows, out):
+        out[...] = self.storage[rows]
+
+    def rows(self, sel):
+        return Float16(self.storage[sel])
+
+    def columns(self, sel):
+        return Float16(xp_of(self.storage).ascontiguousarray(self.storage[:, sel]))
+
+
+def e4m3_values() -> np.ndarray:
+    """The 256 values of float8 e4m3fn (torch.float8_e4m3fn, Qwen's FP8): 1 sign, 4 exponent bits (bias 7),
+    3 mantissa bits; exponent 0 is subnormal (m/8 * 2^-6); S.1111.111 is NaN, and there is no infinity."""
+    b = np.arange(256)
+    e, m = (b >> 3) & 0xF, (b & 7).astype(np.float64)
+    v = np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7))
+    v[(b & 0x7F) == 0x7F] = np.nan
+    return np.where(b & 0x80, -v, v).astype(np.float32)
+
+
+E4M3 = e4m3_values()
+FP8_BLOCK = 128   # Qwen's FP8 checkpoints: "weight_block_size": [128, 128]
+
+
+class FP8(Compact):
+    """Qwen's FP8 (`*-FP8` checkpoints): float8 e4m3 bits (out, in) and `weight_scale_inv`, one float per
+    128x128 block; W[i, j] = e4m3(bits[i, j]) * scale_inv[i // 128, j // 128]. The scales are kept one row
+    per weight row (out, ceil(in / 128)), 1/32 of the weight's bytes, so any rows can be cut."""
+    format = "fp8"
+
+    def __init__(self, bits, scale):
+        self.storage, self.scale = bits, scale   # (out, in) uint8, (out, ceil(in/128)) float32
+        self.shape = tuple(bits.shape)
+
+    @classmethod
+    def from_blocks(cls, bits, scale_inv):
+        """From the checkpoint's (out, in) bits and (ceil(out/128), ceil(in/128)) block scales."""
+        xp = xp_of(bits)
+        scale = xp.repeat(xp.asarray(scale_inv, dtype=np.float32), FP8_BLOCK, axis=0)[:bits.shape[0]]
+        return cls(bits, xp.ascontiguousarray(scale))
+
+    @property
+    def arrays(self):
+        return (self.storage, self.scale)
+
+    def widen(self, rows, out):
+        xp = xp_of(out)
+        xp.take(xp.asarray(E4M3), self.storage[rows], out=out)            # (n, in): the table lookup
+        n_in, full = self.shape[1], self.shape[1] // FP8_BLOCK * FP8_BLOCK
+        scale = self.scale[rows]                                           # (n, ceil(in/128))
+        out[:, :full].reshape(len(out), -1, FP8_BLOCK)[...] *= scale[:, :full // FP8_BLOCK, None]
+        if full < n_in:   # a last block narrower than 128 columns
+            out[:, full:] *= scale[:, -1:]
+
+    def rows(self, sel):
+        return FP8(self.storage[sel], self.scale[sel])
+
+    def columns(self, sel):
+        a, b = check_block_columns(self, sel, FP8_BLOCK)
+        xp = xp_of(self.storage)
+        return FP8(xp.ascontiguousarray(self.storage[:, a:b]),
+                   xp.ascontiguousarray(self.scale[:, a // FP8_BLOCK:-(-b // FP8_BLOCK)]))
+
+
+class Int8(Compact):
+    """int8 (out, in) with one float32 scale per row: W[i] = q[i] * scale[i], scale = max|W[i]| / 127.
+    The cast is the only widening; the scale multiplies each output value, not the buffer (measured:
+    docs/weights.md). One scale per row rather than per 32 columns: Q8_0 is the per-32 form."""
+    format = "int8"
+
+    def __init__(self, q, scale):
+        self.storage, self.scale = q, scale    # (out, in) int8, (out,) float32
+        self.shape = tuple(q.shape)
+
+    @classmethod
+    def quantize(cls, w):
+        """Round each row of float32 w (out, in) to the nearest of 255 steps of max|row| / 127."""
+        xp = xp_of(w)
+        scale = (xp.abs(w).max(axis=1) / 127.0).astype(np.float32)        # (out,)
+        q = xp.rint(w / xp.where(scale > 0, scale, 1.0)[:, None])
+        return cls(xp.clip(q, -127, 127).astype(np.int8), scale)
+
+    @property
+    def arrays(self):
+        return (self.storage, self.scale)
+
+    def widen(self, rows, out):
+        xp_of(out).copyto(out, self.storage[rows], casting="unsafe")      # int8 -> float32
+        return self.scale[rows]
+
+    def rows(self, sel):
+        return Int8(self.storage[sel], self.scale[sel])
+
+    def columns(self, sel):
+        return Int8(xp_of(self.storage).ascontiguousarray(self.storage[:, sel]), self.scale)
+
+
+class Ggml(Compact):
+    """llama.cpp's block formats (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, ...): each row is in/block_size blocks of
+    type_size bytes, widened by quants.dequantize_rows, which spells out each format's block (npqwen/quants.py)."""
+
+    def __init__(self, qtype: str, raw, n_in: int):
+        block, size = quants.BLOCKS[qtype]
+        if n_in % block or raw.shape[1] != n_in // block * size:
+            raise NpqwenError(f"a {qtype} matrix of {n_in} columns needs {n_in // block * size} bytes per row "
+                              f"(blocks of {block} values in {size} bytes), got {raw.shape[1]}")
+        self.format, self.storage = qtype, raw     # raw: (out, in/block * size) uint8
+        self.shape = (raw.shape[0], n_in)
+        # the sub-blocks' scale fields, decoded once for decoding's products (block_dot_linear): 2-4 bytes per 32
+        self.fields = AFFINE[qtype][0](raw) if qtype in AFFINE and xp_of(raw) is np else ()
+
+    @classmethod
+    def quantize(cls, qtype: str, w):
+        return cls(qtype, quants.quantize_rows(qtype, np.ascontiguousarray(w, dtype=np.float32)), w.shape[1])
+
+    @property
+    def arrays(self):
+        return (self.storage,)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.storage.nbytes) + sum(int(f.nbytes) for f in self.fields)
+
+    def widen(self, rows, out):
+        quants.dequantize_rows(self.format, self.storage[rows], out)
+
+    def linear(self, x):
+        """x @ W^T. A few rows of x (decoding) and a format whose sub-blocks are affine (Q8_0, Q4_0, Q4_K):
+        block_dot_linear, which never scales the widened values; else Compact's widen-then-matmul."""
+        if x.shape[0] > BLOCK_DOT_ROWS or not self.fields:
+            return Compact.linear(self, x)
+        return block_dot_linear(x, self)
+
+    def rows(self, sel):
+        return Ggml(self.format, self.storage[sel], self.shape[1])
+
+    def columns(self, sel):
+        block, size = quants.BLOCKS[self.format]
+        a, b = check_block_columns(self, sel, block)
+        part = self.storage[:, a // block * size:b // block * size]
+        return Ggml(self.format, xp_of(self.storage).ascontiguousarray(part), b - a)
+
+
+# ---------------------------------------------------------------- decoding from ggml blocks: products per sub-block
+# Q8_0, Q4_0 and Q4_K are affine in each sub-block b of S = 32 values: w = scale_b * q - min_b, q a small integer.
+# Widening a block then scaling it costs a NumPy pass with an inner loop of 32 values per sub-block, which
+# measured 5-10x the matmul itself. So for up to BLOCK_DOT_ROWS rows of x, the integers alone are widened, laid
+# out sub-block first, and one batched matmul gives each sub-block's dot product with x; then
+#     x . w_r = sum_b scale_rb * (q_rb . x_b) - sum_b min_rb * sum(x_b),
+# the scales applied to (sub-blocks, rows, T) products, S times fewer values than the weights.
+BLOCK_DOT_ROWS = 64
+
+
+def f16_column(raw, type_size: int, first: int):
+    """The float16 at bytes first, first+1 of every block of rows raw (n, nb*type_size) -> (nb, n) float16,
+    sub-block first as the products read them."""
+    halves = np.ascontiguousarray(raw).view(np.float16)                       # (n, nb*type_size/2)
+    return np.ascontiguousarray(halves[:, first // 2::type_size // 2].T)
+
+
+# Each format in two parts: its sub-blocks' scale fields, decoded once when the weight is made (small: 2-4
+# bytes per 32 values, kept beside the blocks, as `Ggml.fields`; NumPy's cost per call makes them dear to
+# decode in small pieces at every product), turned into float32 scales and mins for a block of rows; and
+# its integers q, written for a block of rows into the buffer laid out (sub-block, row, 32). The rule is
+# quants.dequantize_q8_0 / _q4_0 / _q4_k's, which tests/test_weights.py checks them against.
+
+def q8_0_fields(raw):
+    """block_q8_0: f16 d | int8 q[32]; w = d * q."""
+    return (f16_column(raw, 34, 0),)
+
+
+def q8_0_scales(d):
+    return d.astype(np.float32), None
+
+
+def q8_0_ints(raw, out):
+    b = raw.reshape(raw.shape[0], -1, 34)
+    np.copyto(out, b[..., 2:].view(np.int8).transpose(1, 0, 2), casting="unsafe")
+
+
+def q4_0_fields(raw):
+    """block_q4_0: f16 d | uint8 qs[16]; w[j] = d * (lo(qs[j]) - 8), w[j + 16] = d * (hi(qs[j]) - 8)."""
+    return (f16_column(raw, 18, 0),)
+
+
+def q4_0_scales(d):
+    d = d.astype(np.float32)
+    return d, 8 * d
+
+
+def q4_0_ints(raw, out):
+    qs = raw.reshape(raw.shape[0], -1, 18)[..., 2:].transpose(1, 0, 2)       # (nb, n, 16)
+    np.copyto(out[..., :16], qs & 0x0F, casting="unsafe")
+    np.copyto(out[..., 16:], qs >> 4, casting="unsafe")
+
+
+def q4_k_fields(raw):
+    """block_q4_K: f16 d | f16 dmin | scales[12] | qs[128]: 8 sub-blocks of 32, w = d*sc_j * q - dmin*m_j;
+    the 6-bit sc and m unpacked (quants.k_scale_min) to one byte each."""
+    n = raw.shape[0]
+    sc, m = quants.k_scale_min(raw.reshape(n, -1, 144)[..., 4:16].reshape(-1, 12))   # (n*nb, 8) each
+    return (f16_column(raw, 144, 0), f16_column(raw, 144, 2), np.ascontiguousarray(sc.reshape(n, -1).T),
+            np.ascontiguousarray(m.reshape(n, -1).T))                       # (nb, n), (nb, n), (nb*8, n) x 2
+
+
+def q4_k_scales(d, dmin, sc, m):
+    n = d.shape[1]
+    scale = d.astype(np.float32)[:, None] * sc.reshape(-1, 8, n)
+    low = dmin.astype(np.float32)[:, None] * m.reshape(-1, 8, n)
+    return scale.reshape(-1, n), low.reshape(-1, n)                         # (nb*8, n): sub-blocks in order
+
+
+def q4_k_ints(raw, out):
+    """Each 32 bytes of qs hold two sub-blocks: the low nibbles sub-block 2j, the high nibbles 2j+1."""
+    n = raw.shape[0]
+    qs = raw.reshape(n, -1, 144)[..., 16:].reshape(n, -1, 4, 32).transpose(1, 2, 0, 3)   # (nb, 4, n, 32)
+    pairs = out.reshape(-1, 4, 2, n, 32)                                    # (nb, 4, low | high, n, 32)
+    np.copyto(pairs[:, :, 0], qs & 0x0F, casting="unsafe")
+    np.copyto(pairs[:, :, 1], qs >> 4, casting="unsafe")
+
+
+AFFINE = {"Q8_0": (q8_0_fields, q8_0_scales, q8_0_ints), "Q4_0": (q4_0_fields, q4_0_scales, q4_0_ints),
+          "Q4_K": (q4_k_fields, q4_k_scales, q4_k_ints)}
+
+
+def block_dot_linear(x, w: "Ggml"):
+    """x @ W^T for a few rows x (T, in), from each sub-block's dot products (above); (T, out)."""
+    xp = xp_of(x)
+    T, (n_out, n_in) = x.shape[0], w.shape
+    nb = n_in // 32
+    _, scales, ints = AFFINE[w.format]
+    xb = xp.ascontiguousarray(x.T).reshape(nb, 32, T)                          # (sub-blocks, 32, T)
+    sums = xb.sum(axis=1)                                                      # (nb, T): sum(x_b)
+    step = min(block_rows(n_in), n_out)
+    buf = xp.empty((nb, step, 32), dtype=np.float32)                           # reused: sub-block first
+    y = xp.empty((n_out, T), dtype=np.float32)
+    for a in range(0, n_out, step):
+        b = min(a + step, n_out)
+        scale, low = scales(*(f[:, a:b] for f in w.fields))                    # (nb, n) float32 each, low or None
+        ints(w.storage[a:b], buf[:, :b - a])                                   # (nb, n, 32) float32
+        dots = xp.matmul(buf[:, :b - a], xb)                                   # (nb, n, 32) @ (nb, 32, T)
+        y[a:b] = xp.einsum("bnt,bn->nt", dots, scale)                          # sum_b scale * (q . x_b)
+        if low is not None:
+            y[a:b] -= low.T @ sums                                             # sum_b min * sum(x_b)
+    return xp.ascontiguousarray(y.T)
+
+
+def check_block_columns(weight, sel: slice, block: int) -> tuple[int, int]:
+    """A column range that starts and ends on the format's block boundaries (a tensor-parallel rank's part)."""
+    a, b, _ = sel.indices(weight.shape[1])
+    if a % block or (b % block and b != weight.shape[1]):
+        raise NpqwenError(f"a {weight.format} matrix {weight.shape} is stored in blocks of {block} columns, so a "
+                          f"tensor-parallel rank cannot take columns {a}..{b}; use a tensor-parallel size that "
+                          f"splits it on whole blocks, or another --weights format")
+    return a, b
+
+
+class Rows:
+    """Compact matrices stacked by rows, without a copy: qkv_proj is q_proj | k_proj | v_proj, gate_up_proj is
+    gate_proj | up_proj. The HF-named entries are the parts themselves."""
+    dtype = np.dtype(np.float32)
+    ndim = 2
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+
+    def linear(self, x):
+        """x @ [W_1; W_2; ...]^T = [x @ W_1^T, x @ W_2^T, ...]: (T, in) -> (T, out)."""
+        return xp_of(x).concatenate([p.linear(x) for p in self.parts], axis=1)
+
+    def dequantize(self):
+        return xp_of(self.parts[0].storage).concatenate([p.dequantize() for p in self.parts])
+
+    @property
+    def format(self) -> str:
+        return "+".join(dict.fromkeys(p.format for p in self.parts))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __repr__(self):
+        return f"Rows(shape={self.shape}, format={self.format!r}, {len(self.parts)} parts)"
+
+
+def as_array(weight):
+    """A weight as a float32 array (dequantized if compact): for tests, inspection, lens's per-head shares."""
+    return weight.dequantize() if is_compact(weight) else weight
+
+
+def bf16_bits_to_float32(bits, out):
+    """Widen bfloat16 bit patterns (uint16) into float32 `out`: bf16 is a float32's top 16 bits."""
+    xp = xp_of(out)
+    if out.dtype == xp.float32:
+        wide = out.view(xp.uint32)   # write in place, no temporary
+        wide[...] = bits
+        wide <<= 16
+    else:
+        out[...] = (bits.astype(xp.uint32) << 16).view(xp.float32)
+
+
+def float32_to_bf16_bits(a) -> np.ndarray:
+    """Round float32 to bfloat16 (nearest, ties to even, as torch does) and return the uint16 bits."""
+    xp = xp_of(a)
+    bits = xp.ascontiguousarray(a, dtype=np.float32).view(xp.uint32)
+    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return (rounded >> np.uint32(16)).astype(np.uint16)
+
+
+def quantize(w, fmt: str):
+    """float32 rows w (n, in) in format `fmt` (one of FORMATS)."""
+    if fmt == "bfloat16":
+        return BFloat16(float32_to_bf16_bits(w))
+    if fmt == "float16":
+        return Float16(w.astype(np.float16))
+    if fmt == "int8":
+        return Int8.quantize(w)
+    if fmt in GGML:
+        return Ggml.quantize(GGML[fmt], w)
+    raise NpqwenError(f"cannot quantize to {fmt!r}; use one of bfloat16, float16, int8, {', '.join(GGML)}")
+
+
+def join_rows(pieces: list):
+    """One compact matrix from pieces of consecutive rows in one format (quantized a chunk at a time)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    xp = xp_of(pieces[0].storage)
+    return with_arrays(pieces[0], [xp.concatenate(a) for a in zip(*(p.arrays for p in pieces))])
+
+
+def with_arrays(w, arrays: list):
+    """A compact matrix of w's format and columns holding `arrays` (other rows, or on another device)."""
+    return Ggml(w.format, arrays[0], w.shape[1]) if isinstance(w, Ggml) else type(w)(*arrays)
+
+
+def bytes_per_value(fmt: str) -> float:
+    """Stored bytes per weight value of a format (scales included), for sizes before anything is read."""
+    if fmt in GGML:   # the blocks, and the scale fields decoded beside them for decoding (Ggml.fields)
+        block, size = quants.BLOCKS[GGML[fmt]]
+        return (size + {"Q8_0": 2, "Q4_0": 2, "Q4_K": 20}.get(GGML[fmt], 0)) / block
+    return {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1 + 4 / FP8_BLOCK, "int8": 1}[fmt]
+
+
+def fits_format(fmt: str, n_in: int) -> bool:
+    """Whether a matrix of n_in columns can be stored in `fmt` (ggml formats need whole blocks per row)."""
+    if fmt not in GGML:
+        return True
+    return n_in % quants.BLOCKS[GGML[fmt]][0] == 0
+
+
+def total_bytes(weights: dict) -> int:
+    """Bytes the weights hold in memory, each array once (tied lm_head, the views of a stacked matrix)."""
+    seen, total = set(), 0
+    for w in weights.values():
+        for a in (w.parts if isinstance(w, Rows) else [w]):
+            if id(a) not in seen:
+                seen.add(id(a))
+                total += a.nbytes
+    return total
+

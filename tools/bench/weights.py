@@ -1,0 +1,246 @@
+"""weights: npqwen's compact weights (docs/weights.md) against its float32, side by side in one process, at the
+Qwen3-0.6B shape with --weights-layers of its 28 layers (the whole vocabulary: lm_head is 22% of a token's
+bytes): a batch-1 decode step after --weights-context cached positions, a --weights-prefill token prefill,
+and one decode step of --weights-batch sequences (the engine's batched step: the widening shared by its rows).
+Each figure is the format's speed over float32's (float32's time / the format's), the two taken in turn,
+the median of --weights-steps; a shared machine moves both alike. With --weights-memory, each format's peak
+RSS in a process of its own at the whole 0.6B shape: after loading, and after a context of --weights-generate
+positions (a prompt, then 16 tokens generated). Every checkpoint is random, written once in its own format
+(never through float32)."""
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+NAME, WORKER, NEEDS = "weights", "single", ()
+OWN_MODEL = True      # its worker writes and loads checkpoints of its own, in each format
+FORMATS = ("bfloat16", "int8", "q8_0", "q4_0", "q4_k")
+DECODE_TARGETS = {"int8": 0.9, "q8_0": 0.9, "bfloat16": 0.6, "q4_0": 0.5, "q4_k": 0.5}
+TARGETS = [(f"weights_{kind}_{f}_vs_float32", ">=", DECODE_TARGETS[f] if kind == "decode" else 0.85,
+            f"{kind}, {f}: speed vs float32") for kind in ("decode", "prefill", "batched") for f in FORMATS]
+
+
+def add_arguments(p):
+    p.add_argument("--weights-formats", default=",".join(FORMATS), help="weights: the formats, comma-separated")
+    p.add_argument("--weights-layers", type=int, default=28, help="weights: decoder layers of the 0.6B shape")
+    p.add_argument("--weights-context", type=int, default=128, help="weights: cached positions of each sequence")
+    p.add_argument("--weights-prefill", type=int, default=512, help="weights: prefill tokens")
+    p.add_argument("--weights-batch", type=int, default=32, help="weights: sequences in the batched step")
+    p.add_argument("--weights-steps", type=int, default=9, help="weights: steps timed per figure (median)")
+    p.add_argument("--weights-memory", action="store_true",
+                   help="weights: also each format's peak RSS after load and after a generation (its own process)")
+    p.add_argument("--weights-generate", type=int, default=1024, help="weights: the context's positions for the RSS")
+
+
+def runs_on(engine, args) -> bool:
+    return engine == "npqwen"
+
+
+# ---------------------------------------------------------------------------- random checkpoints, each format
+
+def random_rows(fmt: str, rows: int, cols: int, rng, std: float = 0.02):
+    """A random (rows, cols) matrix stored in `fmt`, of values about `std`, made in its own bytes."""
+    import numpy as np
+
+    from npqwen import quants
+    from npqwen.weights import GGML, BFloat16, Ggml, Int8, float32_to_bf16_bits
+
+    if fmt == "bfloat16":
+        return BFloat16(float32_to_bf16_bits((std * rng.standard_normal((rows, cols))).astype(np.float32)))
+    if fmt == "int8":
+        return Int8(rng.integers(-127, 128, (rows, cols), dtype=np.int8), np.full(rows, std / 73, np.float32))
+    qtype = GGML[fmt]
+    block, size = quants.BLOCKS[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)   # random integers and 6-bit scales
+    d = {"Q8_0": std / 73, "Q4_0": std / 4.6, "Q4_K": std / 270}[qtype]
+    raw[..., 0:2] = np.full((rows, cols // block, 1), d, np.float16).view(np.uint8)
+    if qtype == "Q4_K":   # dmin: the mins about half the scales, so the values centre near zero
+        raw[..., 2:4] = np.full((rows, cols // block, 1), d * 3.75, np.float16).view(np.uint8)
+    return Ggml(qtype, raw.reshape(rows, -1), cols)
+
+
+def write_random(path: Path, config: dict, fmt: str, seed: int = 0) -> Path:
+    """A random checkpoint of `config` whose matrices are stored in `fmt` (as npqwen quantize writes them) and
+    the rest in float32, written a tensor at a time: the whole model is never in memory, nor in float32."""
+    import numpy as np
+
+    from npqwen.checkpoint import expected_shapes, is_matrix, stored_pieces
+    from npqwen.config import Qwen3Config
+    from npqwen.weights import fits_format
+
+    path.mkdir(parents=True, exist_ok=True)
+    shapes = expected_shapes(Qwen3Config.from_dict(config))
+    rng = np.random.default_rng(seed)
+
+    def make(name, shape):
+        if not is_matrix(name):
+            return (1 + 0.1 * rng.standard_normal(shape) if "norm" in name else
+                    0.02 * rng.standard_normal(shape)).astype(np.float32)
+        return random_rows(fmt if fits_format(fmt, shape[1]) else "q8_0", *shape, rng)
+
+    # the header first: each piece's dtype and bytes, from one small probe of its format
+    header, metadata, offset = {}, {}, 0
+    for name, shape in shapes.items():
+        probe = make(name, (1, *shape[1:])) if len(shape) > 1 else make(name, shape)
+        for piece, dtype, a in stored_pieces(name, probe):
+            full = (shape[0], *a.shape[1:]) if len(shape) > 1 else a.shape
+            nbytes = math.prod(full) * a.itemsize
+            header[piece] = {"dtype": dtype, "shape": list(full), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        if getattr(probe, "format", "") in ("Q8_0", "Q4_0", "Q4_K"):
+            metadata[name] = probe.format
+    header = {"__metadata__": metadata, **header} if metadata else header
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, shape in shapes.items():
+            for _, _, a in stored_pieces(name, make(name, shape)):
+                f.write(np.ascontiguousarray(a).data)
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "npqwen",
+                                                                                   "weights": fmt}}))
+    return path
+
+
+def checkpoint(fmt: str, layers: int) -> Path:
+    """The random 0.6B-shape checkpoint of `layers` layers in `fmt`, written once into the bench's cache."""
+    from npqwen.config import QWEN3_0_6B_CONFIG
+    from tools.bench.engines import CACHE_DIR
+
+    path = CACHE_DIR / f"qwen3-0.6b-{layers}-layers-{fmt}"
+    if not (path / "config.json").is_file():
+        config = dict(QWEN3_0_6B_CONFIG, num_hidden_layers=layers, max_window_layers=layers)
+        write_random(path.with_name(path.name + ".tmp"), config, "bfloat16" if fmt == "float32" else fmt)
+        path.with_name(path.name + ".tmp").rename(path)
+    return path
+
+
+# ---------------------------------------------------------------------------- speed, side by side
+
+def steps(llm, args):
+    """(decode, prefill, batched): three functions that each run one step of llm's model."""
+    import numpy as np
+
+    from npqwen.kv_cache import Batch, KVCache
+
+    model, cfg, xp, S = llm.model, llm.config, llm.model.xp, args.weights_context
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, max(args.weights_batch, args.weights_prefill))
+
+    def decode_of(B):
+        kv = KVCache(cfg, B, S + 1, xp, model.dtype)            # one page of S + 1 positions per sequence
+        kv.keys.fill(0.01)
+        kv.values.fill(0.01)
+        batch = Batch(ids[:B], [S] * B, [1] * B, [np.array([b]) for b in range(B)], S + 1,
+                      sample_rows=np.arange(B))
+        return lambda: model.forward_batch(batch, kv)
+
+    return decode_of(1), lambda: model.forward(ids[:args.weights_prefill], last_only=True), \
+        decode_of(args.weights_batch)
+
+
+def side_by_side(a, b, n: int) -> tuple[float, float]:
+    """The median time of a and of b, run in turn n times after one untimed run of each."""
+    times = ([], [])
+    a(), b()
+    for _ in range(n):
+        for k, fn in enumerate((a, b)):
+            started = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - started)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def run(engine, args, rng) -> dict:
+    import npqwen
+    from npqwen.weights import total_bytes
+
+    formats = [f for f in args.weights_formats.split(",") if f]
+    L = args.weights_layers
+    base = npqwen.load(checkpoint("float32", L), weights="float32")
+    reference = steps(base, args)
+    out = {"weights_bytes_float32": total_bytes(base.model.weights)}
+    for fmt in formats:
+        llm = npqwen.load(checkpoint(fmt, L))                  # as stored
+        out[f"weights_bytes_{fmt}"] = total_bytes(llm.model.weights)
+        for kind, ours, theirs in zip(("decode", "prefill", "batched"), steps(llm, args), reference):
+            t32, t = side_by_side(theirs, ours, args.weights_steps)
+            out[f"weights_{kind}_{fmt}_s"], out[f"weights_{kind}_float32_s"] = t, t32
+            out[f"weights_{kind}_{fmt}_vs_float32"] = t32 / t
+        del llm
+    if args.weights_memory:
+        for fmt in ("float32", *formats):
+            out.update({f"weights_rss_{k}_{fmt}": v for k, v in memory(fmt, args.weights_generate).items()})
+    return {"weights": out}
+
+
+# ---------------------------------------------------------------------------- memory, a process per format
+
+def memory(fmt: str, generate: int, path: Path | None = None, decode: int = 16) -> dict:
+    """Peak RSS (bytes) of a process that loads a checkpoint (the whole 0.6B shape in `fmt`) as stored, then
+    fills a context of `generate` positions through the engine: a prompt of generate - decode tokens read in
+    chunks of 64 (a decode step's temporaries, not a long prefill's), then `decode` tokens generated greedily:
+    every position's keys and values written, as a generation of that length writes them (decoding all of
+    them would take a shared machine an hour for six formats)."""
+    path = path or checkpoint(fmt, 28)
+    code = (f"import json, npqwen\nfrom tools.bench.weights import vm_hwm\n"
+            f"llm = npqwen.load({str(path)!r}, weights={'float32' if fmt == 'float32' else 'stored'!r})\n"
+            f"loaded = vm_hwm()\n"
+            f"engine = npqwen.Engine(llm, kv_cache_tokens={generate + 512}, max_batched_tokens=64)\n"
+            f"req = engine.new_request([1000 + i % 5000 for i in range({generate - decode})], "
+            f"max_new_tokens={decode}, temperature=0)\n"
+            f"req.eos_ids = frozenset()   # random weights: run to the length\n"
+            f"engine.add(req)\n"
+            f"n = 0\nwhile engine.has_unfinished():\n    n += sum(len(o.token_ids) for o in engine.step())\n"
+            f"print(json.dumps({{'load': loaded, 'generate': vm_hwm(), 'tokens': n}}))\n")
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                            env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    if result.returncode != 0:
+        raise RuntimeError(f"weights memory {fmt}: {result.stderr.strip().splitlines()[-1]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def vm_hwm() -> int:
+    """This process's peak resident memory in bytes (VmHWM)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+# ---------------------------------------------------------------------------- the report
+
+def figures(report) -> dict:
+    ours = report["engines"].get("npqwen", {}).get("weights", {})
+    return {k: v for k, v in ours.items() if not k.endswith("_s") and not k.startswith(("weights_bytes",
+                                                                                        "weights_rss"))}
+
+
+def rows(report) -> list:
+    return []
+
+
+def tables(report) -> list:
+    ours = report["engines"].get("npqwen", {}).get("weights", {})
+    if not ours:
+        return []
+    formats = ["float32"] + [k[len("weights_bytes_"):] for k in ours if k.startswith("weights_bytes_")][1:]
+
+    def cell(key, fmt="{:.2f}"):
+        return fmt.format(ours[key]) if key in ours else "-"
+
+    body = [("weights in memory (MiB)", [f"{ours[f'weights_bytes_{f}'] / 2**20:,.0f}" for f in formats])]
+    for kind, label in (("decode", "batch-1 decode, x float32"), ("prefill", "prefill, x float32"),
+                        ("batched", "batched decode step, x float32")):
+        body.append((label, ["1.00"] + [cell(f"weights_{kind}_{f}_vs_float32") for f in formats[1:]]))
+    for kind, label in (("load", "peak RSS after load (GB)"), ("generate", "peak RSS, 1,024 positions (GB)")):
+        if any(f"weights_rss_{kind}_{f}" in ours for f in formats):
+            body.append((label, [f"{ours[f'weights_rss_{kind}_{f}'] / 1e9:.2f}" if f"weights_rss_{kind}_{f}"
+                                 in ours else "-" for f in formats]))
+    return [(formats, body)]
+
+
+def notes(report) -> list[str]:
+    return []
