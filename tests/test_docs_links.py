@@ -26,7 +26,7 @@ NOT_RUN = {
     "ip ": "network namespaces, as root",
     "npqwen serve --model Qwen/Qwen3-8B --api-key secret": "Claude Code's server; tests/test_server_messages.py "
                                                            "sends its requests",
-    "export ANTHROPIC_": "Claude Code's settings", "claude": "Claude Code itself, which the tests do not install",
+    "export ANTHROPIC_": "Claude Code's settings", "export CLAUDE_": "Claude Code's settings", "claude": "Claude Code itself, which the tests do not install",
     "# nsssh": "a comment on a script",
     "import npqwen": "a script for every rank under mpiexec; tests/test_parallel.py makes the same calls on 2 ranks",
     'llm = npqwen.load("Qwen/Qwen3-0.6B", tensor_parallel=True)': "the same script",
