@@ -485,6 +485,9 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype, parts: dict | 
     if parts is not None:
         shapes = {name: shard_shape(shape, parts[name]) for name, shape in shapes.items()}
     weights = weights_format(weights, found, shapes, xp, dtype)
+    if weights != "float32" and stacked:
+        raise NpqwenError(f"{directory}: compact weights ({weights}) do not read Qwen3-VL-MoE's stacked expert "
+                          f"tensors yet; load it with weights='float32' (--weights float32)")
     if weights != "float32":
         return load_compact(found, config, xp, dtype, parts, shapes, weights, directory)
     check_fits(shapes, xp, dtype, directory)
@@ -606,7 +609,7 @@ def weights_format(weights: str, found: dict, shapes: dict, xp, dtype) -> str:
     choices = ("auto", "float32", "stored", *FORMATS)
     if weights not in choices:
         raise NpqwenError(f"unknown weights format {weights!r}; use one of {', '.join(choices)}")
-    quantized = any(found[n].dtype not in STORED_DTYPES for n in shapes)
+    quantized = any(found[n].dtype not in STORED_DTYPES for n in shapes if n in found)   # (not Qwen3-VL's experts)
     if weights == "auto":   # float32 unless it cannot fit (then check_fits says so for another compute dtype)
         need = sum(math.prod(shape) for shape in shapes.values()) * np.dtype(dtype).itemsize
         fits = need <= free_memory_bytes(xp) or np.dtype(dtype) != np.float32

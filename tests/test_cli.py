@@ -291,9 +291,10 @@ def test_help_shows_every_default():
     for name, sub in commands.choices.items():
         for action in sub._actions:
             if isinstance(action, argparse._HelpAction) or action.dest in ("prompt", "prompts_file", "layer", "input",
-                                                                          "text", "query", "document", "documents"):
+                                                                          "text", "query", "document", "documents", "sae"):
                 continue   # the required ones (--prompt or --prompts-file; --layer with --plot-attention; --input;
-                           # embed's --text or --input; rerank's --query, and --document or --documents)
+                           # embed's --text or --input; rerank's --query, and --document or --documents;
+                           # features' --sae)
             assert action.help and "default" in action.help, f"npqwen {name} {action.option_strings}"
     code, out, _ = run("chat", "--help")
     assert code == 0 and "(default: 512)" in out and "(default: float32)" in out

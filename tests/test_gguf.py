@@ -171,7 +171,7 @@ def test_two_ranks_of_a_gguf_compute_what_one_process_does(tmp_path):
     path = write_gguf(tmp_path / "tp.gguf", "Q8_0", tied=False)
     one = probe(path, tmp_path / "one")[0]
     ranks = probe(path, tmp_path / "tp", 2)
-    assert_same(one, ranks, 1e-5)
+    assert_same(one, ranks, npqwen.load(path).config)   # tests/tolerance.py's bar for this model
     shapes = [json.loads(str(r["shapes"])) for r in ranks]
     assert shapes[0]["model.layers.0.self_attn.q_proj.weight"] == [2 * 64, 256]   # 2 of the 4 heads
     assert shapes[1]["model.layers.0.mlp.down_proj.weight"] == [256, 256]          # half the width, as columns

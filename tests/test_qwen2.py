@@ -231,7 +231,7 @@ def test_tensor_parallel_splits_the_biases_with_their_rows(qwen2_dir, tmp_path):
 
     one = probe(qwen2_dir, tmp_path / "one", 0, "--lengths", "1,37")[0]
     ranks = probe(qwen2_dir, tmp_path / "tp", 2, "--lengths", "1,37")
-    assert_same(one, ranks, 1e-5)
+    assert_same(one, ranks, npqwen.load(qwen2_dir).config)   # tests/tolerance.py's bar for this model
 
 
 # ---------------------------------------------------------------------------- errors

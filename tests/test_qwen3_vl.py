@@ -165,7 +165,7 @@ def test_tensor_parallel_dense_and_the_refusal_for_stored_experts(tmp_path):
     dense, _ = build_vl(tmp_path / "dense")
     one = probe(dense, tmp_path / "one", 0, "--lengths", "1,37")[0]
     ranks = probe(dense, tmp_path / "tp", 2, "--lengths", "1,37")
-    assert_same(one, ranks, 1e-5)
+    assert_same(one, ranks, npqwen.load(dense).config)   # tests/tolerance.py's bar for this model
 
 
 def test_a_malformed_mrope_section_and_an_image_are_named(tmp_path):

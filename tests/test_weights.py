@@ -277,7 +277,7 @@ def test_two_ranks_keep_their_rows_compact_and_compute_what_one_process_does(npq
 
     one = probe(npqwen_tiny_dir, tmp_path / "one", 0, "--weights", "int8")[0]
     ranks = probe(npqwen_tiny_dir, tmp_path / "tp", 2, "--weights", "int8")
-    assert_same(one, ranks, 1e-5)
+    assert_same(one, ranks, npqwen.load(npqwen_tiny_dir).config)   # tests/tolerance.py's bar for this model
     shapes = [json.loads(str(r["shapes"])) for r in ranks]
     assert shapes[1]["model.layers.0.self_attn.o_proj.weight"] == [64, 2 * 32]   # its 2 heads' columns only
 
