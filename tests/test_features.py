@@ -213,17 +213,21 @@ def topk_sae(llm, tmp_path_factory):
     return npqwen.load_sae(folder, llm.config), w
 
 
-def hf_edited(checkpoint, w, feature, mode, value):
-    """HF generate with a forward hook on block 0 that sets the feature as npqwen does: x + (a' - a) W_dec[f]."""
-    model = hf_model(checkpoint)
-
+def edit_hook(w, feature, mode, value):
+    """A torch forward hook on a block that sets the feature as npqwen does: x + (a' - a) W_dec[f]."""
     def hook(module, args, out):
         x = out[0] if isinstance(out, tuple) else out
         a = torch_topk(x @ w["W_enc"] + w["b_enc"], 32)[..., feature]
         new = torch.full_like(a, value) if mode == "clamp" else a * (0.0 if mode == "zero" else value)
         x = x + (new - a)[..., None] * w["W_dec"][feature]
         return (x, *out[1:]) if isinstance(out, tuple) else x
-    handle = model.model.layers[0].register_forward_hook(hook)
+    return hook
+
+
+def hf_edited(checkpoint, w, feature, mode, value):
+    """HF generate with edit_hook on block 0."""
+    model = hf_model(checkpoint)
+    handle = model.model.layers[0].register_forward_hook(edit_hook(w, feature, mode, value))
     try:
         with torch.no_grad():
             out = model.generate(torch.tensor([PROMPT]), max_new_tokens=N, do_sample=False, eos_token_id=None,
@@ -328,13 +332,7 @@ def test_feature_edit_logits_equal_hf_with_a_hook(llm, checkpoint, topk_sae, mod
 
     model = hf_model(checkpoint)
 
-    def hook(module, args, out):
-        x = out[0] if isinstance(out, tuple) else out
-        a = torch_topk(x @ w["W_enc"] + w["b_enc"], 32)[..., feature]
-        new = torch.full_like(a, value) if mode == "clamp" else a * (0.0 if mode == "zero" else value)
-        x = x + (new - a)[..., None] * w["W_dec"][feature]
-        return (x, *out[1:]) if isinstance(out, tuple) else x
-    handle = model.model.layers[0].register_forward_hook(hook)
+    handle = model.model.layers[0].register_forward_hook(edit_hook(w, feature, mode, value))
     with torch.no_grad():
         want = model(torch.tensor([PROMPT])).logits[0]
     handle.remove()
