@@ -11,7 +11,7 @@ import re
 
 from .checkpoint import (MAX_NAMES_IN_WARNING, SCALE_SUFFIXES, canonical_names, check_config_matches, expected_shapes,
                          fused_expert_tensors, has_lm_head, index_checkpoint, matrix_shape, parameter_counts, size)
-from .config import HYBRID_KEYS, MOE_DEFAULTS, Qwen3Config
+from .config import HYBRID_KEYS, MOE_DEFAULTS, QWEN4_KEYS, Qwen3Config
 from .hub import resolve_model
 
 EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(.+)$")   # prefix, expert, projection
@@ -91,6 +91,7 @@ def render(config: Qwen3Config, tensors: dict, source: str, lm_head: bool = True
     hidden = () if config.hybrid else (*HYBRID_KEYS, "hybrid", "qwen3_next")   # Qwen3 has no hybrid fields
     hidden += ("attention_bias", "qk_norm") if config.qk_norm else ()          # shown for Qwen2, where they differ
     hidden += () if config.fused_experts else ("fused_experts",)                # shown for Qwen3-VL-MoE
+    hidden += () if config.qwen4_exp else QWEN4_KEYS                            # shown for Qwen4-Exp
     for field in dataclasses.fields(config):
         if (config.num_experts or field.name not in MOE_DEFAULTS) and field.name not in hidden:
             lines.append(f"  {field.name:<26} {getattr(config, field.name)}")

@@ -10,6 +10,10 @@ A hybrid model (Qwen3.5) keeps keys and values for its full-attention layers onl
 linear-attention layer keeps a fixed-size state per sequence instead, in `LinearStates` slots (a
 Batch names each sequence's slot). The state does not grow with the context.
 
+Qwen4-Exp's attention layers are QSA (npqwen/qsa.py): beside each position's key and value its pages keep the
+indexer's raw key (`index_keys`, one head of di), from which each query's selection of blocks is recomputed;
+its PLE layers keep, per sequence, their dilated convolution's last inputs and the last ngram_size - 1 tokens.
+
 Shapes: L layers, N pages, P positions per page, K key/value heads (this rank's), Dh head dim,
 T tokens in a batch; Ll linear-attention layers, S state slots, W conv kernel, C convolved channels,
 Hv value heads of dv (this rank's), dk key head dim.
@@ -47,6 +51,9 @@ class KVCache:
             raise NpqwenError(f"a KV cache of {num_pages} pages x {page_size} positions needs "
                               f"{need / 2**30:.2f} GiB, which cannot be allocated; use fewer pages") from e
         self.num_pages, self.page_size = num_pages, page_size
+        # Qwen4-Exp: QSA's raw indexer key of every position, paged like the keys (L, N, P, di)
+        self.index_keys = (xp.zeros((L, num_pages, page_size, config.indexer_head_dim), dtype=dtype)
+                           if config.qwen4_exp else None)
         self.states = LinearStates(config, num_slots, xp, dtype, linear_heads) if config.hybrid else None
         self.snapshots: LinearStates | None = None   # the engine's snapshots of states, for prefix hits (hybrid)
         self.state_copies: list | None = None        # tensor parallel: rank 0's copies between the two since its
@@ -64,14 +71,21 @@ class KVCache:
         self.keys[layer].reshape(-1, Dh)[slots] = k.reshape(-1, Dh)          # (N*K*P, Dh)[(T*K,)] = (T*K, Dh)
         self.values[layer].reshape(-1, Dh)[slots] = v.reshape(-1, Dh)
 
+    def write_index_keys(self, layer: int, pages, offsets, keys):
+        """Qwen4-Exp: store QSA's raw indexer keys (T, di) of tokens at pages[t], offsets[t]."""
+        self.index_keys[layer].reshape(-1, keys.shape[-1])[pages * self.page_size + offsets] = keys   # (N*P, di)
+
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes + (self.states.nbytes if self.states is not None else 0)
+        return (self.keys.nbytes + self.values.nbytes + (self.states.nbytes if self.states is not None else 0)
+                + (self.index_keys.nbytes if self.index_keys is not None else 0))
 
     @staticmethod
     def bytes_per_token(config: Qwen3Config, dtype) -> int:
-        """Keys + values of one position in every full-attention layer (all layers of a Qwen3)."""
-        return (2 * config.num_attention_layers * config.num_key_value_heads * config.head_dim
+        """Keys + values of one position in every full-attention layer (all layers of a Qwen3), and in Qwen4-Exp
+        QSA's raw indexer key."""
+        index = config.indexer_head_dim if config.qwen4_exp else 0
+        return (config.num_attention_layers * (2 * config.num_key_value_heads * config.head_dim + index)
                 * np.dtype(dtype).itemsize)
 
 
@@ -86,6 +100,12 @@ class LinearStates:
         self.recurrent = xp.zeros((Ll, num_slots, *recurrent_state_shape(config, heads)),
                                   dtype=np.promote_types(dtype, np.float32))          # (Ll, S, Hv, dk, dv)
         self.num_slots = num_slots
+        # Qwen4-Exp's PLE layers: the dilated convolution's last inputs (Lp, S, L, C*D) and each sequence's last
+        # ngram_size - 1 tokens (S, n-1), end-of-text before its first (an n-gram starts there)
+        Lp = len(config.ple_layer_ids)
+        self.eos = config.eos_token_ids[0] if Lp else 0
+        self.ple_conv = xp.zeros((Lp, num_slots, *ple_conv_state_shape(config)), dtype=dtype) if Lp else None
+        self.ple_ids = np.full((num_slots, config.ngram_size - 1), self.eos, dtype=np.int64) if Lp else None
         # speculative decoding: a verifying sequence's slot -> per linear layer (the conv's inputs (W-1+n, C) from
         # its state on, the delta rule's state after each of its n tokens (n, Hv, dk, dv)), until roll_back
         self.verified: dict[int, dict] = {}
@@ -103,23 +123,37 @@ class LinearStates:
         if len(slots):
             self.conv[:, slots] = 0
             self.recurrent[:, slots] = 0
+            if self.ple_conv is not None:
+                self.ple_conv[:, slots] = 0
+                self.ple_ids[slots] = self.eos
 
     @property
     def nbytes(self) -> int:
-        return self.conv.nbytes + self.recurrent.nbytes
+        ple = self.ple_conv.nbytes + self.ple_ids.nbytes if self.ple_conv is not None else 0
+        return self.conv.nbytes + self.recurrent.nbytes + ple
 
     @staticmethod
     def bytes_per_slot(config: Qwen3Config, dtype) -> int:
         """One sequence's states in every linear-attention layer: the same at any context length."""
-        Ll = config.num_hidden_layers - config.num_attention_layers
+        Ll, Lp = config.num_hidden_layers - config.num_attention_layers, len(config.ple_layer_ids)
+        ple = Lp * math.prod(ple_conv_state_shape(config)) * np.dtype(dtype).itemsize + 8 * (config.ngram_size - 1)
         return Ll * (math.prod(conv_state_shape(config)) * np.dtype(dtype).itemsize
-                     + math.prod(recurrent_state_shape(config)) * np.promote_types(dtype, np.float32).itemsize)
+                     + math.prod(recurrent_state_shape(config)) * np.promote_types(dtype, np.float32).itemsize) \
+            + (ple if Lp else 0)
 
 
 def copy_states(src: LinearStates, i: int, dst: LinearStates, j: int):
     """Slot i of src -> slot j of dst, in every linear-attention layer."""
     dst.conv[:, j] = src.conv[:, i]                # (Ll, W-1, C)
     dst.recurrent[:, j] = src.recurrent[:, i]      # (Ll, Hv, dk, dv)
+    if src.ple_conv is not None:                   # Qwen4-Exp's PLE layers
+        dst.ple_conv[:, j] = src.ple_conv[:, i]    # (Lp, L, C*D)
+        dst.ple_ids[j] = src.ple_ids[i]            # (n-1,)
+
+
+def ple_conv_state_shape(config: Qwen3Config) -> tuple[int, int]:
+    """(L, C*D): a PLE convolution's last (K-1) * ngram_size inputs (its dilation is ngram_size), all C streams."""
+    return (config.ple_conv_kernel_size - 1) * config.ngram_size, config.hc_count * config.hidden_size
 
 
 def conv_state_shape(config: Qwen3Config, heads: tuple[int, int] | None = None) -> tuple[int, int]:
