@@ -14,7 +14,7 @@ Hn = (n - 1) * heads_per_ngram hash heads, d = the width of one head's row. Inte
 torch's long (the multipliers are small enough that token * multiplier never overflows).
 """
 import math
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
@@ -47,7 +47,7 @@ def is_prime(n: int) -> bool:
     return n == 2 or (n > 2 and n % 2 == 1 and all(n % d for d in range(3, math.isqrt(n) + 1, 2)))
 
 
-@lru_cache(maxsize=None)
+@cache
 def head_vocab_sizes(base: int, heads: int, ple_layer_index: int) -> tuple[np.ndarray, np.ndarray]:
     """Each hash head's table size (the primes after base - 1, continuing across PLE layers) and its first row
     in the shared embedding: ((Hn,), (Hn,)) int64."""
@@ -140,7 +140,7 @@ def dilated_causal_conv(x, kernel, state, dilation: int):
     sum_k kernel[:, k] * inputs[t + k * dilation] over the last L = (K-1) * dilation inputs before t and t's own.
     x (T, CD), kernel (CD, K), state (L, CD) the inputs before these -> (T, CD), the new state (L, CD)."""
     xp = xp_of(x)
-    L, T = state.shape[0], x.shape[0]
+    T = x.shape[0]
     inputs = xp.concatenate([state.astype(x.dtype), x])                     # (L + T, CD)
     out = xp.zeros_like(x)
     for k in range(kernel.shape[1]):

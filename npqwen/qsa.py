@@ -20,9 +20,8 @@ import math
 
 import numpy as np
 
-from .backend import xp_of
-
 from . import ops
+from .backend import xp_of
 
 
 def indexer_queries_keys(x, index_qk_proj, q_norm, Hi: int, di: int, cos, sin, eps: float):
