@@ -134,6 +134,7 @@ class Qwen4Exp(Qwen3):
         q, gate = q.reshape(T, H, 2 * Dh)[..., :Dh], q.reshape(T, H, 2 * Dh)[..., Dh:].reshape(T, H * Dh)
         q = ops.rms_norm(q, W[f"{p}.q_norm.weight"], cfg.rms_norm_eps, 1.0)        # (T, H, Dh), 1 + weight
         k = ops.rms_norm(k.reshape(T, K, Dh), W[f"{p}.k_norm.weight"], cfg.rms_norm_eps, 1.0)   # (T, K, Dh)
+        q, k = recorder(f"{p}.q_norm", q), recorder(f"{p}.k_norm", k)
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
         q, k = recorder(f"{p}.q_rope", q), recorder(f"{p}.k_rope", k)
         kv.write(c, slots, k, v.reshape(T, K, Dh))
