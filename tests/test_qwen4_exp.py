@@ -376,3 +376,18 @@ def test_refusals_name_what_they_refuse(causal):
             llm.generate([1, 2, 3], max_new_tokens=2, temperature=0, **kw)
     with pytest.raises(NpqwenError, match="compact weights"):
         npqwen.load(causal[0], weights="int8")
+
+
+def test_inspect_prints_what_a_request_costs(causal):
+    """The QSA layers' KV (keys, values and the indexer's raw key), the PLE states, the PLE tables on disk, and the
+    figures computed from the config (no weights read)."""
+    from npqwen.describe import describe
+
+    text = describe(str(causal[0]))
+    print(text[text.index("Qwen4-Exp ("):text.index("weights (")])
+    per_token = 2 * 1 * 16 * 4 + 16 * 4   # one QSA layer: K=1 head of 16 for keys and values, di=16, float32
+    assert f"QSA layers                 [3]: per token 128 bytes of keys and values + 64 of the indexer's" in text
+    assert f"KV cache per token         {per_token} bytes in float32" in text
+    assert "PLE layers                 [0, 1]: per request 2 x conv state [9, 96] + the last 2 token ids" in text
+    assert "[4,064, 2] F32 in 2 part(s)" in text and "16,448 parameters" in text and "memory-mapped" in text
+    assert "not used by npqwen" not in text and "MISSING" not in text
