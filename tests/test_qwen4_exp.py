@@ -4,7 +4,6 @@ the QSA indexer's block selection, the gated shared expert MoE); then the whole 
 transformers writes (Qwen4ExpForCausalLM, and the hub's Qwen4ExpForConditionalGeneration with a vision tower and
 sharded PLE tables): HF's float32 logits within tests/tolerance.py's bound and its greedy tokens; the engine
 (batched = alone, chunked prefill, a prefix hit, preemption); and the refusals, each naming what it refuses."""
-import json
 
 import numpy as np
 import pytest
@@ -386,7 +385,7 @@ def test_inspect_prints_what_a_request_costs(causal):
     text = describe(str(causal[0]))
     print(text[text.index("Qwen4-Exp ("):text.index("weights (")])
     per_token = 2 * 1 * 16 * 4 + 16 * 4   # one QSA layer: K=1 head of 16 for keys and values, di=16, float32
-    assert f"QSA layers                 [3]: per token 128 bytes of keys and values + 64 of the indexer's" in text
+    assert "QSA layers                 [3]: per token 128 bytes of keys and values + 64 of the indexer's" in text
     assert f"KV cache per token         {per_token} bytes in float32" in text
     assert "PLE layers                 [0, 1]: per request 2 x conv state [9, 96] + the last 2 token ids" in text
     assert "[4,064, 2] F32 in 2 part(s)" in text and "16,448 parameters" in text and "memory-mapped" in text
