@@ -390,3 +390,33 @@ def test_inspect_prints_what_a_request_costs(causal):
     assert "PLE layers                 [0, 1]: per request 2 x conv state [9, 96] + the last 2 token ids" in text
     assert "[4,064, 2] F32 in 2 part(s)" in text and "16,448 parameters" in text and "memory-mapped" in text
     assert "not used by npqwen" not in text and "MISSING" not in text
+
+
+def test_the_server_and_the_vision_tower(tmp_path):
+    """A chat completion through `npqwen serve`'s app equals llm.generate; an image in a request is refused by name
+    (npqwen reads the text model; the vision tower's weights stay on disk). The hub layout, Qwen3's tokenizer."""
+    pytest.importorskip("fastapi")
+    from conftest import add_qwen3_tokenizer, needs_qwen3_tokenizer
+    from serving import LiveServer, http_json
+
+    needs_qwen3_tokenizer()
+    path, _ = build(tmp_path, dict(vocab_size=151936, eos_token_id=151645), hub=True, seed=2)
+    llm = npqwen.load(add_qwen3_tokenizer(path))
+    live = LiveServer(llm, engine=Engine(llm, kv_cache_tokens=512, page_size=16))
+    try:
+        messages = [{"role": "user", "content": "What is a hyper-connection?"}]
+        body = dict(model="test-model", messages=messages, temperature=0, max_tokens=8, return_token_ids=True,
+                    chat_template_kwargs={"enable_thinking": False})
+        status, chat = http_json("POST", live.url + "/v1/chat/completions", body)
+        assert status == 200, chat
+        want = llm.generate(llm.chat_prompt(messages, enable_thinking=False), max_new_tokens=8, temperature=0)
+        print("server", chat["choices"][0]["token_ids"], "generate", want.token_ids)
+        assert chat["choices"][0]["token_ids"] == want.token_ids
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+        body = dict(model="test-model", max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
+        status, out = http_json("POST", live.url + "/v1/chat/completions", body)
+        print(status, out)
+        assert status == 400 and "image_url" in out["error"]["message"]
+    finally:
+        live.close()
