@@ -92,11 +92,12 @@ def qwen4_lines(config: Qwen3Config, tensors: dict, dtype) -> list[str]:
         for name, (rows, d) in ple_table_shapes(config).items():
             parts = [t for n, t in tensors.items() if n == name or n.startswith(name[:-len("weight")] + "shard_")]
             stored = parts[0][1] if parts else "MISSING"
-            nbytes = rows * d * (STORED_DTYPES[stored][1] if stored in STORED_DTYPES else 0)
+            nbytes = rows * d * (STORED_DTYPES[stored][1] if stored in STORED_DTYPES else
+                                 np.dtype(stored).itemsize if stored != "MISSING" else 0)   # (built in: a dtype)
             on_disk, params = on_disk + nbytes, params + rows * d
-            lines.append(f"    {name:<56} [{rows:,}, {d}] {stored} in {len(parts)} part(s), {size(nbytes)} on disk")
-        lines += [f"  PLE tables                 {params:,} parameters, {size(on_disk)} on disk, memory-mapped: not "
-                  f"read into memory; a token reads {Hn} rows of {config.ple_embed_dim // Hn} per PLE layer (the hash "
+            lines.append(f"    {name:<56} [{rows:,}, {d}] {stored} in {len(parts)} part(s), {size(nbytes)}")
+        lines += [f"  PLE tables                 {params:,} parameters, {size(on_disk)}; a checkpoint's stay on disk, "
+                  f"memory-mapped, not read into memory; a token reads {Hn} rows of {config.ple_embed_dim // Hn} per PLE layer (the hash "
                   f"constants are computed from the config)"]
     return lines
 
