@@ -349,7 +349,7 @@ def test_trace_hooks_and_lens(causal):
 
 def test_refusals_name_what_they_refuse(causal):
     """A QSA variant, a malformed mRoPE section, a sigmoid output gate; LoRA, tensor parallelism, speculative
-    decoding and steering on a Qwen4-Exp model; compact weights."""
+    decoding, steering, compact weights and gradients on a Qwen4-Exp model."""
     from npqwen.config import Qwen3Config
     from npqwen.parallel import check_split
 
@@ -375,6 +375,9 @@ def test_refusals_name_what_they_refuse(causal):
             llm.generate([1, 2, 3], max_new_tokens=2, temperature=0, **kw)
     with pytest.raises(NpqwenError, match="compact weights"):
         npqwen.load(causal[0], weights="int8")
+    from npqwen import grad
+    with pytest.raises(NpqwenError, match="no backward for Qwen4-Exp"):
+        grad.gradients(llm, [1, 2, 3], grad.log_prob(5))
 
 
 def test_inspect_prints_what_a_request_costs(causal):
