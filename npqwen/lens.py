@@ -45,7 +45,7 @@ def lens_logits(llm, block_output):
     W, cfg = llm.weights, llm.config
     head = W["lm_head.weight"]                                                              # (V, D)
     if cfg.qwen4_exp:
-        p = "model.hyper_connection_mixer"
+        W, p = llm.model.weights, "model.hyper_connection_mixer"   # the names the model reads (not as stored)
         x, _ = hc.mix_streams(llm.model.xp.asarray(block_output), W[f"{p}.hc_norm.weight"],
                               W[f"{p}.input_mix_weight_down.weight"], W[f"{p}.input_mix_weight_up.weight"],
                               cfg.hc_count, cfg.rms_norm_eps)                               # (T, D)

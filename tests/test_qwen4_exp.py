@@ -396,7 +396,8 @@ def test_inspect_prints_what_a_request_costs(causal):
 
 
 def test_the_server_and_the_vision_tower(tmp_path):
-    """A chat completion through `npqwen serve`'s app equals llm.generate; an image in a request is refused by name
+    """A chat completion through `npqwen serve`'s app equals llm.generate, the web page's logit-lens probe reads the
+    streams through the final mixing (its last layer is the model's own probability); an image is refused by name
     (npqwen reads the text model; the vision tower's weights stay on disk). The hub layout, Qwen3's tokenizer."""
     pytest.importorskip("fastapi")
     from conftest import add_qwen3_tokenizer, needs_qwen3_tokenizer
@@ -415,6 +416,13 @@ def test_the_server_and_the_vision_tower(tmp_path):
         want = llm.generate(llm.chat_prompt(messages, enable_thinking=False), max_new_tokens=8, temperature=0)
         print("server", chat["choices"][0]["token_ids"], "generate", want.token_ids)
         assert chat["choices"][0]["token_ids"] == want.token_ids
+        ids = llm.prompt_ids("Four streams, one lens.")   # the web page's layers probe: each layer's logit lens
+        status, lens = http_json("POST", live.url + "/v1/npqwen/layers", dict(tokens=ids, position=5))
+        logits = llm.forward(ids[:5])[-1].astype(np.float64)
+        p = np.exp(logits - logits.max())
+        want = (p / p.sum())[ids[5]]
+        print(status, [layer["probability"] for layer in lens["layers"]], want)
+        assert status == 200 and abs(lens["layers"][-1]["probability"] / want - 1) < 1e-4
         image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
         body = dict(model="test-model", max_tokens=4, messages=[
             {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
