@@ -368,10 +368,10 @@ def qwen4_exp_text(raw: dict, model_type: str, source: str) -> tuple[dict, str]:
     if gate != "silu":
         raise NpqwenError(f"{source}: output_gate_type {gate!r}: npqwen's Gated DeltaNet gates its output with SiLU "
                           f"(Qwen4-Exp's default); a {gate} output gate is not implemented")
-    if raw.get("hc_count", 4) is not None and not (isinstance(raw.get("hc_count", 4), int)
-                                                   and raw.get("hc_count", 4) > 1):
+    streams = raw.get("hc_count", 4)
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 2:
         raise NpqwenError(f"{source}: hc_count must be an integer above 1 (Qwen4-Exp's residual streams), "
-                          f"got {raw.get('hc_count')!r}")
+                          f"got {streams!r}")
     unknown = sorted(k for k in raw if (k.startswith(("indexer_", "qsa", "index_")) and k not in QWEN4_QSA))
     if unknown:
         raise NpqwenError(f"{source}: {unknown[0]!r} describes a QSA variant npqwen does not implement; it runs "
