@@ -133,7 +133,7 @@ def test_saliency_endpoint_refuses(tiny_server, body, param, words):
     assert error["error"]["param"] == param and words in error["error"]["message"], error
 
 
-def test_page_shades_the_tokens_before_the_clicked_one_by_their_saliency(browser, tiny_server):
+def test_page_shades_the_tokens_before_the_clicked_one_by_their_saliency(browser, tiny_server, screenshot):
     open_page(browser, tiny_server)
     answer = ask(browser, "Saliency")
     got = page_answer(browser)
@@ -147,4 +147,6 @@ def test_page_shades_the_tokens_before_the_clicked_one_by_their_saliency(browser
             return [...v.querySelectorAll('.sal')].map(s => Number(s.dataset.score));""")
     wait(browser, lambda: len(shown()) == len(want), what="the saliency of token 1")
     assert np.abs(np.array(shown()) - want).max() <= 1e-6 * max(1.0, np.abs(want).max())
+    browser.execute_script("document.getElementById('saliency-view').scrollIntoView()")
+    screenshot("saliency.png", WIDE)
     assert not console_errors(browser)

@@ -554,6 +554,7 @@ async function loadSaliency() {
     span.title = `position ${j}: ${score >= 0 ? "+" : ""}${score.toPrecision(3)}`;
     const color = score >= 0 ? "234, 88, 12" : "37, 99, 235";
     span.style.background = `rgba(${color}, ${(Math.abs(score) / top).toFixed(3)})`;
+    if (Math.abs(score) / top > 0.5) span.classList.add("strong");
     return span;
   });
   const next = document.createElement("span");
