@@ -250,14 +250,16 @@ def float64_hf(model, llm, monkeypatch, hybrid=False):
     if hybrid:
         to, softmax = torch.Tensor.to, torch.nn.functional.softmax
 
-        def float64(args, kwargs):
-            if kwargs.get("dtype") is torch.float32:
-                kwargs["dtype"] = torch.float64
-            return tuple(torch.float64 if a is torch.float32 else a for a in args), kwargs
+        def float64(fn):   # fn with torch.float32 asked for, positionally or as dtype=, made torch.float64
+            def wrapped(x, *args, **kwargs):
+                args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+                if kwargs.get("dtype") is torch.float32:
+                    kwargs["dtype"] = torch.float64
+                return fn(x, *args, **kwargs)
+            return wrapped
         monkeypatch.setattr(torch.Tensor, "float", torch.Tensor.double)
-        monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: to(self, *float64(a, k)[0], **float64(a, k)[1]))
-        monkeypatch.setattr(torch.nn.functional, "softmax", lambda x, *a, **k: softmax(x, *float64(a, k)[0],
-                                                                                        **float64(a, k)[1]))
+        monkeypatch.setattr(torch.Tensor, "to", float64(to))
+        monkeypatch.setattr(torch.nn.functional, "softmax", float64(softmax))
     from transformers.models.qwen3 import modeling_qwen3
     from transformers.models.qwen3_moe import modeling_qwen3_moe
 
