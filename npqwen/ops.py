@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from .backend import xp_of
+from .errors import NpqwenError
 from .weights import is_compact
 
 
@@ -66,6 +67,11 @@ def linear_backward(d_y, x, weight, want_weight: bool = True):
     not wanted). d_x is computed as (weight^T @ d_y^T)^T: with two threads OpenBLAS runs lm_head's product (inner
     dimension V) 3x faster that way round (measured at T=256, V=151936, D=1024: 1.7-2.0 s against 5.4 s, twice;
     with one thread both take 1.9-2.5 s, and the layers' shapes the same either way)."""
+    if is_compact(weight):   # a frozen compact base (QLoRA): it widens a block of rows at a time, as in linear
+        if want_weight:
+            raise NpqwenError(f"a compact weight ({weight.format}) is frozen and has no gradient; load the model with "
+                              f"weights='float32' for the weights' gradients, or ask for none (weights=False)")
+        return weight.linear_backward(d_y), None                        # (T, out) -> (T, in)
     d_x = xp_of(d_y).ascontiguousarray((weight.T @ d_y.T).T)           # (in, out) @ (out, T) -> (T, in)
     return d_x, (d_y.T @ x if want_weight else None)                    # (out, T) @ (T, in)
 
