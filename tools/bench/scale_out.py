@@ -161,9 +161,9 @@ def tables(report) -> list:
     s = report.get("engines", {}).get("npqwen", {}).get("scale_out")
     if not s:
         return []
-    return [(["scale_out", "prompt tokens", "from the prefix cache", "output tok/s", "seconds"],
-             [[label, str(r["prompt_tokens"]), f"{r['cached_share']:.0%}", f"{r['output_tps']:.1f}",
-               f"{r['seconds']:.1f}"] for label, r in s["setups"].items()])]
+    return [(["prompt tokens", "from the cache", "output tok/s", "seconds"],
+             [(f"scale_out: {label}", [str(r["prompt_tokens"]), f"{r['cached_share']:.0%}", f"{r['output_tps']:.1f}",
+                                       f"{r['seconds']:.1f}"]) for label, r in s["setups"].items()])]
 
 
 def notes(report) -> list[str]:
