@@ -25,8 +25,9 @@ from ..checks import check_token_ids
 from ..embed import POOLING_MODES, InputTooLong
 from ..errors import NpqwenError
 from ..generate import StopStrings
-from ..kv_cache import Batch, KVCache, LinearStates
+from ..kv_cache import Batch, KVCache, LinearStates, check_kv_dtype
 from ..model import check_lm_head
+from ..ops import SCORES_BYTES
 from ..mtp import load_mtp
 from ..parallel import rank_0_leads
 from ..sampling import candidates, draw, score_rows
@@ -48,7 +49,8 @@ from .thinking import thinking_budget
 
 DEFAULT_PAGE_SIZE = 256        # positions per page; see ops.paged_attention for why pages are large
 DEFAULT_STATE_SNAPSHOTS = 16   # hybrid models: snapshots of the linear layers' states kept for prefix hits
-KV_MEMORY_SHARE = 0.5          # default KV pool: this share of the memory free when the engine starts
+KV_MEMORY_SHARE = 0.5          # default KV pool: this share of the memory free when the engine starts, less scratch
+DEFAULT_PREFIX_CACHE_DIR_GB = 16.0   # prefix_cache_dir: the most its files take, least recently used evicted first
 
 
 class Engine:
@@ -57,21 +59,29 @@ class Engine:
     @rank_0_leads
     def __init__(self, llm, kv_cache_tokens: int | None = None, page_size: int = DEFAULT_PAGE_SIZE,
                  max_batch_size: int = 64, max_batched_tokens: int = 512, prefix_cache: bool = True,
-                 state_snapshots: int = DEFAULT_STATE_SNAPSHOTS, record_steps: bool = False):
+                 state_snapshots: int = DEFAULT_STATE_SNAPSHOTS, record_steps: bool = False,
+                 kv_cache_dtype: str = "auto", prefix_cache_dir=None,
+                 prefix_cache_dir_size: float = DEFAULT_PREFIX_CACHE_DIR_GB):
         self.llm, self.model, self.config = llm, llm.model, llm.config
+        check_kv_dtype(kv_cache_dtype)
         for name, value, least in (("page_size", page_size, 1), ("max_batch_size", max_batch_size, 1),
                                    ("max_batched_tokens", max_batched_tokens, 1),
                                    ("state_snapshots", state_snapshots, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise NpqwenError(f"{name} must be an integer >= {least}, got {value!r}")
-        per_token = max(1, KVCache.bytes_per_token(self.config, self.model.dtype))   # full-attention layers only
+        per_token = max(1, KVCache.bytes_per_token(self.config, self.model.dtype, kv_cache_dtype))   # full-attention
+        # layers only, as stored
         hybrid = getattr(self.config, "hybrid", False)   # Qwen3.5: a state per request beside the pages
         # and, for its prefix cache, snapshots of those states at the end of cached prefixes (state_snapshots.py)
         snapshots = state_snapshots if hybrid and prefix_cache else 0
         states = LinearStates.bytes_per_slot(self.config, self.model.dtype) * (max_batch_size + snapshots) \
             if hybrid else 0
-        if kv_cache_tokens is None:   # a share of free memory, but no more than a full batch of full contexts
-            fits = (int(free_memory_bytes(self.model.xp) * KV_MEMORY_SHARE) - states) // per_token
+        # The default pool: a share of the memory free now (the weights are loaded already) once a step's scratch
+        # is set aside, so that a prompt the pool admits never takes the process past what is free; and no more
+        # than a full batch of full contexts.
+        if kv_cache_tokens is None:
+            scratch = step_scratch_bytes(self.config, max_batched_tokens, max_batch_size)
+            fits = (int((free_memory_bytes(self.model.xp) - scratch) * KV_MEMORY_SHARE) - states) // per_token
             kv_cache_tokens = min(fits, max_batch_size * self.config.max_position_embeddings)
         if isinstance(kv_cache_tokens, bool) or not isinstance(kv_cache_tokens, int) or kv_cache_tokens < page_size:
             raise NpqwenError(f"kv_cache_tokens must be an integer >= page_size ({page_size}), got {kv_cache_tokens!r}")
@@ -79,7 +89,8 @@ class Engine:
         self.kv = KVCache(self.config, kv_cache_tokens // page_size, page_size, self.model.xp, self.model.dtype,
                           getattr(self.model, "kv_heads", None),   # this rank's heads (a stand-in model: all)
                           num_slots=max_batch_size if hybrid else 1,
-                          linear_heads=getattr(self.model, "linear_heads", None))   # ... of the linear layers
+                          linear_heads=getattr(self.model, "linear_heads", None),   # ... of the linear layers
+                          kv_dtype=kv_cache_dtype)
         self.pool = PagePool(self.kv.num_pages)
         # A hybrid model's prefix hit also needs its linear layers' states at the end of the shared prefix:
         # without snapshots of them (state_snapshots=0) it has no prefix cache.
@@ -474,6 +485,17 @@ class Engine:
         req.finish_reason, req.error = "error", message
         self._finish(req)
         return StepOutput(req.request_id, [], "", True, "error", req.result())
+
+
+def step_scratch_bytes(config, max_batched_tokens: int, max_batch_size: int) -> int:
+    """The most a step holds besides the weights and the KV pool, in float32 (an upper estimate): a chunk's
+    activations, bounded by max_batched_tokens, not by the prompt (each layer's x, qkv, q/k after norm and
+    rotation, the attention output, gate_up, its activation and product, a few of each); one block of attention
+    scores and its softmax (ops.SCORES_BYTES); the sampled rows' logits and their sampling copies."""
+    D, F = config.hidden_size, max(config.intermediate_size, getattr(config, "moe_intermediate_size", 0) or 0)
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    per_token = 6 * F + 12 * D + 4 * qkv
+    return 4 * (max_batched_tokens * per_token + 3 * max_batch_size * config.vocab_size) + 2 * SCORES_BYTES
 
 
 def drafts_by_mtp(req: Request) -> bool:
