@@ -94,7 +94,7 @@ class KVCache:
         stores = [self.keys, self.values] if self.kv_dtype == "auto" else \
             [a for store in (self.keys, self.values) for a in store.arrays]
         for store, a in zip(stores, arrays, strict=True):
-            store[:, page] = a
+            store[:, page] = xp_of(store).asarray(a)
 
     @property
     def nbytes(self) -> int:

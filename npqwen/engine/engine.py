@@ -40,6 +40,7 @@ from ..structured import ConstraintFailed, Masks, build_constraint
 from .pages import PagePool
 from .prefill_only import PrefillRows
 from .prefix_cache import PrefixCache
+from .prefix_disk import DiskPages, model_key
 from .request import Request, StepOutput
 from .scheduler import Scheduler
 from .state_slots import StateSlots
@@ -100,7 +101,9 @@ class Engine:
             self.kv.state_copies = [] if self.llm.comm.size > 1 else None
         snapshot_pool = StateSnapshots(self.kv.states, self.kv.snapshots, self.kv.state_copies) if snapshots else None
         self.cache = PrefixCache(self.pool, page_size, enabled=prefix_cache and (snapshots > 0 or not hybrid),
-                                 snapshots=snapshot_pool)
+                                 snapshots=snapshot_pool,
+                                 disk=self._disk_tier(prefix_cache_dir, prefix_cache_dir_size, kv_cache_dtype,
+                                                      prefix_cache, hybrid))
         self.states = StateSlots(max_batch_size) if hybrid else None
         self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens, self.states)
         self.requests: dict[str, Request] = {}       # unfinished requests by id
@@ -111,6 +114,22 @@ class Engine:
         self._mtp = None                             # the MTP head (npqwen/mtp.py), read when a request asks for it
         # speculative decoding's counts, vLLM's spec_decode_* metrics: verifications, drafts, drafts kept
         self.spec_decode = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+
+    def _disk_tier(self, folder, size_gb, kv_dtype: str, prefix_cache: bool, hybrid: bool) -> DiskPages | None:
+        """The prefix cache's pages kept in `folder` (prefix_disk.py), at most size_gb GB of them; None: none."""
+        if folder is None:
+            return None
+        if isinstance(size_gb, bool) or not isinstance(size_gb, (int, float)) or not size_gb > 0:
+            raise NpqwenError(f"prefix_cache_dir_size must be a number of GB > 0, got {size_gb!r}")
+        if not prefix_cache:
+            raise NpqwenError("prefix_cache_dir needs the prefix cache; leave prefix_cache on (no --no-prefix-cache)")
+        if hybrid:
+            raise NpqwenError("prefix_cache_dir does not serve hybrid models (Qwen3.5) yet: their prefix hits also "
+                              "need the linear layers' state snapshots, which are not written to disk; leave it unset")
+        if self.llm.comm.size > 1:
+            raise NpqwenError("prefix_cache_dir does not run under tensor parallelism yet (each rank holds its own "
+                              "heads' keys); leave it unset")
+        return DiskPages(folder, model_key(self.llm, kv_dtype, self.page_size), self.kv, int(size_gb * 1e9))
 
     @rank_0_leads
     def add_request(self, prompt, params: SamplingParams | int | None = None, steering=None, *,
@@ -467,6 +486,9 @@ class Engine:
             j = len(req.page_hashes)
             parent = req.page_hashes[-1] if req.page_hashes else req.cache_root
             req.page_hashes.append(self.cache.register(req.page_table[j], parent, req.tokens[j * P:(j + 1) * P]))
+            if self.cache.disk is not None and req.cache_root is None:   # and to the disk tier (prefix_disk.py)
+                key = self.cache.disk.keys(req.tokens, j + 1, P)[-1]
+                self.cache.disk.save(key, req.page_table[j], req.tokens[j * P:(j + 1) * P])
         if req.cached_len in req.snapshot_points:
             self.cache.snapshots.save(req.page_hashes[req.cached_len // P - 1], req.state_slot)
 
