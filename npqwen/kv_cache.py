@@ -18,6 +18,7 @@ Shapes: L layers, N pages, P positions per page, K key/value heads (this rank's)
 T tokens in a batch; Ll linear-attention layers, S state slots, W conv kernel, C convolved channels,
 Hv value heads of dv (this rank's), dk key head dim.
 """
+import functools
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -188,8 +189,14 @@ def widen_kv(codes, scale, kv_dtype: str, dtype):
         bf16_bits_to_float32(codes, out)
         return out
     if kv_dtype == "float8_e4m3":
-        return xp.asarray(E4M3, dtype=dtype)[codes]
+        return e4m3_table(xp, np.dtype(dtype))[codes]
     return codes.astype(dtype) * scale[..., None].astype(dtype)
+
+
+@functools.cache
+def e4m3_table(xp, dtype):
+    """The 256 e4m3 values in `dtype` on xp's device, made once (not copied to a GPU at every page)."""
+    return xp.asarray(E4M3, dtype=dtype)
 
 
 class LinearStates:
