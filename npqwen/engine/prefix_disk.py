@@ -106,6 +106,9 @@ class DiskPages:
                 payload = f.read()
             wanted = [to_numpy(a) for a in self.kv.page_arrays(page)]
             problem = self.problem(header, payload, tokens, wanted)
+        except FileNotFoundError:   # another process sharing the folder evicted it: nothing wrong
+            self.files.pop(name, None)
+            return False
         except (OSError, ValueError, TypeError, KeyError) as e:
             problem = f"it cannot be read ({e})"
         if problem:
