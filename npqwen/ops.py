@@ -200,7 +200,7 @@ def apply_rope_backward(d_out, cos, sin):
     return apply_rope(d_out, cos, -sin)
 
 
-SCORES_BYTES = 256 * 2**20   # the most one block of paged_attention's scores takes: 256 queries x 16 heads x 16k keys
+SCORES_BYTES = 128 * 2**20   # the most one block of paged_attention's scores takes: 256 queries x 16 heads x 8k keys
 
 
 def paged_attention(q, keys, values, page_table, start: int, block: int = 256, want_probs: bool = False):
@@ -222,7 +222,7 @@ def paged_attention(q, keys, values, page_table, start: int, block: int = 256, w
     every step. Queries go in blocks of `block`: a block needs keys only up to its own last
     position, so much of the masked upper triangle is never computed, and only the block's own
     last Tb columns need the causal mask. (Measured in a 1024-token prefill: blocks of 256 beat 64,
-    128 and 512.) A block's scores are (H, Tb, S) float32: past 16k keys the block shrinks so that
+    128 and 512.) A block's scores are (H, Tb, S) float32: past 8k keys (16 heads) the block shrinks so that
     they stay under SCORES_BYTES, and a long prompt's scratch does not grow with its length.
     Compact pages (kv_cache.CompactPages) are widened one page at a time as they are read here.
     """

@@ -74,22 +74,25 @@ class DiskPages:
         name = key + SUFFIX
         if name in self.files:
             return
-        arrays = [np.ascontiguousarray(to_numpy(a)) for a in self.kv.page_arrays(page)]
-        payload = b"".join(a.tobytes() for a in arrays)
+        arrays = [np.ascontiguousarray(to_numpy(a)) for a in self.kv.page_arrays(page)]   # (L, K, P, Dh) each
+        crc = 0
+        for a in arrays:   # array by array: a page of a large model is tens of MB, never joined into one more copy
+            crc = zlib.crc32(a, crc)
         header = {"format": FORMAT, "model": self.model_key, "tokens": [int(t) for t in tokens],
-                  "arrays": [[a.dtype.str, list(a.shape)] for a in arrays], "crc32": zlib.crc32(payload)}
+                  "arrays": [[a.dtype.str, list(a.shape)] for a in arrays], "crc32": crc}
         temporary = self.folder / f".{name}.{os.getpid()}.tmp"
         try:   # written aside, then renamed: a reader never sees half a file
             with open(temporary, "wb") as f:
                 f.write(json.dumps(header).encode() + b"\n")
-                f.write(payload)
+                for a in arrays:
+                    f.write(a)
             os.replace(temporary, self.folder / name)
         except OSError as e:
             temporary.unlink(missing_ok=True)
             warnings.warn(f"{self.folder}: could not write a prefix-cache page ({e.strerror or e}); it stays in "
                           f"memory only", PrefixWarning, stacklevel=2)
             return
-        self.files[name] = len(payload)
+        self.files[name] = sum(a.nbytes for a in arrays)
         self.saved_pages += 1
         self.evict()
 
