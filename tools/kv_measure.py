@@ -32,7 +32,12 @@ CACHE = ROOT / ".cache" / "kv-measure"
 def checkpoint(layers: int) -> Path:
     path = CACHE / f"qwen3-0.6b-shape-{layers}-layers"
     if not (path / "model.safetensors").is_file():
-        from conftest import QWEN3_0_6B, QWEN3_TOKENIZER_DIR, add_qwen3_tokenizer, write_npqwen_checkpoint
+        from conftest import (
+            QWEN3_0_6B,
+            QWEN3_TOKENIZER_DIR,
+            add_qwen3_tokenizer,
+            write_npqwen_checkpoint,
+        )
 
         write_npqwen_checkpoint(path, {**QWEN3_0_6B, "num_hidden_layers": layers}, dtype="BF16")
         if (QWEN3_TOKENIZER_DIR / "tokenizer.json").is_file():
