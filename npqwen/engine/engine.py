@@ -423,6 +423,8 @@ class Engine:
                 "kv_pages_total": self.pool.num_pages, "kv_pages_free": len(self.pool.free),
                 "kv_pages_cached": self.cache.cached_pages, "page_size": self.page_size,
                 "prefix_cache_hit_tokens": self.cache.hit_tokens, "preemptions": self.scheduler.preemptions,
+                "prefix_cache_disk_pages_read": self.cache.disk.loaded_pages if self.cache.disk else 0,
+                "prefix_cache_disk_pages_written": self.cache.disk.saved_pages if self.cache.disk else 0,
                 "state_snapshots": len(self.cache.snapshots.by_hash) if self.cache.snapshots is not None else 0,
                 **{f"spec_decode_{name}": count for name, count in self.spec_decode.items()}}
 
