@@ -92,6 +92,9 @@ def test_the_default_pool_sets_the_step_scratch_aside(llm, monkeypatch):
         per_token = KVCache.bytes_per_token(llm.config, np.float32, kv_dtype)
         want = int((free - scratch) * engine_module.KV_MEMORY_SHARE) // per_token // engine.page_size
         assert engine.pool.num_pages == want, (kv_dtype, engine.pool.num_pages, want)
+    monkeypatch.setattr(engine_module, "free_memory_bytes", lambda xp: scratch)   # nothing left for the pool
+    with pytest.raises(NpqwenError, match="no room for a KV pool of even one page"):
+        Engine(llm)
     engine = Engine(llm, kv_cache_tokens=512, page_size=256, kv_cache_dtype="int8")
     with pytest.raises(NpqwenError, match="needs 3 KV pages of 256 positions"):
         engine.add_request([i % 200 for i in range(600)], max_new_tokens=1)

@@ -81,9 +81,14 @@ class Engine:
         # is set aside, so that a prompt the pool admits never takes the process past what is free; and no more
         # than a full batch of full contexts.
         if kv_cache_tokens is None:
-            scratch = step_scratch_bytes(self.config, max_batched_tokens, max_batch_size)
-            fits = (int((free_memory_bytes(self.model.xp) - scratch) * KV_MEMORY_SHARE) - states) // per_token
+            scratch, free = step_scratch_bytes(self.config, max_batched_tokens, max_batch_size), \
+                free_memory_bytes(self.model.xp)
+            fits = (int((free - scratch) * KV_MEMORY_SHARE) - states) // per_token
             kv_cache_tokens = min(fits, max_batch_size * self.config.max_position_embeddings)
+            if kv_cache_tokens < page_size:
+                raise NpqwenError(f"{free / 2**30:.2f} GiB is free, less a step's scratch of {scratch / 2**30:.2f} "
+                                  f"GiB: no room for a KV pool of even one page; free memory, lower "
+                                  f"max_batched_tokens, or give kv_cache_tokens")
         if isinstance(kv_cache_tokens, bool) or not isinstance(kv_cache_tokens, int) or kv_cache_tokens < page_size:
             raise NpqwenError(f"kv_cache_tokens must be an integer >= page_size ({page_size}), got {kv_cache_tokens!r}")
         self.page_size = page_size
