@@ -70,8 +70,8 @@ class Engine:
                                    ("state_snapshots", state_snapshots, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise NpqwenError(f"{name} must be an integer >= {least}, got {value!r}")
-        per_token = max(1, KVCache.bytes_per_token(self.config, self.model.dtype, kv_cache_dtype))   # full-attention
-        # layers only, as stored
+        # a position's keys and values in the full-attention layers only, as stored (kv_cache_dtype)
+        per_token = max(1, KVCache.bytes_per_token(self.config, self.model.dtype, kv_cache_dtype))
         hybrid = getattr(self.config, "hybrid", False)   # Qwen3.5: a state per request beside the pages
         # and, for its prefix cache, snapshots of those states at the end of cached prefixes (state_snapshots.py)
         snapshots = state_snapshots if hybrid and prefix_cache else 0
