@@ -186,20 +186,3 @@ def test_compare_runs_hf_transformers_on_the_dequantized_weights(tmp_path):
     rows = compare(llm, PROMPT)
     assert len(rows) >= 30, [r["name"] for r in rows]   # trace names HF's modules, as for a checkpoint directory
     assert max(relative(r) for r in rows) < 1e-4, max(rows, key=relative)
-
-
-def test_qwen3_5_with_reordered_value_heads_is_refused():
-    """llama.cpp reorders a Qwen3.5's value heads when there are more of them than key heads: refused, said so."""
-    from npqwen.gguf_file import config_dict
-
-    meta = {"general.architecture": "qwen35", **{f"qwen35.{k}": v for k, v in dict(
-        embedding_length=64, block_count=4, feed_forward_length=96, **{"attention.head_count": 4,
-        "attention.head_count_kv": 2, "attention.key_length": 32, "attention.layer_norm_rms_epsilon": 1e-6,
-        "rope.freq_base": 1e7, "rope.dimension_count": 8, "rope.dimension_sections": [1, 1, 2, 0],
-        "ssm.conv_kernel": 4, "ssm.state_size": 16, "ssm.group_count": 2, "ssm.time_step_rank": 4,
-        "ssm.inner_size": 32}, context_length=1024, full_attention_interval=4).items()}}
-    embedding = type("T", (), {"shape": (512, 64)})()
-    with pytest.raises(NpqwenError, match="a qwen35 GGUF with 4 value heads over 2 key heads: llama.cpp reorders"):
-        config_dict(meta, {"model.embed_tokens.weight": embedding}, "x.gguf")
-    meta["qwen35.ssm.time_step_rank"], meta["qwen35.ssm.inner_size"] = 2, 16
-    assert config_dict(meta, {"model.embed_tokens.weight": embedding}, "x.gguf")["linear_value_head_dim"] == 8

@@ -123,23 +123,115 @@ def test_agrees_with_llama_cpp(files, loaded, ftype, tmp_path):
     assert kl.mean() < 1e-3, f"{ftype}: KL(llama.cpp || npqwen) {kl.mean():.2e} (max {kl.max():.2e} at {kl.argmax()})"
 
 
-def test_qwen3_5_from_llama_cpp(tmp_path):
-    """Qwen3.5 (llama.cpp's qwen35): its Gated DeltaNet tensors (attn_qkv, attn_gate, ssm_*) map to HF's linear_attn,
-    the norms stored as 1 + weight and A as -exp(A_log) are undone, the convolution reshaped; the F32 file computes
-    what the HF checkpoint does."""
+# Qwen3.5 as its real checkpoints are (Qwen3.5-9B: 16 key heads, 32 value heads): more value heads than key heads,
+# which llama.cpp's converter reorders (npqwen/gguf_file.py's value_head_order); key and value heads of one width,
+# as llama.cpp's qwen35 requires
+QWEN35 = dict(vocab_size=151936, eos_token_id=151645, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def qwen35_files(tmp_path_factory):
+    """An HF Qwen3.5 (Hv = 2 Hk, the real tokenizer) and llama.cpp's GGUF files of it: F32 and Q8_0 (made once)."""
     from hybrid_checkpoints import build_hybrid_checkpoint, hybrid_config
 
     needs_llama_cpp()
     needs_qwen3_tokenizer()
-    config = hybrid_config(vocab_size=151936, eos_token_id=151645, linear_num_value_heads=2)   # Hv = Hk
+    config = hybrid_config(**QWEN35)
 
     def make(work):
         add_qwen3_tokenizer(build_hybrid_checkpoint(work / "hf", config, save_dtype="float32"))
-        convert_hf_to_gguf(work / "hf", work / "q35.gguf", "f32", "--no-mtp")
+        convert_hf_to_gguf(work / "hf", work / "q35-F32.gguf", "f32", "--no-mtp")
+        llama_quantize(work / "q35-F32.gguf", work / "q35-Q8_0.gguf", "Q8_0")
 
-    root = made_once(config, make, tmp_path / "made")
-    gguf, ref = npqwen.load(root / "q35.gguf"), npqwen.load(root / "hf")
+    root = made_once(config, make, tmp_path_factory.mktemp("qwen35"))
+    return {"hf": root / "hf", "F32": root / "q35-F32.gguf", "Q8_0": root / "q35-Q8_0.gguf"}
+
+
+def hf_on_dequantized_weights(hf_dir, gguf_path):
+    """HF transformers' Qwen3.5 in float32 holding the GGUF's tensors as gguf.quants.dequantize widens them, put
+    back as HF holds them by the test's own hand: named by gguf-py's tensor map, the norms' 1 + weight and A =
+    -exp(A_log) undone, and the value heads taken back from llama.cpp's tiled order, (r, Hk, d) -> (Hk, r, d)
+    along their axis (the inverse of its converter's _reorder_v_heads)."""
+    import torch
+    from gguf import MODEL_ARCH, GGUFReader, get_tensor_name_map
+    from gguf.quants import dequantize
+    from hybrid_checkpoints import hf_hybrid_model
+
+    model = hf_hybrid_model(hf_dir)
+    c = model.config
+    Hk, Hv, dv, qk = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim,
+                      2 * c.linear_num_key_heads * c.linear_key_head_dim)
+    names = get_tensor_name_map(MODEL_ARCH.QWEN35, c.num_hidden_layers)
+    by_name = {t.name: t for t in GGUFReader(gguf_path).tensors}
+
+    def untile(x, dim, d):   # llama.cpp's tiled value heads (r, Hk, d) along `dim` -> HF's grouped (Hk, r, d)
+        shape = x.shape
+        x = x.reshape(*shape[:dim], Hv // Hk, Hk, d, *shape[dim + 1:])
+        return x.transpose(dim, dim + 1).reshape(shape)
+
+    state = {}
+    for name, p in model.state_dict().items():
+        base, _, suffix = name.rpartition(".")
+        if name == "lm_head.weight" and "output.weight" not in by_name:
+            base = "model.embed_tokens"   # tied
+        gguf_name = {"A_log": names.get_name(f"{base}.A_log"), "dt_bias": f"{names.get_name(f'{base}.dt_proj')}.bias"
+                     }.get(suffix, f"{names.get_name(base)}.{suffix}")
+        t = by_name[gguf_name]
+        x = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).reshape(p.shape)   # conv1d: (C, W) -> (C, 1, W)
+        if suffix == "A_log":
+            x = torch.log(-x)
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            x = x - 1
+        part = base.rpartition(".")[2]
+        if part in ("in_proj_qkv", "conv1d"):
+            x = torch.cat([x[:qk], untile(x[qk:], 0, dv)])
+        elif part == "in_proj_z":
+            x = untile(x, 0, dv)
+        elif part in ("in_proj_a", "in_proj_b") or suffix in ("A_log", "dt_bias"):
+            x = untile(x, 0, 1)
+        elif part == "out_proj" and ".linear_attn." in name:
+            x = untile(x, 1, dv)
+        state[name] = x
+    model.load_state_dict(state)
+    return model
+
+
+def test_qwen3_5_with_more_value_heads_from_llama_cpp(qwen35_files, tmp_path):
+    """Qwen3.5 (llama.cpp's qwen35): its Gated DeltaNet tensors (attn_qkv, attn_gate, ssm_*) map to HF's linear_attn,
+    the norms stored as 1 + weight and A as -exp(A_log) are undone, the convolution reshaped, and the value heads
+    llama.cpp tiled put back in HF's order. The F32 file computes what the HF checkpoint does, to the bit; the Q8_0
+    file what HF transformers computes on its weights widened by gguf (tests/tolerance.py's bound); llama.cpp's
+    probabilities on the F32 file agree."""
+    import torch
+
+    from npqwen.gguf_file import ReorderedHeads
+    from tolerance import model_tolerance, relative_diff
+
+    gguf, ref = npqwen.load(qwen35_files["F32"]), npqwen.load(qwen35_files["hf"])
     assert gguf.config == ref.config and gguf.config.hybrid
+    assert gguf.config.linear_num_value_heads == 2 * gguf.config.linear_num_key_heads
     ids = ref.tokenizer.encode(TEXT)
-    assert_close(gguf.forward(ids), ref.forward(ids), 1e-5, "qwen35 F32 logits")
+    np.testing.assert_array_equal(gguf.forward(ids), ref.forward(ids))
     assert gguf.generate(ids, 8).token_ids == ref.generate(ids, 8).token_ids
+
+    q8 = npqwen.load(qwen35_files["Q8_0"])
+    out_proj = q8.weights["model.layers.0.linear_attn.out_proj.weight"]
+    assert isinstance(out_proj, ReorderedHeads) and out_proj.format == "Q8_0"   # kept as stored, columns gathered
+    hf = hf_on_dequantized_weights(qwen35_files["hf"], qwen35_files["Q8_0"])
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    got, bound = q8.forward(ids), model_tolerance(q8.config, len(ids))
+    print(f"qwen35 Q8_0 against HF on the dequantized weights: relative {relative_diff(got, want):.3g} (bound {bound:.3g})")
+    assert relative_diff(got, want) <= bound, f"qwen35 Q8_0 logits: relative {relative_diff(got, want):.3g} > {bound:.3g}"
+    np.testing.assert_array_equal(np.asarray(out_proj.dequantize()), hf.state_dict()[
+        "model.layers.0.linear_attn.out_proj.weight"].numpy())
+
+    theirs = llama_cpp_probs(qwen35_files["F32"], ids, tmp_path)                 # (T, V)
+    logits = np.asarray(gguf.forward(ids), np.float64)
+    ours = np.exp(logits - logits.max(axis=1, keepdims=True))
+    ours /= ours.sum(axis=1, keepdims=True)
+    kl = np.sum(theirs * (np.log(np.maximum(theirs, 1e-30)) - np.log(ours)), axis=1)
+    top1 = (ours.argmax(axis=1) == theirs.argmax(axis=1)).mean()
+    print(f"qwen35 F32 vs llama.cpp over {len(ids)} positions: top-1 equal {top1:.3f}, KL mean {kl.mean():.2e}")
+    assert top1 >= 0.95 and kl.mean() < 1e-3, f"qwen35 F32: top-1 {top1:.1%}, KL(llama.cpp || npqwen) {kl.mean():.2e}"
