@@ -689,6 +689,12 @@ def stack_compact(config: Qwen3Config, weights: dict) -> dict:
         p = f"model.layers.{i}"
         if not config.is_linear_layer(i):
             fused[f"{p}.self_attn.qkv_proj.weight"] = Rows([weights[f"{p}.self_attn.{t}_proj.weight"] for t in "qkv"])
+        if not config.is_linear_layer(i) and config.attention_bias:   # Qwen2: the float32 biases stacked as the rows
+            names = [f"{p}.self_attn.{t}_proj.bias" for t in "qkv"]
+            stacked = fused[f"{p}.self_attn.qkv_proj.bias"] = xp_of(weights[names[0]]).concatenate(
+                [weights[n] for n in names])                                                     # (Q + 2K*Dh,)
+            for n, start in zip(names, np.cumsum([0] + [weights[n].shape[0] for n in names])):
+                weights[n] = stacked[start:start + weights[n].shape[0]]   # the HF-named entries: views into it
         mlp = f"{p}.mlp.shared_expert" if config.is_moe_layer(i) else f"{p}.mlp"
         if f"{mlp}.gate_proj.weight" in weights:
             fused[f"{mlp}.gate_up_proj.weight"] = Rows([weights[f"{mlp}.gate_proj.weight"],

@@ -1,11 +1,12 @@
-"""GGUF files (llama.cpp's format, what Ollama pulls): the config, tokenizer and weights of a Qwen3 in one file.
+"""GGUF files (llama.cpp's format, what Ollama pulls): the config, tokenizer and weights of a Qwen in one file.
 
 A GGUF holds key/value metadata and tensors. The `gguf` package (llama.cpp's own reader) memory-maps the
 file; every tensor stays the reader's view of its bytes, in its stored ggml format (`npqwen/quants.py`),
 and only a block of rows at a time is ever widened. This module turns what llama.cpp's converter
 (`convert_hf_to_gguf.py`) wrote back into what npqwen reads from a Hugging Face checkpoint:
 
-- the config: `qwen3.embedding_length` -> `hidden_size`, ... (`config_dict`);
+- the config: `qwen3.embedding_length` -> `hidden_size`, ... (`config_dict`), for llama.cpp's `qwen3`,
+  `qwen3moe`, `qwen35` and `qwen2` (Qwen2 / Qwen2.5: its q/k/v biases `blk.N.attn_q.bias` are HF's `q_proj.bias`);
 - the tokenizer and chat template: `tokenizer.ggml.tokens`, `.merges`, `.token_type` and
   `tokenizer.chat_template` -> a byte-level BPE `tokenizers.Tokenizer` (`gguf_tokenizer`);
 - the tensors under their HF names: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`
@@ -31,7 +32,7 @@ from .errors import NpqwenError
 from .weights import Compact
 
 # general.architecture as llama.cpp writes it -> HF model_type
-ARCHITECTURES = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text"}
+ARCHITECTURES = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text", "qwen2": "qwen2"}
 
 # llama.cpp's tensor names (gguf-py's tensor_mapping for QWEN3 / QWEN3MOE) -> HF's, per layer and whole-model
 LAYER_NAMES = {
@@ -120,7 +121,8 @@ def architecture(meta: dict, path) -> str:
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise NpqwenError(f"{path}: a GGUF of architecture {arch!r}; npqwen runs Qwen3: "
-                          f"{', '.join(repr(a) for a in ARCHITECTURES)} (llama.cpp's names for Qwen3, Qwen3-MoE and Qwen3.5)")
+                          f"{', '.join(repr(a) for a in ARCHITECTURES)} (llama.cpp's names for Qwen3, Qwen3-MoE, "
+                          f"Qwen3.5 and Qwen2 / Qwen2.5)")
     return arch
 
 
@@ -144,7 +146,8 @@ def config_dict(meta: dict, tensors: dict, path) -> dict:
         model_type=ARCHITECTURES[arch], hidden_size=key("embedding_length"), num_hidden_layers=key("block_count"),
         intermediate_size=key("feed_forward_length", 0) or key("expert_feed_forward_length"),
         num_attention_heads=key("attention.head_count"), num_key_value_heads=key("attention.head_count_kv"),
-        head_dim=key("attention.key_length"), rms_norm_eps=decimal(key("attention.layer_norm_rms_epsilon")),
+        head_dim=key("attention.key_length", key("embedding_length") // key("attention.head_count")),   # qwen2: none
+        rms_norm_eps=decimal(key("attention.layer_norm_rms_epsilon")),
         rope_theta=decimal(key("rope.freq_base")), max_position_embeddings=key("context_length"),
         vocab_size=embedding.shape[0], tie_word_embeddings="lm_head.weight" not in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))

@@ -106,21 +106,70 @@ def llama_cpp_probs(path, ids, tmp_path) -> np.ndarray:
 # llama.cpp multiplies a Q8_0 matrix by activations it rounds to Q8_0 blocks too (npqwen keeps them float32). On this
 # random model, whose next-token distribution is nearly flat (top probability ~2e-4), that can swap two near-tied
 # top tokens: on a longer text (53 positions) 5 of 53 swapped (KL 1.6e-4); on this one none do.
-@pytest.mark.parametrize("ftype", ["F32", "Q8_0"])
-def test_agrees_with_llama_cpp(files, loaded, ftype, tmp_path):
-    llm = loaded(ftype)
-    ids = llm.tokenizer.encode(TEXT)
-    theirs = llama_cpp_probs(files[ftype], ids, tmp_path)                       # (T, V)
+def assert_agrees_with_llama_cpp(llm, path, ids, tmp_path, what):
+    """llama.cpp's next-token probabilities on the file at `path` against npqwen's: top-1 equal on >= 95% of
+    positions, mean KL(llama.cpp || npqwen) < 1e-3."""
+    theirs = llama_cpp_probs(path, ids, tmp_path)                               # (T, V)
     logits = np.asarray(llm.forward(ids), np.float64)
     ours = np.exp(logits - logits.max(axis=1, keepdims=True))
     ours /= ours.sum(axis=1, keepdims=True)
     top1 = (ours.argmax(axis=1) == theirs.argmax(axis=1)).mean()
     kl = np.sum(theirs * (np.log(np.maximum(theirs, 1e-30)) - np.log(ours)), axis=1)   # KL(llama.cpp || npqwen)
-    print(f"{ftype} vs llama.cpp over {len(ids)} positions: top-1 equal {top1:.3f}, KL mean {kl.mean():.2e} "
+    print(f"{what} vs llama.cpp over {len(ids)} positions: top-1 equal {top1:.3f}, KL mean {kl.mean():.2e} "
           f"max {kl.max():.2e}")
     first = np.argmax(ours.argmax(axis=1) != theirs.argmax(axis=1))
-    assert top1 >= 0.95, f"{ftype}: top-1 equal on {top1:.1%} of positions; the first differs at {first}"
-    assert kl.mean() < 1e-3, f"{ftype}: KL(llama.cpp || npqwen) {kl.mean():.2e} (max {kl.max():.2e} at {kl.argmax()})"
+    assert top1 >= 0.95, f"{what}: top-1 equal on {top1:.1%} of positions; the first differs at {first}"
+    assert kl.mean() < 1e-3, f"{what}: KL(llama.cpp || npqwen) {kl.mean():.2e} (max {kl.max():.2e} at {kl.argmax()})"
+
+
+# llama.cpp multiplies a Q8_0 matrix by activations it rounds to Q8_0 blocks too (npqwen keeps them float32). On this
+# random model, whose next-token distribution is nearly flat (top probability ~2e-4), that can swap two near-tied
+# top tokens: on a longer text (53 positions) 5 of 53 swapped (KL 1.6e-4); on this one none do.
+@pytest.mark.parametrize("ftype", ["F32", "Q8_0"])
+def test_agrees_with_llama_cpp(files, loaded, ftype, tmp_path):
+    llm = loaded(ftype)
+    assert_agrees_with_llama_cpp(llm, files[ftype], llm.tokenizer.encode(TEXT), tmp_path, ftype)
+
+
+# Qwen2.5 (llama.cpp's qwen2): Qwen3's shape without QK-norm and with q/k/v biases (HF's Qwen2Config has no head_dim)
+QWEN2 = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+             vocab_size=151936, eos_token_id=151645, bos_token_id=151643, max_position_embeddings=2048,
+             rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def qwen2_files(tmp_path_factory):
+    """A random HF Qwen2 (transformers' Qwen2ForCausalLM, the real tokenizer) and llama.cpp's F32 and Q8_0 GGUF files
+    of it (made once)."""
+    needs_llama_cpp()
+    needs_qwen3_tokenizer()
+    pytest.importorskip("transformers")
+    from test_qwen2 import build_qwen2
+
+    def make(work):
+        add_qwen3_tokenizer(build_qwen2(work / "hf", std=0.05, **QWEN2))
+        convert_hf_to_gguf(work / "hf", work / "qwen2-F32.gguf")
+        llama_quantize(work / "qwen2-F32.gguf", work / "qwen2-Q8_0.gguf", "Q8_0")
+
+    root = made_once({"qwen2": QWEN2}, make, tmp_path_factory.mktemp("qwen2"))
+    return {"hf": root / "hf", "F32": root / "qwen2-F32.gguf", "Q8_0": root / "qwen2-Q8_0.gguf"}
+
+
+def test_qwen2_5_from_llama_cpp(qwen2_files, tmp_path):
+    """Qwen2 / Qwen2.5 (llama.cpp's qwen2): blk.N.attn_q.bias ... are HF's q_proj.bias ..., the head width comes from
+    the hidden size and heads (no key_length), no QK-norm. The F32 file computes what the HF checkpoint does, to the
+    bit; the Q8_0 file what npqwen's float32 does on the weights gguf dequantizes; llama.cpp agrees on it."""
+    gguf, ref = npqwen.load(qwen2_files["F32"]), npqwen.load(qwen2_files["hf"])
+    assert gguf.config == ref.config and gguf.config.attention_bias and not gguf.config.qk_norm
+    ids = ref.tokenizer.encode(TEXT)
+    assert gguf.tokenizer.encode(TEXT) == ids
+    np.testing.assert_array_equal(gguf.forward(ids), ref.forward(ids))
+    assert gguf.generate(ids, 8).token_ids == ref.generate(ids, 8).token_ids
+
+    q8 = npqwen.load(qwen2_files["Q8_0"])
+    assert q8.weights["model.layers.0.self_attn.q_proj.weight"].format == "Q8_0"
+    assert_close(q8.forward(ids), dequantized_reference(qwen2_files["Q8_0"]).forward(ids), 1e-5, "qwen2 Q8_0 logits")
+    assert_agrees_with_llama_cpp(q8, qwen2_files["Q8_0"], ids, tmp_path, "qwen2 Q8_0")
 
 
 # Qwen3.5 as its real checkpoints are (Qwen3.5-9B: 16 key heads, 32 value heads): more value heads than key heads,
@@ -227,11 +276,4 @@ def test_qwen3_5_with_more_value_heads_from_llama_cpp(qwen35_files, tmp_path):
     np.testing.assert_array_equal(np.asarray(out_proj.dequantize()), hf.state_dict()[
         "model.layers.0.linear_attn.out_proj.weight"].numpy())
 
-    theirs = llama_cpp_probs(qwen35_files["F32"], ids, tmp_path)                 # (T, V)
-    logits = np.asarray(gguf.forward(ids), np.float64)
-    ours = np.exp(logits - logits.max(axis=1, keepdims=True))
-    ours /= ours.sum(axis=1, keepdims=True)
-    kl = np.sum(theirs * (np.log(np.maximum(theirs, 1e-30)) - np.log(ours)), axis=1)
-    top1 = (ours.argmax(axis=1) == theirs.argmax(axis=1)).mean()
-    print(f"qwen35 F32 vs llama.cpp over {len(ids)} positions: top-1 equal {top1:.3f}, KL mean {kl.mean():.2e}")
-    assert top1 >= 0.95 and kl.mean() < 1e-3, f"qwen35 F32: top-1 {top1:.1%}, KL(llama.cpp || npqwen) {kl.mean():.2e}"
+    assert_agrees_with_llama_cpp(gguf, qwen35_files["F32"], ids, tmp_path, "qwen35 F32")
