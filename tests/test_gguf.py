@@ -186,3 +186,17 @@ def test_compare_runs_hf_transformers_on_the_dequantized_weights(tmp_path):
     rows = compare(llm, PROMPT)
     assert len(rows) >= 30, [r["name"] for r in rows]   # trace names HF's modules, as for a checkpoint directory
     assert max(relative(r) for r in rows) < 1e-4, max(rows, key=relative)
+
+
+def test_each_bad_gguf_is_one_line_from_the_cli(tmp_path, capsys):
+    """Issue 37's bad input at the CLI (in process): a format npqwen does not read, another architecture, a tokenizer
+    that is not BPE: exit 1 and one `npqwen: error:` line naming it (truncated files and Ollama names: above)."""
+    from npqwen.cli import main
+
+    cases = {write_gguf(tmp_path / "iq.gguf", "Q8_0", qtypes={"blk.1.ffn_up.weight": "IQ2_XS"}):
+             "stored as IQ2_XS, a GGUF format npqwen does not read; it reads F32, F16, BF16, Q8_0",
+             write_gguf(tmp_path / "llama.gguf", "Q8_0", arch="llama"): "a GGUF of architecture 'llama'",
+             write_gguf(tmp_path / "spm.gguf", "Q4_0", tokenizer_model="llama"): "the GGUF's tokenizer is 'llama'"}
+    for path, message in cases.items():
+        code = main(["generate", "--model", str(path), "--prompt", "hi", "-n", "1"])
+        one_error_line(code, capsys.readouterr().err, message)
