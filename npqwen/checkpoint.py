@@ -535,11 +535,8 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype, parts: dict | 
     if parts is not None:
         shapes = {name: shard_shape(shape, parts[name]) for name, shape in shapes.items()}
     weights = weights_format(weights, found, shapes, xp, dtype)
-    if weights != "float32" and stacked:
-        raise NpqwenError(f"{directory}: compact weights ({weights}) do not read Qwen3-VL-MoE's stacked expert "
-                          f"tensors yet; load it with weights='float32' (--weights float32)")
     if weights != "float32":
-        return load_compact(found, config, xp, dtype, parts, shapes, weights, directory)
+        return load_compact(found, config, xp, dtype, parts, shapes, weights, directory, stacked)
     check_fits(shapes, xp, dtype, directory)
     arrays, fused = allocate_weights(config, xp, dtype, shapes)
     for p, layer in stacked.items():   # (E, D, 2I) -> fused (E, 2I, D); (E, I, D) -> (E, D, I): one expert at a time
@@ -704,12 +701,18 @@ def weights_format(weights: str, found: dict, shapes: dict, xp, dtype) -> str:
     return weights
 
 
-def load_compact(found: dict, config: Qwen3Config, xp, dtype, parts, shapes: dict, fmt: str, directory):
+def load_compact(found: dict, config: Qwen3Config, xp, dtype, parts, shapes: dict, fmt: str, directory,
+                 stacked: dict | None = None):
     """The matrices as compact weights in `fmt` ("stored": as the file holds them), the rest in float32;
-    q/k/v and gate/up stacked as Rows of their parts, a sparse layer's experts as lists."""
+    q/k/v and gate/up stacked as Rows of their parts, a sparse layer's experts as lists. `stacked`: Qwen3-VL-MoE's
+    two expert tensors per layer (fused_expert_tensors), each expert's slab converted on its own."""
     check_fits_compact(found, shapes, fmt, xp, directory)
     weights = {}
+    for p, layer in (stacked or {}).items():
+        weights.update(compact_experts(p, layer["stored"], fmt, xp, config.moe_intermediate_size, config.hidden_size))
     for name, shape in shapes.items():
+        if name in weights:
+            continue
         part = None if parts is None or shape == found[name].shape else parts[name]
         if is_matrix(name):   # a rank's rows, converted whole (int8's row scales, as one process has them), then
             rows = None if part is None else part[:1]                      # its columns on whole blocks
@@ -773,6 +776,12 @@ def stack_compact(config: Qwen3Config, weights: dict) -> dict:
         p = f"model.layers.{i}"
         if not config.is_linear_layer(i):
             fused[f"{p}.self_attn.qkv_proj.weight"] = Rows([weights[f"{p}.self_attn.{t}_proj.weight"] for t in "qkv"])
+        if not config.is_linear_layer(i) and config.attention_bias:   # Qwen2: the float32 biases stacked as the rows
+            names = [f"{p}.self_attn.{t}_proj.bias" for t in "qkv"]
+            stacked = fused[f"{p}.self_attn.qkv_proj.bias"] = xp_of(weights[names[0]]).concatenate(
+                [weights[n] for n in names])                                                     # (Q + 2K*Dh,)
+            for n, start in zip(names, np.cumsum([0] + [weights[n].shape[0] for n in names])):
+                weights[n] = stacked[start:start + weights[n].shape[0]]   # the HF-named entries: views into it
         mlp = f"{p}.mlp.shared_expert" if config.is_moe_layer(i) else f"{p}.mlp"
         if f"{mlp}.gate_proj.weight" in weights:
             fused[f"{mlp}.gate_up_proj.weight"] = Rows([weights[f"{mlp}.gate_proj.weight"],
@@ -790,7 +799,7 @@ def check_fits_compact(found: dict, shapes: dict, fmt: str, xp, directory) -> No
     """check_fits for compact weights: each matrix's bytes in its format, the rest in float32."""
     need = 0
     for name, shape in shapes.items():
-        if not is_matrix(name):
+        if not is_matrix(name) or (fmt == "stored" and name not in found):   # (Qwen3-VL-MoE's experts: at most)
             need += math.prod(shape) * 4
         elif fmt == "stored":
             need += (found[name].end - found[name].start) * math.prod(shape) // math.prod(matrix_shape(found[name]))
@@ -838,17 +847,36 @@ def fused_expert_tensors(config: Qwen3Config, found: dict, directory, parts) -> 
 
 def read_fused_experts(stored: list, gate_up, down):
     """One layer's experts from Qwen3-VL-MoE's two stored tensors into npqwen's (transformers' in-memory) layout,
-    gate_up (E, 2I, D) and down (E, D, I), one expert's slab at a time: copied as it is, or transposed where the
-    file holds (E, D, 2I) and (E, I, D)."""
-    xp = xp_of(gate_up)
+    gate_up (E, 2I, D) and down (E, D, I), one expert's slab at a time."""
     for info, out in zip(stored, (gate_up, down)):
-        slab = xp.empty(info.shape[1:], dtype=out.dtype)              # one expert as stored
-        per_expert = (info.end - info.start) // info.shape[0]         # its bytes
-        for e in range(info.shape[0]):
-            one = TensorInfo(info.name, info.file, info.dtype, info.shape[1:], info.start + e * per_expert,
-                             info.start + (e + 1) * per_expert)
-            read_tensor(one, slab)
-            out[e] = slab if slab.shape == out.shape[1:] else slab.T  # (2I, D) / (D, I), transposed if stored so
+        for e, slab in enumerate(expert_slabs(info, out.shape[1:], xp_of(out), out.dtype)):
+            out[e] = slab
+
+
+def expert_slabs(info: TensorInfo, shape: tuple, xp, dtype):
+    """Each expert's matrix of a stored Qwen3-VL-MoE expert tensor, one at a time, in the in-memory layout `shape`
+    ((2I, D) or (D, I)): read as it is, or transposed where the file holds (E, D, 2I) and (E, I, D)."""
+    slab = xp.empty(info.shape[1:], dtype=dtype)                      # one expert as stored
+    per_expert = (info.end - info.start) // info.shape[0]             # its bytes
+    for e in range(info.shape[0]):
+        read_tensor(TensorInfo(info.name, info.file, info.dtype, info.shape[1:], info.start + e * per_expert,
+                               info.start + (e + 1) * per_expert), slab)
+        yield slab if slab.shape == shape else slab.T
+
+
+def compact_experts(p: str, stored: list, fmt: str, xp, I: int, D: int) -> dict:
+    """Qwen3-VL-MoE's experts of layer prefix p as compact weights under HF's per-expert names: each expert's
+    float32 slab (expert_slabs) split into gate and up, converted to `fmt` ("stored": the file's bfloat16 or
+    float16 again, exact). A copy per expert: the file's (E, D, 2I) layout is not the (rows, in) one."""
+    gate_up, down = stored
+    out = {}
+    for info, shape, parts in ((gate_up, (2 * I, D), ("gate_proj", "up_proj")), (down, (D, I), ("down_proj",))):
+        target = {"BF16": "bfloat16", "F16": "float16"}.get(info.dtype, "float32") if fmt == "stored" else fmt
+        for e, slab in enumerate(expert_slabs(info, shape, np, np.float32)):
+            for k, part in enumerate(parts):
+                rows = np.array(slab[k * I:(k + 1) * I] if len(parts) == 2 else slab)   # (I, D) / (D, I), a copy
+                out[f"{p}.{e}.{part}.weight"] = compact(rows, target, xp) if target != "float32" else xp.asarray(rows)
+    return out
 
 
 def family_hint(config: Qwen3Config, missing: str) -> str:

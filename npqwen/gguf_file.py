@@ -1,16 +1,19 @@
-"""GGUF files (llama.cpp's format, what Ollama pulls): the config, tokenizer and weights of a Qwen3 in one file.
+"""GGUF files (llama.cpp's format, what Ollama pulls): the config, tokenizer and weights of a Qwen in one file.
 
 A GGUF holds key/value metadata and tensors. The `gguf` package (llama.cpp's own reader) memory-maps the
 file; every tensor stays the reader's view of its bytes, in its stored ggml format (`npqwen/quants.py`),
 and only a block of rows at a time is ever widened. This module turns what llama.cpp's converter
 (`convert_hf_to_gguf.py`) wrote back into what npqwen reads from a Hugging Face checkpoint:
 
-- the config: `qwen3.embedding_length` -> `hidden_size`, ... (`config_dict`);
+- the config: `qwen3.embedding_length` -> `hidden_size`, ... (`config_dict`), for llama.cpp's `qwen3`,
+  `qwen3moe`, `qwen35` and `qwen2` (Qwen2 / Qwen2.5: its q/k/v biases `blk.N.attn_q.bias` are HF's `q_proj.bias`);
 - the tokenizer and chat template: `tokenizer.ggml.tokens`, `.merges`, `.token_type` and
   `tokenizer.chat_template` -> a byte-level BPE `tokenizers.Tokenizer` (`gguf_tokenizer`);
 - the tensors under their HF names: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`
   (`hf_name`), each a `GGUFTensor` (its stored rows, its qtype, its HF shape). llama.cpp's converter
-  writes Qwen3's q/k rows as HF has them (it permutes rows only for LLaMA-style interleaved RoPE).
+  writes Qwen3's q/k rows as HF has them (it permutes rows only for LLaMA-style interleaved RoPE);
+- Qwen3.5's value heads back in HF's order where the converter tiled them (more value heads than key heads:
+  `value_head_order`), the matrices kept as stored (`ReorderedHeads`).
 
 A GGUF matrix of ggml shape [cols, rows] is the HF (rows, cols) matrix: ggml lists the fastest axis first.
 `ollama:NAME[:TAG]` finds the GGUF blob of a model Ollama has pulled (`ollama_blob`).
@@ -24,10 +27,12 @@ from typing import NamedTuple
 import numpy as np
 
 from . import quants
+from .backend import to_numpy, xp_of
 from .errors import NpqwenError
+from .weights import Compact
 
 # general.architecture as llama.cpp writes it -> HF model_type
-ARCHITECTURES = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text"}
+ARCHITECTURES = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text", "qwen2": "qwen2"}
 
 # llama.cpp's tensor names (gguf-py's tensor_mapping for QWEN3 / QWEN3MOE) -> HF's, per layer and whole-model
 LAYER_NAMES = {
@@ -81,6 +86,10 @@ def is_gguf(path) -> bool:
         return f.read(4) == b"GGUF"
 
 
+DTYPES = {t: np.dtype(t) for t in (np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64,
+                                   np.float32, np.float64, np.bool_)}
+
+
 def open_gguf(path):
     """llama.cpp's GGUFReader over the file, memory-mapped; a file it cannot read is one clear error."""
     try:
@@ -91,11 +100,15 @@ def open_gguf(path):
 
     class Reader(GGUFReader):
         """GGUFReader reading through a plain ndarray view of its np.memmap: the same bytes, mapped the same way,
-        without np.memmap's cost on each of the ~10^6 small slices a 151k-token vocabulary takes (3.5x faster)."""
+        without np.memmap's cost on each of the ~10^6 small slices a 151k-token vocabulary takes (3.5x faster);
+        and in a file of the machine's byte order, each value a plain view of its bytes (2x faster again)."""
 
         def _get(self, offset, dtype, count=1, override_order=None):
             if type(self.data) is np.memmap:
                 self.data = self.data.view(np.ndarray)
+            if self.byte_order == "I" and override_order is None:   # GGUFReader's "as the machine has it"
+                dtype = DTYPES.get(dtype) or np.dtype(dtype)
+                return self.data[offset:offset + dtype.itemsize * int(count)].view(dtype)
             return super()._get(offset, dtype, count, override_order)
 
     try:
@@ -116,7 +129,8 @@ def architecture(meta: dict, path) -> str:
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise NpqwenError(f"{path}: a GGUF of architecture {arch!r}; npqwen runs Qwen3: "
-                          f"{', '.join(repr(a) for a in ARCHITECTURES)} (llama.cpp's names for Qwen3, Qwen3-MoE and Qwen3.5)")
+                          f"{', '.join(repr(a) for a in ARCHITECTURES)} (llama.cpp's names for Qwen3, Qwen3-MoE, "
+                          f"Qwen3.5 and Qwen2 / Qwen2.5)")
     return arch
 
 
@@ -140,7 +154,8 @@ def config_dict(meta: dict, tensors: dict, path) -> dict:
         model_type=ARCHITECTURES[arch], hidden_size=key("embedding_length"), num_hidden_layers=key("block_count"),
         intermediate_size=key("feed_forward_length", 0) or key("expert_feed_forward_length"),
         num_attention_heads=key("attention.head_count"), num_key_value_heads=key("attention.head_count_kv"),
-        head_dim=key("attention.key_length"), rms_norm_eps=decimal(key("attention.layer_norm_rms_epsilon")),
+        head_dim=key("attention.key_length", key("embedding_length") // key("attention.head_count")),   # qwen2: none
+        rms_norm_eps=decimal(key("attention.layer_norm_rms_epsilon")),
         rope_theta=decimal(key("rope.freq_base")), max_position_embeddings=key("context_length"),
         vocab_size=embedding.shape[0], tie_word_embeddings="lm_head.weight" not in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
@@ -157,10 +172,6 @@ def config_dict(meta: dict, tensors: dict, path) -> dict:
                                        "partial_rotary_factor": key("rope.dimension_count") / config["head_dim"],
                                        "mrope_section": list(key("rope.dimension_sections"))[:3],
                                        "mrope_interleaved": True})
-        if config["linear_num_key_heads"] != Hv:
-            raise NpqwenError(f"{path}: a qwen35 GGUF with {Hv} value heads over {config['linear_num_key_heads']} key "
-                              f"heads: llama.cpp reorders such value heads, which npqwen does not undo yet; use the "
-                              f"HF checkpoint (npqwen reads qwen35 files whose value and key heads are as many)")
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         config["rope_scaling"] = {"rope_type": scaling, "factor": key("rope.scaling.factor"),
@@ -340,10 +351,84 @@ def hf_value(config, name: str, value: np.ndarray) -> np.ndarray:
     return value
 
 
-def part_of(t: GGUFTensor, part):
-    """A tensor-parallel rank's part (rows, columns) of a stored matrix: rows stay mapped, columns are copied
-    (on whole blocks; weights.check_block_columns says what to do otherwise)."""
-    w = stored_weight(t)
+def value_head_order(config, name: str) -> tuple:
+    """(rows, columns) of HF's `name` in a qwen35 GGUF: index arrays, HF's row i is the file's row rows[i]
+    (None: the same order). With more value heads than key heads (Hv = r Hk), HF groups the value heads by the
+    key head they read, [k0: v0 .. v(r-1), k1: v0 ...]; llama.cpp's converter (_LinearAttentionVReorderBase in
+    its conversion/qwen.py) tiles them, [v0: k0 .. k(Hk-1), v1: ...], so that ggml broadcasts the key heads:
+    HF's value head k r + v is the file's head v Hk + k, in every tensor with a value-head axis."""
+    Hk, Hv = config.linear_num_key_heads, config.linear_num_value_heads
+    if not config.hybrid or Hv == Hk or ".linear_attn." not in name:
+        return None, None
+    r, dv, qk = Hv // Hk, config.linear_value_head_dim, 2 * Hk * config.linear_key_head_dim
+    head = np.arange(Hv) % r * Hk + np.arange(Hv) // r           # (Hv,) the file's place of HF's head k r + v
+
+    def heads(d, before=0):   # (before + Hv*d,) the first `before` rows (q and k) in place, then d per value head
+        return np.concatenate([np.arange(before), before + (head[:, None] * d + np.arange(d)).reshape(-1)])
+
+    part = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
+    return {"in_proj_qkv": (heads(dv, qk), None), "conv1d": (heads(dv, qk), None), "in_proj_z": (heads(dv), None),
+            "in_proj_a": (heads(1), None), "in_proj_b": (heads(1), None), "A_log": (heads(1), None),
+            "dt_bias": (heads(1), None), "out_proj": (None, heads(dv))}.get(part, (None, None))
+
+
+class ReorderedHeads(Compact):
+    """A stored matrix whose rows and columns the file holds in another order, kept as stored:
+    W[i, j] = stored[rows[i], columns[j]] (value_head_order). x @ W^T gathers x's columns into the file's order
+    and the outputs back into HF's: two gathers of (T, n) activations, none of the weights."""
+
+    def __init__(self, stored, rows=None, columns=None):
+        self.stored, self.row_order, self.column_order = stored, rows, columns
+        self.shape, self.format, self.storage = stored.shape, stored.format, stored.storage
+        self.column_gather = None if columns is None else np.argsort(columns)   # x's column at each file column
+
+    @property
+    def arrays(self):
+        return self.stored.arrays
+
+    @property
+    def nbytes(self) -> int:
+        return self.stored.nbytes
+
+    def linear(self, x):
+        """x @ W^T: (T, in) -> (T, out)."""
+        xp = xp_of(x)
+        if self.column_gather is not None:
+            x = x[:, xp.asarray(self.column_gather)]                   # (T, in) in the file's column order
+        y = self.stored.linear(x)                                       # (T, out) in the file's row order
+        return y if self.row_order is None else y[:, xp.asarray(self.row_order)]
+
+    def take(self, ids):
+        """Rows `ids` (T,) widened to float32 (T, in), in HF's order."""
+        rows = self.stored.take(ids if self.row_order is None else self.row_order[to_numpy(ids)])
+        return rows if self.column_order is None else rows[:, xp_of(rows).asarray(self.column_order)]
+
+    def rows(self, sel):
+        """HF's rows `sel` (a tensor-parallel rank's): gathered from the stored rows (a copy of their bytes)."""
+        stored = self.stored.rows(sel if self.row_order is None else self.row_order[sel])
+        return stored if self.column_order is None else ReorderedHeads(stored, None, self.column_order)
+
+    def columns(self, sel):
+        if self.column_order is not None:
+            raise NpqwenError(f"a tensor-parallel rank cannot take columns of a {self.format} matrix whose value "
+                              f"heads llama.cpp reordered (a qwen35 GGUF with more value heads than key heads): "
+                              f"run it in one process, or convert the HF checkpoint with npqwen quantize")
+        return ReorderedHeads(self.stored.columns(sel), self.row_order, None)
+
+
+def in_hf_order(w, rows, columns):
+    """A stored matrix (compact, or a float32 array) with HF's row and column order (value_head_order)."""
+    if rows is None and columns is None:
+        return w
+    if isinstance(w, np.ndarray):   # F32: the array reordered (a copy, as float32 is widened anyway)
+        return w[rows if rows is not None else slice(None)][:, columns if columns is not None else slice(None)]
+    return ReorderedHeads(w, rows, columns)
+
+
+def part_of(t: GGUFTensor, part, order=(None, None)):
+    """A tensor-parallel rank's part (rows, columns) of a stored matrix in HF's order: rows stay mapped, columns
+    are copied (on whole blocks; weights.check_block_columns says what to do otherwise)."""
+    w = in_hf_order(stored_weight(t), *order)
     if part is None:
         return w
     rows, columns = part[0], part[1] if len(part) > 1 else slice(None)
@@ -396,6 +481,8 @@ def load_gguf_weights(config, tensors: dict[str, GGUFTensor], xp, dtype, path, w
 
     def small(name):   # a norm or the router, widened whole, then this rank's part
         value = hf_value(config, name, tensors[name].dequantize())
+        rows = value_head_order(config, name)[0]
+        value = value if rows is None else value[rows]                  # a qwen35 GGUF's value heads in HF's order
         return xp.asarray(value if part(name) is None else value[part(name)[0]][..., part(name)[1]]
                           if value.ndim > 1 else value[part(name)[0]])
 
@@ -406,10 +493,15 @@ def load_gguf_weights(config, tensors: dict[str, GGUFTensor], xp, dtype, path, w
             if array.ndim == 1:
                 host[...] = small(name)
             else:
-                widen_into(part_of(tensors[name], part(name)), host)
+                widen_into(part_of(tensors[name], part(name), value_head_order(config, name)), host)
             if xp is not np:
                 array[...] = xp.asarray(host)
         return tie_lm_head(config, arrays), fused
-    arrays = {name: compact(part_of(tensors[name], part(name)), weights, xp) if is_matrix(name) else small(name)
-              for name in shapes}
+    def matrix(name):   # this rank's part in `weights`' format, in HF's order
+        w = part_of(tensors[name], part(name), value_head_order(config, name))
+        if isinstance(w, ReorderedHeads):   # the stored matrix converted (row by row), its order kept
+            return ReorderedHeads(compact(w.stored, weights, xp), w.row_order, w.column_order)
+        return compact(w, weights, xp)
+
+    arrays = {name: matrix(name) if is_matrix(name) else small(name) for name in shapes}
     return tie_lm_head(config, arrays), stack_compact(config, arrays)

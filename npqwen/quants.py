@@ -211,8 +211,9 @@ def make_qkx2_quants(x, weights, nmax, rmin, rdelta, nstep):
     flat = xmax == xmin  # all weights equal (or all >= 0 and max 0): level 0, min the value
     xmax = np.where(flat, xmin + f32(1), xmax)
 
-    def levels(iscale, xmin):  # (N,), (N,) -> (n, N) float32 levels in 0..nmax
-        return np.clip(nearest_int(iscale * (x - xmin)), 0, nmax).astype(f32)
+    def levels(iscale, xmin):  # (N,), (N,) -> (n, N) float32 levels in 0..nmax (nearest_int, kept in float32)
+        L = np.rint(iscale * (x - xmin))
+        return np.clip(L, f32(0), f32(nmax), out=L)
 
     iscale = f32(nmax) / (xmax - xmin)
     scale = f32(1) / iscale
@@ -245,13 +246,25 @@ def make_qkx2_quants(x, weights, nmax, rmin, rdelta, nstep):
 
 
 def quantize_q4_k(x):
+    """(N, 256) float32 super-blocks -> (N, 144) bytes, CHUNK super-blocks at a time: the twenty-odd
+    (32, 8 * CHUNK) float32 arrays of one chunk's search stay in the core's cache (2x faster than all at once)."""
+    return np.concatenate([quantize_q4_k_blocks(x[a:a + CHUNK]) for a in range(0, len(x), CHUNK)]) \
+        if len(x) else np.empty((0, 144), np.uint8)
+
+
+CHUNK = 128   # super-blocks quantized at a time (32K values)
+
+
+def quantize_q4_k_blocks(x):
     # quantize_row_q4_K_ref: each 32-weight sub-block gets a scale and a min by make_qkx2_quants
     # (weights av_x + |x|, av_x the sub-block's rms); the 8 scales and 8 mins are then quantized to
     # 6 bits against the block's largest (d = max_scale / 63, dmin = max_min / 63), and the weights
     # quantized again to 4 bits with those rounded scales.
     f32 = np.float32
     N = x.shape[0]
-    xs = x.reshape(N * 8, 32).T  # (32, N*8): one column per sub-block
+    # (32, N*8): one column per sub-block, copied so that each row is contiguous: every step below adds or
+    # multiplies whole rows (a strided view made this 10x slower)
+    xs = np.ascontiguousarray(x.reshape(N * 8, 32).T)
     av_x = np.sqrt(csum(xs * xs) / f32(32))  # (N*8,)
     scales, mins, L0 = make_qkx2_quants(xs, av_x + np.abs(xs), 15, -1.0, 0.1, 20)
     scales, mins = scales.reshape(N, 8), mins.reshape(N, 8)

@@ -188,18 +188,36 @@ def test_compare_runs_hf_transformers_on_the_dequantized_weights(tmp_path):
     assert max(relative(r) for r in rows) < 1e-4, max(rows, key=relative)
 
 
-def test_qwen3_5_with_reordered_value_heads_is_refused():
-    """llama.cpp reorders a Qwen3.5's value heads when there are more of them than key heads: refused, said so."""
-    from npqwen.gguf_file import config_dict
+def test_each_bad_gguf_is_one_line_from_the_cli(tmp_path, capsys):
+    """Issue 37's bad input at the CLI (in process): a format npqwen does not read, another architecture, a tokenizer
+    that is not BPE: exit 1 and one `npqwen: error:` line naming it (truncated files and Ollama names: above)."""
+    from npqwen.cli import main
 
-    meta = {"general.architecture": "qwen35", **{f"qwen35.{k}": v for k, v in dict(
-        embedding_length=64, block_count=4, feed_forward_length=96, **{"attention.head_count": 4,
-        "attention.head_count_kv": 2, "attention.key_length": 32, "attention.layer_norm_rms_epsilon": 1e-6,
-        "rope.freq_base": 1e7, "rope.dimension_count": 8, "rope.dimension_sections": [1, 1, 2, 0],
-        "ssm.conv_kernel": 4, "ssm.state_size": 16, "ssm.group_count": 2, "ssm.time_step_rank": 4,
-        "ssm.inner_size": 32}, context_length=1024, full_attention_interval=4).items()}}
-    embedding = type("T", (), {"shape": (512, 64)})()
-    with pytest.raises(NpqwenError, match="a qwen35 GGUF with 4 value heads over 2 key heads: llama.cpp reorders"):
-        config_dict(meta, {"model.embed_tokens.weight": embedding}, "x.gguf")
-    meta["qwen35.ssm.time_step_rank"], meta["qwen35.ssm.inner_size"] = 2, 16
-    assert config_dict(meta, {"model.embed_tokens.weight": embedding}, "x.gguf")["linear_value_head_dim"] == 8
+    cases = {write_gguf(tmp_path / "iq.gguf", "Q8_0", qtypes={"blk.1.ffn_up.weight": "IQ2_XS"}):
+             "stored as IQ2_XS, a GGUF format npqwen does not read; it reads F32, F16, BF16, Q8_0",
+             write_gguf(tmp_path / "llama.gguf", "Q8_0", arch="llama"): "a GGUF of architecture 'llama'",
+             write_gguf(tmp_path / "spm.gguf", "Q4_0", tokenizer_model="llama"): "the GGUF's tokenizer is 'llama'"}
+    for path, message in cases.items():
+        code = main(["generate", "--model", str(path), "--prompt", "hi", "-n", "1"])
+        one_error_line(code, capsys.readouterr().err, message)
+
+
+def test_reordered_heads_compute_the_reordered_matrix():
+    """ReorderedHeads (a qwen35 GGUF's tiled value heads, kept as stored): x @ W^T, rows, take and dequantize are those
+    of the stored matrix with its rows and columns taken in HF's order; a tensor-parallel column split is refused."""
+    from npqwen.gguf_file import ReorderedHeads
+    from npqwen.weights import Ggml
+
+    rng = np.random.default_rng(0)
+    stored = Ggml.quantize("Q8_0", rng.standard_normal((48, 64)).astype(np.float32))   # (out, in)
+    rows, cols = rng.permutation(48), rng.permutation(64)
+    w, want = ReorderedHeads(stored, rows, cols), stored.dequantize()[rows][:, cols]
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    np.testing.assert_array_equal(w.dequantize(), want)
+    np.testing.assert_allclose(w.linear(x), x @ want.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(w.take(np.array([3, 0, 47])), want[[3, 0, 47]])
+    np.testing.assert_array_equal(w.rows(slice(8, 24)).dequantize(), want[8:24])
+    only_rows = ReorderedHeads(stored, rows, None)
+    assert isinstance(only_rows.rows(slice(0, 16)), Ggml)   # a rank's rows: the stored bytes gathered, plain again
+    with pytest.raises(NpqwenError, match="cannot take columns of a Q8_0 matrix whose value heads llama.cpp reordered"):
+        w.columns(slice(0, 32))

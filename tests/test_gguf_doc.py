@@ -15,8 +15,9 @@ def test_gguf_doc_code_samples_run(tmp_path, monkeypatch):
     path = write_gguf(tmp_path / "tiny-Q4_K.gguf", "Q4_K")
     monkeypatch.setenv("OLLAMA_MODELS", str(fake_ollama(tmp_path / "ollama", path, "qwen3", "0.6b")))
     python, shell = doc_samples("gguf.md", swap={"Qwen3-0.6B-Q4_K_M.gguf": path})
-    assert len(python) == 2 and len(shell) == 2
+    assert len(python) == 3 and len(shell) == 2
     result = run_doc_python(python, tmp_path / "gguf_doc.py")
     assert "Q4_K (256, 256)" in result.stdout and "blobs/sha256-" in result.stdout
+    assert result.stdout.splitlines()[-1] == "True"   # section 3: llama.cpp's tiled value heads back in HF's order
     for line in shell:
         run_doc_line(line)

@@ -106,40 +106,174 @@ def llama_cpp_probs(path, ids, tmp_path) -> np.ndarray:
 # llama.cpp multiplies a Q8_0 matrix by activations it rounds to Q8_0 blocks too (npqwen keeps them float32). On this
 # random model, whose next-token distribution is nearly flat (top probability ~2e-4), that can swap two near-tied
 # top tokens: on a longer text (53 positions) 5 of 53 swapped (KL 1.6e-4); on this one none do.
-@pytest.mark.parametrize("ftype", ["F32", "Q8_0"])
-def test_agrees_with_llama_cpp(files, loaded, ftype, tmp_path):
-    llm = loaded(ftype)
-    ids = llm.tokenizer.encode(TEXT)
-    theirs = llama_cpp_probs(files[ftype], ids, tmp_path)                       # (T, V)
+def assert_agrees_with_llama_cpp(llm, path, ids, tmp_path, what):
+    """llama.cpp's next-token probabilities on the file at `path` against npqwen's: top-1 equal on >= 95% of
+    positions, mean KL(llama.cpp || npqwen) < 1e-3."""
+    theirs = llama_cpp_probs(path, ids, tmp_path)                               # (T, V)
     logits = np.asarray(llm.forward(ids), np.float64)
     ours = np.exp(logits - logits.max(axis=1, keepdims=True))
     ours /= ours.sum(axis=1, keepdims=True)
     top1 = (ours.argmax(axis=1) == theirs.argmax(axis=1)).mean()
     kl = np.sum(theirs * (np.log(np.maximum(theirs, 1e-30)) - np.log(ours)), axis=1)   # KL(llama.cpp || npqwen)
-    print(f"{ftype} vs llama.cpp over {len(ids)} positions: top-1 equal {top1:.3f}, KL mean {kl.mean():.2e} "
+    print(f"{what} vs llama.cpp over {len(ids)} positions: top-1 equal {top1:.3f}, KL mean {kl.mean():.2e} "
           f"max {kl.max():.2e}")
     first = np.argmax(ours.argmax(axis=1) != theirs.argmax(axis=1))
-    assert top1 >= 0.95, f"{ftype}: top-1 equal on {top1:.1%} of positions; the first differs at {first}"
-    assert kl.mean() < 1e-3, f"{ftype}: KL(llama.cpp || npqwen) {kl.mean():.2e} (max {kl.max():.2e} at {kl.argmax()})"
+    assert top1 >= 0.95, f"{what}: top-1 equal on {top1:.1%} of positions; the first differs at {first}"
+    assert kl.mean() < 1e-3, f"{what}: KL(llama.cpp || npqwen) {kl.mean():.2e} (max {kl.max():.2e} at {kl.argmax()})"
 
 
-def test_qwen3_5_from_llama_cpp(tmp_path):
-    """Qwen3.5 (llama.cpp's qwen35): its Gated DeltaNet tensors (attn_qkv, attn_gate, ssm_*) map to HF's linear_attn,
-    the norms stored as 1 + weight and A as -exp(A_log) are undone, the convolution reshaped; the F32 file computes
-    what the HF checkpoint does."""
+# llama.cpp multiplies a Q8_0 matrix by activations it rounds to Q8_0 blocks too (npqwen keeps them float32). On this
+# random model, whose next-token distribution is nearly flat (top probability ~2e-4), that can swap two near-tied
+# top tokens: on a longer text (53 positions) 5 of 53 swapped (KL 1.6e-4); on this one none do.
+@pytest.mark.parametrize("ftype", ["F32", "Q8_0"])
+def test_agrees_with_llama_cpp(files, loaded, ftype, tmp_path):
+    llm = loaded(ftype)
+    assert_agrees_with_llama_cpp(llm, files[ftype], llm.tokenizer.encode(TEXT), tmp_path, ftype)
+
+
+# Qwen2.5 (llama.cpp's qwen2): Qwen3's shape without QK-norm and with q/k/v biases (HF's Qwen2Config has no head_dim)
+QWEN2 = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+             vocab_size=151936, eos_token_id=151645, bos_token_id=151643, max_position_embeddings=2048,
+             rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def qwen2_files(tmp_path_factory):
+    """A random HF Qwen2 (transformers' Qwen2ForCausalLM, the real tokenizer) and llama.cpp's F32 and Q8_0 GGUF files
+    of it (made once)."""
+    needs_llama_cpp()
+    needs_qwen3_tokenizer()
+    pytest.importorskip("transformers")
+    from test_qwen2 import build_qwen2
+
+    def make(work):
+        add_qwen3_tokenizer(build_qwen2(work / "hf", std=0.05, **QWEN2))
+        convert_hf_to_gguf(work / "hf", work / "qwen2-F32.gguf")
+        llama_quantize(work / "qwen2-F32.gguf", work / "qwen2-Q8_0.gguf", "Q8_0")
+
+    root = made_once({"qwen2": QWEN2}, make, tmp_path_factory.mktemp("qwen2"))
+    return {"hf": root / "hf", "F32": root / "qwen2-F32.gguf", "Q8_0": root / "qwen2-Q8_0.gguf"}
+
+
+def test_qwen2_5_from_llama_cpp(qwen2_files, tmp_path):
+    """Qwen2 / Qwen2.5 (llama.cpp's qwen2): blk.N.attn_q.bias ... are HF's q_proj.bias ..., the head width comes from
+    the hidden size and heads (no key_length), no QK-norm. The Q8_0 file computes what npqwen's float32 does on the
+    weights gguf dequantizes and names (its own tensor map), and llama.cpp agrees on it."""
+    q8, ref = npqwen.load(qwen2_files["Q8_0"]), npqwen.load(qwen2_files["hf"])
+    assert q8.config == ref.config and q8.config.attention_bias and not q8.config.qk_norm
+    ids = ref.tokenizer.encode(TEXT)
+    assert q8.tokenizer.encode(TEXT) == ids
+    assert q8.weights["model.layers.0.self_attn.q_proj.weight"].format == "Q8_0"
+    np.testing.assert_array_equal(q8.weights["model.layers.0.self_attn.k_proj.bias"],
+                                  ref.weights["model.layers.0.self_attn.k_proj.bias"])   # F32 in the file
+    assert_close(q8.forward(ids), dequantized_reference(qwen2_files["Q8_0"]).forward(ids), 1e-5, "qwen2 Q8_0 logits")
+    assert_agrees_with_llama_cpp(q8, qwen2_files["Q8_0"], ids, tmp_path, "qwen2 Q8_0")
+
+
+# Qwen3.5 as its real checkpoints are (Qwen3.5-9B: 16 key heads, 32 value heads): more value heads than key heads,
+# which llama.cpp's converter reorders (npqwen/gguf_file.py's value_head_order); key and value heads of one width,
+# as llama.cpp's qwen35 requires
+QWEN35 = dict(vocab_size=151936, eos_token_id=151645, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def qwen35_files(tmp_path_factory):
+    """An HF Qwen3.5 (Hv = 2 Hk, the real tokenizer) and llama.cpp's GGUF files of it: F32 and Q8_0 (made once)."""
     from hybrid_checkpoints import build_hybrid_checkpoint, hybrid_config
 
     needs_llama_cpp()
     needs_qwen3_tokenizer()
-    config = hybrid_config(vocab_size=151936, eos_token_id=151645, linear_num_value_heads=2)   # Hv = Hk
+    config = hybrid_config(**QWEN35)
 
     def make(work):
         add_qwen3_tokenizer(build_hybrid_checkpoint(work / "hf", config, save_dtype="float32"))
-        convert_hf_to_gguf(work / "hf", work / "q35.gguf", "f32", "--no-mtp")
+        convert_hf_to_gguf(work / "hf", work / "q35-F32.gguf", "f32", "--no-mtp")
+        llama_quantize(work / "q35-F32.gguf", work / "q35-Q8_0.gguf", "Q8_0")
 
-    root = made_once(config, make, tmp_path / "made")
-    gguf, ref = npqwen.load(root / "q35.gguf"), npqwen.load(root / "hf")
+    root = made_once(config, make, tmp_path_factory.mktemp("qwen35"))
+    return {"hf": root / "hf", "F32": root / "q35-F32.gguf", "Q8_0": root / "q35-Q8_0.gguf"}
+
+
+def hf_on_dequantized_weights(hf_dir, gguf_path):
+    """HF transformers' Qwen3.5 in float32 holding the GGUF's tensors as gguf.quants.dequantize widens them, put
+    back as HF holds them by the test's own hand: named by gguf-py's tensor map, the norms' 1 + weight and A =
+    -exp(A_log) undone, and the value heads taken back from llama.cpp's tiled order, (r, Hk, d) -> (Hk, r, d)
+    along their axis (the inverse of its converter's _reorder_v_heads)."""
+    import torch
+    from gguf import MODEL_ARCH, get_tensor_name_map
+    from gguf.quants import dequantize
+    from hybrid_checkpoints import hf_hybrid_model
+
+    from npqwen.gguf_file import open_gguf
+
+    model = hf_hybrid_model(hf_dir)
+    c = model.config
+    Hk, Hv, dv, qk = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim,
+                      2 * c.linear_num_key_heads * c.linear_key_head_dim)
+    names = get_tensor_name_map(MODEL_ARCH.QWEN35, c.num_hidden_layers)
+    by_name = {t.name: t for t in open_gguf(gguf_path).tensors}   # gguf's GGUFReader (through an ndarray view: faster)
+
+    def untile(x, dim, d):   # llama.cpp's tiled value heads (r, Hk, d) along `dim` -> HF's grouped (Hk, r, d)
+        shape = x.shape
+        x = x.reshape(*shape[:dim], Hv // Hk, Hk, d, *shape[dim + 1:])
+        return x.transpose(dim, dim + 1).reshape(shape)
+
+    state = {}
+    for name, p in model.state_dict().items():
+        base, _, suffix = name.rpartition(".")
+        if name == "lm_head.weight" and "output.weight" not in by_name:
+            base = "model.embed_tokens"   # tied
+        gguf_name = {"A_log": names.get_name(f"{base}.A_log"), "dt_bias": f"{names.get_name(f'{base}.dt_proj')}.bias"
+                     }.get(suffix, f"{names.get_name(base)}.{suffix}")
+        t = by_name[gguf_name]
+        x = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).reshape(p.shape)   # conv1d: (C, W) -> (C, 1, W)
+        if suffix == "A_log":
+            x = torch.log(-x)
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            x = x - 1
+        part = base.rpartition(".")[2]
+        if part in ("in_proj_qkv", "conv1d"):
+            x = torch.cat([x[:qk], untile(x[qk:], 0, dv)])
+        elif part == "in_proj_z":
+            x = untile(x, 0, dv)
+        elif part in ("in_proj_a", "in_proj_b") or suffix in ("A_log", "dt_bias"):
+            x = untile(x, 0, 1)
+        elif part == "out_proj" and ".linear_attn." in name:
+            x = untile(x, 1, dv)
+        state[name] = x
+    model.load_state_dict(state)
+    return model
+
+
+def test_qwen3_5_with_more_value_heads_from_llama_cpp(qwen35_files, tmp_path):
+    """Qwen3.5 (llama.cpp's qwen35): its Gated DeltaNet tensors (attn_qkv, attn_gate, ssm_*) map to HF's linear_attn,
+    the norms stored as 1 + weight and A as -exp(A_log) are undone, the convolution reshaped, and the value heads
+    llama.cpp tiled put back in HF's order. The F32 file computes what the HF checkpoint does, to the bit; the Q8_0
+    file what HF transformers computes on its weights widened by gguf (tests/tolerance.py's bound); llama.cpp's
+    probabilities on the F32 file agree."""
+    import torch
+
+    from npqwen.gguf_file import ReorderedHeads
+    from tolerance import model_tolerance, relative_diff
+
+    gguf, ref = npqwen.load(qwen35_files["F32"]), npqwen.load(qwen35_files["hf"])
     assert gguf.config == ref.config and gguf.config.hybrid
+    assert gguf.config.linear_num_value_heads == 2 * gguf.config.linear_num_key_heads
     ids = ref.tokenizer.encode(TEXT)
-    assert_close(gguf.forward(ids), ref.forward(ids), 1e-5, "qwen35 F32 logits")
+    np.testing.assert_array_equal(gguf.forward(ids), ref.forward(ids))
     assert gguf.generate(ids, 8).token_ids == ref.generate(ids, 8).token_ids
+
+    q8 = npqwen.load(qwen35_files["Q8_0"])
+    out_proj = q8.weights["model.layers.0.linear_attn.out_proj.weight"]
+    assert isinstance(out_proj, ReorderedHeads) and out_proj.format == "Q8_0"   # kept as stored, columns gathered
+    hf = hf_on_dequantized_weights(qwen35_files["hf"], qwen35_files["Q8_0"])
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    got, bound = q8.forward(ids), model_tolerance(q8.config, len(ids))
+    print(f"qwen35 Q8_0 against HF on the dequantized weights: relative {relative_diff(got, want):.3g} (bound {bound:.3g})")
+    assert relative_diff(got, want) <= bound, f"qwen35 Q8_0 logits: relative {relative_diff(got, want):.3g} > {bound:.3g}"
+    np.testing.assert_array_equal(np.asarray(out_proj.dequantize()), hf.state_dict()[
+        "model.layers.0.linear_attn.out_proj.weight"].numpy())
+
+    assert_agrees_with_llama_cpp(gguf, qwen35_files["F32"], ids, tmp_path, "qwen35 F32")

@@ -151,6 +151,27 @@ def test_lora_on_the_text_model_equals_peft_and_the_vision_tower_is_refused(tmp_
         llm.load_lora("vision", tmp_path / "vision")
 
 
+@pytest.mark.parametrize("fmt", ["bfloat16", "q8_0"])
+def test_stacked_experts_run_compact(fmt, tmp_path, capsys):
+    """Qwen3-VL-MoE's experts, stored transposed as the hub's files hold them, as compact weights: each expert's slab
+    read, transposed and converted on its own; logits equal float32 on the dequantized weights (1e-5)."""
+    from test_weights import assert_close, dequantized_twin
+
+    path, _ = build_vl(tmp_path, moe=True, transpose_experts=True)
+    llm = npqwen.load(path, weights=fmt)
+    expert = llm.model.weights["model.layers.1.mlp.experts.7.gate_proj.weight"]   # (not a name the file stores)
+    assert expert.format.lower() == fmt and expert.shape == (16, 64)
+    ids = np.random.default_rng(0).integers(0, 512, 40).tolist()
+    assert_close(llm.forward(ids), dequantized_twin(llm).forward(ids), 1e-5, f"qwen3_vl_moe {fmt}")
+    if fmt == "q8_0":   # writing them back in the hub's layout is not done: one line says so
+        from npqwen.cli import main
+        from test_cli import one_error_line
+
+        capsys.readouterr()
+        code = main(["quantize", str(path), str(tmp_path / "out"), "--to", fmt])
+        one_error_line(code, capsys.readouterr().err, "does not write Qwen3-VL-MoE's stacked expert tensors")
+
+
 def test_tensor_parallel_dense_and_the_refusal_for_stored_experts(tmp_path):
     path, _ = build_vl(tmp_path / "moe", moe=True)
     with pytest.raises(NpqwenError, match="tensor parallelism does not split Qwen3-VL-MoE"):

@@ -145,7 +145,7 @@ def test_fp8_checkpoint_equals_its_block_scales_rule(tmp_path):
     assert_close(widened.forward(ids), llm.forward(ids), 1e-5, "fp8 as float32")
 
 
-def test_an_fp8_checkpoint_without_its_scales_is_one_clear_error(tmp_path):
+def test_an_fp8_checkpoint_without_its_scales_is_one_clear_error(tmp_path, capsys):
     pytest.importorskip("torch")
     from safetensors.torch import load_file, save_file
 
@@ -157,6 +157,25 @@ def test_an_fp8_checkpoint_without_its_scales_is_one_clear_error(tmp_path):
     save_file(tensors, tmp_path / "fp8" / "model.safetensors")
     with pytest.raises(NpqwenError, match="o_proj.weight_scale_inv"):
         npqwen.load(tmp_path / "fp8")
+    from npqwen.cli import main
+    from test_cli import one_error_line
+
+    capsys.readouterr()
+    code = main(["quantize", str(tmp_path / "fp8"), str(tmp_path / "out"), "--to", "int8"])   # (no tokenizer needed)
+    one_error_line(code, capsys.readouterr().err, "o_proj.weight_scale_inv")
+
+
+def test_q4_k_on_an_embedding_model(capsys):
+    """--weights q4_k on an embedding model: the matrices without whole 256-value super-blocks (tiny-embedding's
+    64 and 96 columns) are kept in the nearest format that fits, as for any model, and the vectors come out; with a
+    compute dtype compact weights cannot take (float64), one line says what to do."""
+    from npqwen.cli import main
+    from test_cli import one_error_line
+
+    assert main(["embed", "--model", "tiny-embedding", "--weights", "q4_k", "--text", "hello"]) == 0
+    assert "embeddings: 1 x" in capsys.readouterr().err
+    code = main(["embed", "--model", "tiny-embedding", "--weights", "q4_k", "--dtype", "float64", "--text", "hello"])
+    one_error_line(code, capsys.readouterr().err, "compact weights (q4_k) compute in float32")
 
 
 def test_unknown_format_and_compact_in_float64_are_refused(npqwen_tiny_dir):

@@ -25,6 +25,7 @@ def cmd_quantize(args) -> int:
 
     from .. import load
     from ..checkpoint import save_compact
+    from ..config import Qwen3Config
     from ..hub import resolve_model
     from ..weights import total_bytes
 
@@ -38,6 +39,10 @@ def cmd_quantize(args) -> int:
     except OSError as e:
         raise NpqwenError(f"{out}: cannot make the directory ({e.strerror or e})") from None
     check_writable(str(out / "model.safetensors"), "OUT")
+    if Qwen3Config.from_json(Path(source) / "config.json").fused_experts:   # Qwen3-VL-MoE's two tensors per layer
+        raise NpqwenError(f"{source}: npqwen quantize does not write Qwen3-VL-MoE's stacked expert tensors "
+                          f"(mlp.experts.gate_up_proj) yet; load the checkpoint with --weights {args.to} instead, "
+                          f"which converts them while loading")
     llm = load(source, weights=args.to)   # converted a few rows at a time: no float32 copy of the model
     weights = {name: w for name, w in llm.weights.items()
                if not (name == "lm_head.weight" and llm.config.tie_word_embeddings)}
