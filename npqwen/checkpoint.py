@@ -302,7 +302,8 @@ def warn_unused(found: dict[str, TensorInfo], config: Qwen3Config, shapes: dict,
     scales = {n[:-len("weight")] + SCALE_SUFFIXES[found[n].dtype] for n in shapes
               if n in found and found[n].dtype in SCALE_SUFFIXES}   # read with their matrices
     unused = sorted(n for n in set(found) - set(shapes) - scales - {"lm_head.weight"}   # a tied lm_head is expected
-                    if not (config.hybrid and n.startswith("mtp.")))   # Qwen3.5's MTP head: read on demand (mtp.py)
+                    if not (config.hybrid and n.startswith("mtp."))   # Qwen3.5's MTP head: read on demand (mtp.py)
+                    and ".ple.ple_embedding." not in n)   # Qwen4-Exp's PLE tables (mapped) and hash constants
     if unused:
         listed = ", ".join(short(n, 100) for n in unused[:MAX_NAMES_IN_WARNING])
         more = f" ... and {len(unused) - MAX_NAMES_IN_WARNING} more" if len(unused) > MAX_NAMES_IN_WARNING else ""
@@ -321,7 +322,11 @@ def expected_shapes(config: Qwen3Config, lm_head: bool = True) -> dict[str, tupl
         p = f"model.layers.{i}"
         attention = (linear_attention_shapes(config, p) if config.is_linear_layer(i)   # Gated DeltaNet
                      else attention_shapes(config, p))
-        shapes.update({f"{p}.input_layernorm.weight": (D,), **attention, f"{p}.post_attention_layernorm.weight": (D,)})
+        if config.qwen4_exp:   # no norms of its own: the hyper-connections normalise each block's input
+            shapes.update({**attention, **qwen4_layer_shapes(config, i)})
+        else:
+            shapes.update({f"{p}.input_layernorm.weight": (D,), **attention,
+                           f"{p}.post_attention_layernorm.weight": (D,)})
         if config.is_moe_layer(i):   # the router, then E experts, each a SwiGLU of width I
             shapes[f"{p}.mlp.gate.weight"] = (E, D)
             for e in range(E):
@@ -333,7 +338,10 @@ def expected_shapes(config: Qwen3Config, lm_head: bool = True) -> dict[str, tupl
         else:
             shapes.update({f"{p}.mlp.gate_proj.weight": (F, D), f"{p}.mlp.up_proj.weight": (F, D),
                            f"{p}.mlp.down_proj.weight": (D, F)})
-    shapes["model.norm.weight"] = (D,)
+    if config.qwen4_exp:   # the final mixing of the C streams into one takes the final norm's place
+        shapes.update(hyper_connection_shapes(config, "model.hyper_connection_mixer", inject=False))
+    else:
+        shapes["model.norm.weight"] = (D,)
     if lm_head and not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (V, D)
     return shapes
@@ -350,6 +358,44 @@ def attention_shapes(config: Qwen3Config, p: str) -> dict[str, tuple[int, ...]]:
     if config.qk_norm:          # Qwen3: one RMSNorm weight over a head's Dh values, for q and for k
         shapes.update({f"{a}.q_norm.weight": (Dh,), f"{a}.k_norm.weight": (Dh,)})
     return {**shapes, f"{a}.o_proj.weight": (D, H * Dh)}
+
+
+def hyper_connection_shapes(config: Qwen3Config, p: str, inject: bool = True) -> dict[str, tuple[int, ...]]:
+    """One of Qwen4-Exp's gated residuals (npqwen/hyper_connections.py): C streams of D, mixed at rank R."""
+    CD, R = config.hc_count * config.hidden_size, config.hc_lowrank
+    shapes = {f"{p}.hc_norm.weight": (CD,), f"{p}.input_mix_weight_down.weight": (R, CD),
+              f"{p}.input_mix_weight_up.weight": (CD, R)}
+    return {**shapes, f"{p}.block_inject_weight.weight": (config.hc_count, CD)} if inject else shapes
+
+
+def qwen4_layer_shapes(config: Qwen3Config, i: int) -> dict[str, tuple[int, ...]]:
+    """Qwen4-Exp's additions to layer i: the two gated residuals, QSA's indexer on an attention layer, and on a PLE
+    layer its projections, norms and convolution (its n-gram table is memory-mapped: ple_table_shapes)."""
+    p, D, CD = f"model.layers.{i}", config.hidden_size, config.hc_count * config.hidden_size
+    shapes = {**hyper_connection_shapes(config, f"{p}.attn_hyper_connection"),
+              **hyper_connection_shapes(config, f"{p}.mlp_hyper_connection")}
+    if not config.is_linear_layer(i):   # QSA's indexer: Hi query heads and one key head of di, and their norms
+        Hi, di = config.indexer_n_heads, config.indexer_head_dim
+        shapes.update({f"{p}.self_attn.indexer.index_qk_proj.weight": ((Hi + 1) * di, D),
+                       f"{p}.self_attn.indexer.q_layernorm.weight": (di,),
+                       f"{p}.self_attn.indexer.k_layernorm.weight": (di,)})
+    if config.is_ple_layer(i):
+        E, q = config.ple_embed_dim, f"{p}.ple"
+        shapes.update({f"{q}.key_proj.weight": (CD, E), f"{q}.value_proj.weight": (D, E),
+                       f"{q}.norm_key.weight": (CD,), f"{q}.norm_query.weight": (CD,), f"{q}.norm_conv.weight": (CD,),
+                       f"{q}.conv1d.weight": (CD, 1, config.ple_conv_kernel_size)})
+    return shapes
+
+
+def ple_table_shapes(config: Qwen3Config) -> dict[str, tuple[int, int]]:
+    """Each PLE layer's n-gram table (rows, d): its Hn hash heads' prime-sized tables one after another, padded to a
+    multiple of make_ngram_vocab_size_divisible_by rows; d = ple_embed_dim / Hn. 51B parameters in the real model."""
+    from .ple import table_rows
+
+    Hn = (config.ngram_size - 1) * config.heads_per_ngram
+    return {f"model.layers.{i}.ple.ple_embedding.ngram_embedding.weight":
+            (table_rows(config, config.ple_index(i)), config.ple_embed_dim // Hn)
+            for i in range(config.num_hidden_layers) if config.is_ple_layer(i)}
 
 
 def shared_expert_shapes(config: Qwen3Config, p: str) -> dict[str, tuple[int, ...]]:
@@ -467,6 +513,10 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype, parts: dict | 
     """
     found = canonical_names(index_checkpoint(directory))
     check_config_matches(config, found, directory)   # before any table is sized from the config
+    if config.qwen4_exp and weights not in ("auto", "float32"):
+        raise NpqwenError(f"{directory}: compact weights ({weights}) are not read for Qwen4-Exp yet; load it with "
+                          f"weights='float32' (--weights float32); its PLE tables stay memory-mapped either way")
+    weights = "float32" if config.qwen4_exp else weights
     lm_head = has_lm_head(config, found)
     shapes = expected_shapes(config, lm_head)
     stacked = fused_expert_tensors(config, found, directory, parts)   # Qwen3-VL-MoE's two tensors per layer
@@ -500,7 +550,41 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype, parts: dict | 
             read_tensor(found[name], array)
         else:
             read_tensor_part(found[name], array, *parts[name])
+    if config.qwen4_exp:   # the PLE tables stay on disk, memory-mapped (51B parameters in the real model)
+        arrays.update(ple_tables(found, config, directory))
     return tie_lm_head(config, arrays), fused
+
+
+def ple_tables(found: dict, config: Qwen3Config, directory) -> dict:
+    """Each PLE layer's n-gram table as an NgramTable over the file's bytes (npqwen/ple.py): one tensor
+    (ngram_embedding.weight) or the shards transformers writes (ngram_embedding.shard_0.weight, ..., one run of rows
+    each, joined in order), checked against the rows and width the config gives."""
+    from .ple import NgramTable
+
+    tables = {}
+    for name, (rows, d) in ple_table_shapes(config).items():
+        base = name[:-len("weight")]
+        infos = [found[name]] if name in found else sorted(
+            (info for n, info in found.items() if n.startswith(f"{base}shard_") and n.endswith(".weight")),
+            key=lambda info: int(info.name.split("shard_")[1].split(".")[0]))
+        if not infos:
+            raise NpqwenError(f"{directory}: tensor {name!r} (or its shards {base}shard_N.weight) is missing "
+                              f"(expected shape {[rows, d]}); the checkpoint does not match its config.json")
+        for info in infos:
+            if info.dtype not in STORED_DTYPES or len(info.shape) != 2 or info.shape[1] != d:
+                raise NpqwenError(f"{directory}: tensor {info.name!r} has shape {list(info.shape)} {info.dtype}; a "
+                                  f"PLE table's rows are {d} wide (ple_embed_dim / hash heads), in BF16, F16 or F32")
+        if sum(info.shape[0] for info in infos) != rows:
+            raise NpqwenError(f"{directory}: {name!r} holds {sum(i.shape[0] for i in infos)} rows in "
+                              f"{len(infos)} part(s), expected {rows} from config.json (the hash heads' primes)")
+        widen = None
+        if infos[0].dtype == "BF16":
+            def widen(bits):
+                out = np.empty(bits.shape, dtype=np.float32)
+                bf16_bits_to_float32(bits, out)
+                return out
+        tables[name] = NgramTable([mapped(info, STORED_DTYPES[info.dtype][0]) for info in infos], widen)
+    return tables
 
 
 def is_matrix(name: str) -> bool:

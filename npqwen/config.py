@@ -27,6 +27,10 @@ LAYER_TYPES = ("full_attention", "linear_attention")
 HYBRID_KEYS = ("layer_types", "partial_rotary_factor", "linear_conv_kernel_dim", "linear_key_head_dim",
                "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
                "shared_expert_intermediate_size")
+QWEN4_KEYS = ("qwen4_exp", "hc_count", "hc_lowrank", "ple_layer_ids", "ple_embed_dim", "ple_conv_kernel_size",
+              "ngram_size", "heads_per_ngram", "ngram_vocab_size_base", "make_ngram_vocab_size_divisible_by", "seed",
+              "split_ngram_parts", "indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget",
+              "indexer_compress_ratio")
 QWEN3_NEXT_DEFAULTS = dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, norm_topk_prob=True,
                           shared_expert_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[],
                           intermediate_size=5632)
@@ -117,6 +121,26 @@ class Qwen3Config:
     linear_num_key_heads: int = 16        # Hk (16)
     linear_num_value_heads: int = 32      # Hv (16), a multiple of Hk
     shared_expert_intermediate_size: int = 0  # Qwen3.5-MoE: every token also runs a shared expert this wide (512)
+    # Qwen4-Exp ("qwen4_exp", "qwen4_exp_text"; transformers' defaults): a Qwen3.5-MoE with hyper-connections (C
+    # residual streams, npqwen/hyper_connections.py), QSA on its full-attention layers (npqwen/qsa.py) and
+    # Per-Layer Embeddings on some linear ones (npqwen/ple.py); no input/post-attention/final RMSNorm
+    qwen4_exp: bool = False         # set from model_type
+    hc_count: int = 4               # C: residual streams (4)
+    hc_lowrank: int = 320           # R: rank of the learned mixing of the streams (320)
+    ple_layer_ids: list[int] | None = None   # one-indexed layers with PLE; kept as a tuple
+    ple_embed_dim: int | None = None         # E_ple: the n-gram embeddings of a token side by side; default D
+    ple_conv_kernel_size: int = 4            # the PLE convolution's kernel, dilated by ngram_size
+    ngram_size: int = 3                      # n: the longest n-gram hashed (2- and 3-grams)
+    heads_per_ngram: int = 8                 # hash heads (one table each) per n-gram order
+    ngram_vocab_size_base: int = 20_000_000  # a head's table has the next prime above this many rows
+    make_ngram_vocab_size_divisible_by: int = 128   # the joined tables are padded to a multiple of this
+    seed: int = 1234                         # seeds the hash multipliers
+    split_ngram_parts: int = 512             # the table's shards on disk (ngram_embedding.shard_N.weight)
+    indexer_n_heads: int | None = None       # Hi: QSA indexer query heads
+    indexer_kv_heads: int | None = None      # its key heads: 1
+    indexer_head_dim: int | None = None      # di
+    indexer_budget: int | None = None        # tokens of whole blocks a query may read, besides its tail
+    indexer_compress_ratio: int | None = None   # r: tokens per block
 
     def __post_init__(self):
         # Derived values, computed in this one place.
@@ -141,8 +165,19 @@ class Qwen3Config:
         if self.num_experts:
             _check_experts(self)
         object.__setattr__(self, "layer_types", tuple(self.layer_types or ()))   # () in Qwen3: every layer full
+        object.__setattr__(self, "ple_layer_ids", tuple(self.ple_layer_ids or ()))
+        if self.ple_embed_dim is None:
+            object.__setattr__(self, "ple_embed_dim", self.hidden_size)
         if self.hybrid:
             _check_hybrid(self)
+
+    def is_ple_layer(self, i: int) -> bool:
+        """Whether layer i (0-indexed) adds Qwen4-Exp's Per-Layer Embeddings to its streams first."""
+        return i + 1 in self.ple_layer_ids
+
+    def ple_index(self, i: int) -> int:
+        """Layer i's place among the PLE layers (its hash seeds and its row of the PLE states)."""
+        return self.ple_layer_ids.index(i + 1)
 
     def is_linear_layer(self, i: int) -> bool:
         """Whether layer i is Gated DeltaNet linear attention (else full attention)."""
@@ -171,6 +206,8 @@ class Qwen3Config:
 
     @property
     def model_type(self) -> str:
+        if self.qwen4_exp:
+            return "qwen4_exp_text"
         if self.hybrid:
             return "qwen3_next" if self.qwen3_next else "qwen3_5_moe_text" if self.num_experts else "qwen3_5_text"
         if not self.qk_norm:
@@ -205,7 +242,12 @@ class Qwen3Config:
         if not self.hybrid:
             for key in HYBRID_KEYS:
                 raw.pop(key)
+        raw["ple_layer_ids"] = list(self.ple_layer_ids)
+        if not self.qwen4_exp:
+            for key in QWEN4_KEYS:
+                raw.pop(key)
         raw.pop("hybrid")
+        raw.pop("qwen4_exp", None)
         raw.pop("qk_norm")
         raw.pop("fused_experts")
         if self.qk_norm:   # (a Qwen3's attention_bias is false; Qwen2's biases are implied by its model_type)
@@ -215,6 +257,7 @@ class Qwen3Config:
         architecture = ("Qwen3_5MoeForCausalLM" if self.num_experts else "Qwen3_5ForCausalLM") if self.hybrid \
             else architecture
         architecture = "Qwen3NextForCausalLM" if self.qwen3_next else architecture
+        architecture = "Qwen4ExpForCausalLM" if self.qwen4_exp else architecture
         raw.pop("qwen3_next")
         return {"architectures": [architecture], "model_type": self.model_type, **raw}
 
@@ -225,14 +268,7 @@ class Qwen3Config:
             raise NpqwenError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type")
         if model_type in ("qwen4_exp", "qwen4_exp_text"):
-            raise NpqwenError(f"{source}: model_type {model_type!r} (Qwen4-Exp, Qwen3.8-Flash-Next) is not runnable in "
-                              f"npqwen yet. Its new parts that npqwen has, each checked against transformers' "
-                              f"module: the hyper-connection mixing (npqwen/hyper_connections.py), PLE's n-gram "
-                              f"hashing and table lookup (npqwen/ple.py), the QSA indexer's block selection "
-                              f"(npqwen/qsa.py); its gated shared expert is Qwen3.5-MoE's. Missing: attention over "
-                              f"the QSA selection with its paged cache of indexer keys, the PLE layer's dilated "
-                              f"convolution and projection into the streams, MTP, loading its checkpoint, and the "
-                              f"decoder layer that joins them; run it with transformers")
+            raw, model_type = qwen4_exp_text(raw, model_type, source)   # Qwen4-Exp's text model (its own checks)
         if model_type in ("qwen3_vl", "qwen3_vl_moe", "qwen3_vl_text", "qwen3_vl_moe_text"):
             raw, model_type = qwen3_vl_text(raw, model_type, source)   # Qwen3-VL's text model: a Qwen3 (-MoE)
         if model_type in ("qwen3_5", "qwen3_5_moe") and isinstance(raw.get("text_config"), dict):
@@ -242,34 +278,37 @@ class Qwen3Config:
             model_type += "_text"
             raw = {**raw["text_config"], "tie_word_embeddings": raw.get("tie_word_embeddings", False),
                    "model_type": model_type}
-        if model_type not in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen2"):
+        if model_type not in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen2",
+                              "qwen4_exp_text"):
             raise NpqwenError(f"{source}: model_type is {model_type!r}, but npqwen runs Qwen3 checkpoints: "
                               f"model_type 'qwen3' (dense, e.g. Qwen/Qwen3-0.6B), 'qwen3_moe' (mixture of "
                               f"experts, e.g. Qwen/Qwen3-30B-A3B), or Qwen3.5's 'qwen3_5' / 'qwen3_5_text' "
-                              f"(e.g. Qwen/Qwen3.5-0.8B), 'qwen3_5_moe' and 'qwen3_next', and Qwen2.5's 'qwen2' "
-                              f"(e.g. Qwen/Qwen2.5-0.5B)")
+                              f"(e.g. Qwen/Qwen3.5-0.8B), 'qwen3_5_moe' and 'qwen3_next', Qwen2.5's 'qwen2' "
+                              f"(e.g. Qwen/Qwen2.5-0.5B) and Qwen4-Exp's 'qwen4_exp' / 'qwen4_exp_text'")
         raw = dict(raw)
         raw["qk_norm"] = model_type != "qwen2"   # Qwen2: no QK-norm, and q, k, v with biases (below)
-        raw["hybrid"] = model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+        raw["hybrid"] = model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text")
+        raw["qwen4_exp"] = model_type == "qwen4_exp_text"
         raw["qwen3_next"] = model_type == "qwen3_next"
         if model_type == "qwen3_next":   # transformers' Qwen3NextConfig defaults (Qwen3-Next-80B-A3B)
             for key, value in QWEN3_NEXT_DEFAULTS.items():
                 raw[key] = value if raw.get(key) is None else raw[key]
-        if model_type == "qwen3_5_moe_text":   # every layer sparse, k weights renormalised, no dense MLP
-            raw.update(num_experts=raw.get("num_experts", 256), num_experts_per_tok=raw.get("num_experts_per_tok", 8),
+        if model_type in ("qwen3_5_moe_text", "qwen4_exp_text"):   # every layer sparse, k weights renormalised, no dense MLP
+            E, k = (512, 10) if model_type == "qwen4_exp_text" else (256, 8)   # transformers' defaults
+            raw.update(num_experts=raw.get("num_experts", E), num_experts_per_tok=raw.get("num_experts_per_tok", k),
                        moe_intermediate_size=raw.get("moe_intermediate_size", 512), norm_topk_prob=True,
                        decoder_sparse_step=1, mlp_only_layers=[],
                        shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 512))
             raw.setdefault("intermediate_size", raw["shared_expert_intermediate_size"])   # (no dense layer uses it)
         if raw["hybrid"]:   # transformers' Qwen3_5TextConfig defaults: every fourth layer full attention
             rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
-            raw.setdefault("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
+            raw.setdefault("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0 if raw["qwen4_exp"] else 0.25))
             raw.setdefault("head_dim", 256)
             if raw.get("layer_types") is None and isinstance(raw.get("num_hidden_layers"), int):
                 every = raw.get("full_attention_interval", 4)
                 raw["layer_types"] = ["linear_attention" if (i + 1) % every else "full_attention"
                                       for i in range(min(raw["num_hidden_layers"], MAX_LAYERS_LISTED))]
-        if model_type in ("qwen3_moe", "qwen3_5_moe_text", "qwen3_next"):   # transformers saves num_experts as num_local_experts
+        if model_type in ("qwen3_moe", "qwen3_5_moe_text", "qwen3_next", "qwen4_exp_text"):   # transformers saves num_experts as num_local_experts
             raw.setdefault("num_experts", raw.get("num_local_experts"))
             raw.update({k: v for k, v in MOE_DEFAULTS.items() if raw.get(k) is None})
         else:                           # a dense Qwen3 has no experts, whatever else its config.json says
@@ -310,6 +349,82 @@ class Qwen3Config:
         except (ValueError, UnicodeDecodeError, RecursionError) as e:   # ValueError: also a 5000-digit number
             raise NpqwenError(f"{path}: not valid JSON ({str(e)[:200]})") from None
         return cls.from_dict(raw, source=str(path))
+
+
+QWEN4_QSA = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+
+
+def qwen4_exp_text(raw: dict, model_type: str, source: str) -> tuple[dict, str]:
+    """Qwen4-Exp's language model: the hub's Qwen4ExpForConditionalGeneration config is read for its text_config
+    (model.language_model.* in the weights; model.visual.* and mtp.* stay on disk), with its own checks: what
+    transformers' Qwen4ExpTextConfig.validate_architecture refuses, and what npqwen does not implement, by name."""
+    if model_type == "qwen4_exp":
+        if not isinstance(raw.get("text_config"), dict):
+            raise NpqwenError(f"{source}: model_type 'qwen4_exp' needs a text_config (the language model's config); "
+                              f"npqwen reads the text model of Qwen4-Exp")
+        raw = {**raw["text_config"], "tie_word_embeddings": raw.get("tie_word_embeddings", False)}
+    raw = dict(raw)
+    gate = raw.pop("output_gate_type", None) or raw.get("hidden_act", "silu")
+    if gate != "silu":
+        raise NpqwenError(f"{source}: output_gate_type {gate!r}: npqwen's Gated DeltaNet gates its output with SiLU "
+                          f"(Qwen4-Exp's default); a {gate} output gate is not implemented")
+    streams = raw.get("hc_count", 4)
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 2:
+        raise NpqwenError(f"{source}: hc_count must be an integer above 1 (Qwen4-Exp's residual streams), "
+                          f"got {streams!r}")
+    unknown = sorted(k for k in raw if (k.startswith(("indexer_", "qsa", "index_")) and k not in QWEN4_QSA))
+    if unknown:
+        raise NpqwenError(f"{source}: {unknown[0]!r} describes a QSA variant npqwen does not implement; it runs "
+                          f"Qwen4-Exp's QSA as transformers does, set by {', '.join(QWEN4_QSA)} only")
+    qsa = {k: raw.get(k) for k in QWEN4_QSA}
+    types = raw.get("layer_types")
+    if isinstance(types, list):   # the hub's config says "full_attention" for its QSA layers, as transformers reads it
+        raw["layer_types"] = ["full_attention" if t in ("full_attention", "indexed_attention") else t for t in types]
+    if any(v is None for v in qsa.values()):
+        raise NpqwenError(f"{source}: Qwen4-Exp's attention layers are QSA, which needs all of {', '.join(QWEN4_QSA)}; "
+                          f"missing: {', '.join(k for k, v in qsa.items() if v is None)}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in qsa.values()):
+        raise NpqwenError(f"{source}: the QSA sizes must be positive integers, got {qsa}")
+    if qsa["indexer_kv_heads"] != 1:
+        raise NpqwenError(f"{source}: indexer_kv_heads {qsa['indexer_kv_heads']}: a QSA variant with several indexer "
+                          f"key heads; Qwen4-Exp's QSA (and transformers') has one key head, as npqwen implements")
+    if qsa["indexer_budget"] % qsa["indexer_compress_ratio"]:
+        raise NpqwenError(f"{source}: indexer_budget {qsa['indexer_budget']} is not a multiple of "
+                          f"indexer_compress_ratio {qsa['indexer_compress_ratio']}: QSA keeps whole blocks")
+    rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    section = rope.get("mrope_section")
+    if section is not None and not (isinstance(section, list) and len(section) == 3
+                                    and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                            for n in section)):
+        raise NpqwenError(f"{source}: rope_parameters.mrope_section {section!r} is not a multimodal RoPE layout "
+                          f"npqwen knows (three counts of frequencies, for time, height and width); npqwen reads "
+                          f"text only, where the three positions are equal and any such layout is plain RoPE")
+    head_dim, rotary = raw.get("head_dim", 256), None
+    if isinstance(head_dim, int):
+        rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        if rotary > qsa["indexer_head_dim"]:
+            raise NpqwenError(f"{source}: RoPE turns {rotary} values of each head but the QSA indexer's heads have "
+                              f"indexer_head_dim {qsa['indexer_head_dim']}; they must fit (transformers refuses it)")
+    ple_ids = raw.get("ple_layer_ids") or []
+    if ple_ids:
+        if not (isinstance(ple_ids, list) and all(isinstance(n, int) for n in ple_ids)):
+            raise NpqwenError(f"{source}: ple_layer_ids should be a list of layer numbers, got {ple_ids!r}")
+        raw["ple_layer_ids"] = sorted(set(ple_ids))
+        n, heads = raw.get("ngram_size", 3), raw.get("heads_per_ngram", 8)
+        dim = raw.get("ple_embed_dim") or raw.get("hidden_size")
+        if not (isinstance(n, int) and isinstance(heads, int) and n > 1 and heads > 0 and isinstance(dim, int)
+                and dim % ((n - 1) * heads) == 0):
+            raise NpqwenError(f"{source}: ple_embed_dim {dim} must be a multiple of the (ngram_size - 1) * "
+                              f"heads_per_ngram = {(n - 1) * heads if isinstance(n, int) and isinstance(heads, int) else '?'} "
+                              f"hash heads (ngram_size {n!r} > 1)")
+        layers = raw.get("num_hidden_layers")
+        bad = [i for i in raw["ple_layer_ids"] if not isinstance(layers, int) or not 1 <= i <= layers]
+        if bad:
+            raise NpqwenError(f"{source}: ple_layer_ids {bad} name no layer: they count layers from 1 to "
+                              f"num_hidden_layers ({layers})")
+        if raw.get("eos_token_id") in (None, []):
+            raise NpqwenError(f"{source}: PLE needs eos_token_id (an n-gram never reaches past an end of text)")
+    return raw, "qwen4_exp_text"
 
 
 def qwen3_vl_text(raw: dict, model_type: str, source: str) -> tuple[dict, str]:
@@ -373,6 +488,10 @@ def _check_hybrid(config: Qwen3Config):
     if config.linear_num_value_heads % config.linear_num_key_heads:
         raise NpqwenError(f"config: linear_num_value_heads ({config.linear_num_value_heads}) must be a multiple of "
                           f"linear_num_key_heads ({config.linear_num_key_heads})")
+    not_linear = [n for n in config.ple_layer_ids if types[n - 1] != "linear_attention"]
+    if not_linear:
+        raise NpqwenError(f"config: ple_layer_ids {not_linear} are attention layers; Qwen4-Exp's Per-Layer Embeddings "
+                          f"are on linear_attention layers only (transformers refuses the rest too)")
     if not 0 < config.partial_rotary_factor <= 1 or config.rotary_dim % 2:
         raise NpqwenError(f"config: partial_rotary_factor {config.partial_rotary_factor} must be in (0, 1] and turn "
                           f"an even number of each head's {config.head_dim} values")

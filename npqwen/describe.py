@@ -9,9 +9,11 @@ import dataclasses
 import math
 import re
 
+import numpy as np
+
 from .checkpoint import (MAX_NAMES_IN_WARNING, SCALE_SUFFIXES, canonical_names, check_config_matches, expected_shapes,
                          fused_expert_tensors, has_lm_head, index_checkpoint, matrix_shape, parameter_counts, size)
-from .config import HYBRID_KEYS, MOE_DEFAULTS, Qwen3Config
+from .config import HYBRID_KEYS, MOE_DEFAULTS, QWEN4_KEYS, Qwen3Config
 from .hub import resolve_model
 
 EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(.+)$")   # prefix, expert, projection
@@ -25,7 +27,7 @@ def group_of(name: str) -> str:
         return "embed"
     if name.startswith("model.layers."):
         return "layers"
-    if name.startswith("model.norm"):
+    if name.startswith(("model.norm", "model.hyper_connection_mixer")):   # Qwen4-Exp's final mixing: the norm's place
         return "norm"
     return "lm_head"
 
@@ -62,6 +64,44 @@ def describe(model: str, device: str = "cpu", dtype: str = "float32") -> str:
     return render(config, tensors, source)
 
 
+def qwen4_lines(config: Qwen3Config, tensors: dict, dtype) -> list[str]:
+    """What a Qwen4-Exp request costs beyond Qwen3.5's: QSA's indexer keys in the KV cache, the PLE layers' states,
+    and the PLE tables, which stay on disk (memory-mapped; a token reads Hn rows of each)."""
+    from .checkpoint import STORED_DTYPES, ple_table_shapes
+    from .kv_cache import KVCache, LinearStates, ple_conv_state_shape
+
+    item = np.dtype(dtype).itemsize
+    attention = [i for i in range(config.num_hidden_layers) if not config.is_linear_layer(i)]
+    K, Dh, di = config.num_key_value_heads, config.head_dim, config.indexer_head_dim
+    budget, r = config.indexer_budget, config.indexer_compress_ratio
+    Hn = (config.ngram_size - 1) * config.heads_per_ngram
+    lines = ["", "Qwen4-Exp (docs/qwen-families.md#3-qwen4-exp-qwen4_exp-qwen4_exp_text)",
+             f"  hyper-connections          {config.hc_count} residual streams of {config.hidden_size} (a token's "
+             f"residual is {config.hc_count * config.hidden_size} wide), mixed at rank {config.hc_lowrank}",
+             f"  QSA layers                 {attention}: per token {2 * K * Dh * item:,} bytes of keys and values "
+             f"+ {di * item:,} of the indexer's raw key per layer; a query reads at most {budget} + {r - 1} "
+             f"tokens (its best {budget // r} blocks of {r} and its tail), the cache keeps every position (the "
+             f"selection is recomputed from the indexer keys, so a prefix hit selects the same)",
+             f"  KV cache per token         {KVCache.bytes_per_token(config, dtype):,} bytes in {dtype}"]
+    if config.ple_layer_ids:
+        layers = [n - 1 for n in config.ple_layer_ids]
+        lines.append(f"  PLE layers                 {layers}: per request {len(layers)} x conv state "
+                     f"{list(ple_conv_state_shape(config))} + the last {config.ngram_size - 1} token ids "
+                     f"(state per request, all layers: {LinearStates.bytes_per_slot(config, dtype):,} bytes)")
+        on_disk = params = 0
+        for name, (rows, d) in ple_table_shapes(config).items():
+            parts = [t for n, t in tensors.items() if n == name or n.startswith(name[:-len("weight")] + "shard_")]
+            stored = parts[0][1] if parts else "MISSING"
+            nbytes = rows * d * (STORED_DTYPES[stored][1] if stored in STORED_DTYPES else
+                                 np.dtype(stored).itemsize if stored != "MISSING" else 0)   # (built in: a dtype)
+            on_disk, params = on_disk + nbytes, params + rows * d
+            lines.append(f"    {name:<56} [{rows:,}, {d}] {stored} in {len(parts)} part(s), {size(nbytes)}")
+        lines += [f"  PLE tables                 {params:,} parameters, {size(on_disk)}; a checkpoint's stay on disk, "
+                  f"memory-mapped, not read into memory; a token reads {Hn} rows of {config.ple_embed_dim // Hn} per PLE layer (the hash "
+                  f"constants are computed from the config)"]
+    return lines
+
+
 def hybrid_lines(config: Qwen3Config, unread, dtype) -> list[str]:
     """Which layers are linear attention, and what a token and a request cost in memory."""
     from .kv_cache import KVCache, LinearStates, conv_state_shape, recurrent_state_shape
@@ -91,12 +131,16 @@ def render(config: Qwen3Config, tensors: dict, source: str, lm_head: bool = True
     hidden = () if config.hybrid else (*HYBRID_KEYS, "hybrid", "qwen3_next")   # Qwen3 has no hybrid fields
     hidden += ("attention_bias", "qk_norm") if config.qk_norm else ()          # shown for Qwen2, where they differ
     hidden += () if config.fused_experts else ("fused_experts",)                # shown for Qwen3-VL-MoE
+    hidden += () if config.qwen4_exp else QWEN4_KEYS                            # shown for Qwen4-Exp
     for field in dataclasses.fields(config):
         if (config.num_experts or field.name not in MOE_DEFAULTS) and field.name not in hidden:
             lines.append(f"  {field.name:<26} {getattr(config, field.name)}")
     lines.append(f"  {'(derived) kv groups G':<26} {config.num_key_value_groups}")
     if config.hybrid:
         lines += hybrid_lines(config, unread, dtype)
+    if config.qwen4_exp:
+        lines += qwen4_lines(config, tensors, dtype)
+        tensors = {n: t for n, t in tensors.items() if ".ple.ple_embedding." not in n}   # listed there
     expected = expected_shapes(config, lm_head)
     names = list(expected) + (["lm_head.weight"] if config.tie_word_embeddings else [])
     width = max(len(EXPERT.sub(rf"\1.{{0..{config.num_experts - 1}}}.\3", n)) for n in names) + 2
@@ -146,6 +190,10 @@ def render(config: Qwen3Config, tensors: dict, source: str, lm_head: bool = True
     lines += ["", f"total parameters:  {total:,}",
               f"unique parameters: {unique:,}" + ("  (tied lm_head counted once)" if config.tie_word_embeddings
                                                   else "")]
+    if config.qwen4_exp and config.ple_layer_ids:
+        from .checkpoint import ple_table_shapes
+        lines.append(f"  (+ {sum(math.prod(s) for s in ple_table_shapes(config).values()):,} in the PLE tables, "
+                     f"memory-mapped on disk)")
     if config.num_experts:
         k, E = config.num_experts_per_tok, config.num_experts
         lines.append(f"active per token:  {parameter_counts(config)[1]:,}  ({k} of {E} experts in each sparse layer)")

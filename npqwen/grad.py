@@ -190,6 +190,9 @@ def backward(model, tape: Tape, ids, d_logits, grads: Gradients, recompute=None)
     cfg, W = model.config, model.weights
     if model.comm.size > 1:
         raise NpqwenError("gradients run in one process; load the model without tensor_parallel")
+    if cfg.qwen4_exp:
+        raise NpqwenError("gradients (attribution, finetuning) have no backward for Qwen4-Exp's hyper-connections, "
+                          "QSA and PLE yet; they run on Qwen3, Qwen3-MoE, Qwen3.5 and Qwen3-Next")
     L, eps, one, weights = cfg.num_hidden_layers, cfg.rms_norm_eps, cfg.norm_offset, grads.want_weights
     keep = grads.add_weight if weights else (lambda name, d: None)
     # 5. lm_head: logits = norm(x) @ lm_head^T

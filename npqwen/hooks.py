@@ -30,7 +30,8 @@ def step_names(config) -> list[str]:
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
         norms = ("q_norm", "k_norm") if config.qk_norm else ()   # Qwen2 has no QK-norm
-        attn = [f"{p}.self_attn.{s}" for s in ("q_proj", "k_proj", "v_proj", *norms, "q_rope", "k_rope",
+        qsa = ("indexer",) if config.qwen4_exp else ()   # Qwen4-Exp: the QSA indexer's selection (T, S)
+        attn = [f"{p}.self_attn.{s}" for s in ("q_proj", "k_proj", "v_proj", *norms, "q_rope", "k_rope", *qsa,
                                                 "attn_probs", "attn_output", "o_proj")]
         if config.is_linear_layer(i):   # Qwen3.5 / Qwen3-Next: Gated DeltaNet (model.linear_attn)
             projections = ("in_proj_qkvz", "in_proj_ba") if config.qwen3_next else \
@@ -41,9 +42,13 @@ def step_names(config) -> list[str]:
         if config.is_moe_layer(i) and config.shared_expert_intermediate_size:   # Qwen3.5-MoE's shared expert
             mlp += ["shared_expert_gate"] + [f"shared_expert.{s}" for s in ("gate_proj", "up_proj", "act_fn",
                                                                             "down_proj")]
+        if config.qwen4_exp:   # hyper-connections mix the streams where Qwen3 normalises; PLE first on some layers
+            names += [*([f"{p}.ple"] if config.is_ple_layer(i) else []), f"{p}.attn_hyper_connection", *attn,
+                      f"{p}.attn_residual", f"{p}.mlp_hyper_connection", *[f"{p}.mlp.{s}" for s in mlp], p]
+            continue
         names += [f"{p}.input_layernorm", *attn, f"{p}.attn_residual", f"{p}.post_attention_layernorm",
                   *[f"{p}.mlp.{s}" for s in mlp], p]
-    return names + ["model.norm", "lm_head"]
+    return names + (["model.hyper_connection_mixer"] if config.qwen4_exp else ["model.norm"]) + ["lm_head"]
 
 
 def check_names(names, config, what: str = "hook"):

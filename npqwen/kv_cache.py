@@ -14,6 +14,10 @@ Keys and values may be kept compact (`kv_dtype`: bfloat16, float8 e4m3 or int8 r
 widened to the compute dtype one page at a time when attention reads it (`CompactPages`), as compact
 weights are widened per block (npqwen/weights.py).
 
+Qwen4-Exp's attention layers are QSA (npqwen/qsa.py): beside each position's key and value its pages keep the
+indexer's raw key (`index_keys`, one head of di), from which each query's selection of blocks is recomputed;
+its PLE layers keep, per sequence, their dilated convolution's last inputs and the last ngram_size - 1 tokens.
+
 Shapes: L layers, N pages, P positions per page, K key/value heads (this rank's), Dh head dim,
 T tokens in a batch; Ll linear-attention layers, S state slots, W conv kernel, C convolved channels,
 Hv value heads of dv (this rank's), dk key head dim.
@@ -49,6 +53,9 @@ class KVCache:
         L, K, Dh = config.num_attention_layers, kv_heads or config.num_key_value_heads, config.head_dim   # K: this rank's
         shape = (L, num_pages, K, page_size, Dh)
         check_kv_dtype(kv_dtype)
+        if config.qwen4_exp and kv_dtype != "auto":
+            raise NpqwenError(f"kv_cache_dtype {kv_dtype!r}: Qwen4-Exp's QSA attention reads its pages whole, not "
+                              f"a compact page at a time; use kv_cache_dtype 'auto' for it")
         self.kv_dtype = kv_dtype
         try:
             if kv_dtype == "auto":   # the compute dtype: attention reads the pages as they are
@@ -62,6 +69,9 @@ class KVCache:
             raise NpqwenError(f"a KV cache of {num_pages} pages x {page_size} positions needs "
                               f"{need / 2**30:.2f} GiB, which cannot be allocated; use fewer pages") from e
         self.num_pages, self.page_size = num_pages, page_size
+        # Qwen4-Exp: QSA's raw indexer key of every position, paged like the keys (L, N, P, di)
+        self.index_keys = (xp.zeros((L, num_pages, page_size, config.indexer_head_dim), dtype=dtype)
+                           if config.qwen4_exp else None)
         self.states = LinearStates(config, num_slots, xp, dtype, linear_heads) if config.hybrid else None
         self.snapshots: LinearStates | None = None   # the engine's snapshots of states, for prefix hits (hybrid)
         self.state_copies: list | None = None        # tensor parallel: rank 0's copies between the two since its
@@ -83,29 +93,38 @@ class KVCache:
         self.keys[layer].reshape(-1, Dh)[slots] = k.reshape(-1, Dh)          # (N*K*P, Dh)[(T*K,)] = (T*K, Dh)
         self.values[layer].reshape(-1, Dh)[slots] = v.reshape(-1, Dh)
 
+    def write_index_keys(self, layer: int, pages, offsets, keys):
+        """Qwen4-Exp: store QSA's raw indexer keys (T, di) of tokens at pages[t], offsets[t]."""
+        self.index_keys[layer].reshape(-1, keys.shape[-1])[pages * self.page_size + offsets] = keys   # (N*P, di)
+
     def page_arrays(self, page: int) -> list:
         """Everything stored for one page, every layer (keys, values, and int8's scales): what the prefix
         cache's disk tier writes (npqwen/engine/prefix_disk.py)."""
+        index = [self.index_keys[:, page]] if self.index_keys is not None else []   # Qwen4-Exp: (L, P, di)
         if self.kv_dtype == "auto":
-            return [self.keys[:, page], self.values[:, page]]                  # (L, K, P, Dh) each
-        return [a[:, page] for store in (self.keys, self.values) for a in store.arrays]
+            return [self.keys[:, page], self.values[:, page], *index]           # (L, K, P, Dh) each
+        return [a[:, page] for store in (self.keys, self.values) for a in store.arrays] + index
 
     def set_page_arrays(self, page: int, arrays: list):
         """The inverse of page_arrays: fill one page, every layer."""
         stores = [self.keys, self.values] if self.kv_dtype == "auto" else \
             [a for store in (self.keys, self.values) for a in store.arrays]
+        stores += [self.index_keys] if self.index_keys is not None else []
         for store, a in zip(stores, arrays, strict=True):
             store[:, page] = xp_of(store).asarray(a)
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes + (self.states.nbytes if self.states is not None else 0)
+        return (self.keys.nbytes + self.values.nbytes + (self.states.nbytes if self.states is not None else 0)
+                + (self.index_keys.nbytes if self.index_keys is not None else 0))
 
     @staticmethod
     def bytes_per_token(config: Qwen3Config, dtype, kv_dtype: str = "auto") -> int:
-        """Keys + values of one position in every full-attention layer (all layers of a Qwen3), as stored."""
-        return (2 * config.num_attention_layers * config.num_key_value_heads
-                * kv_bytes_per_row(config.head_dim, kv_dtype, dtype))
+        """Keys + values of one position in every full-attention layer (all layers of a Qwen3), as stored; and in
+        Qwen4-Exp QSA's raw indexer key (in the compute dtype)."""
+        index = config.indexer_head_dim * np.dtype(dtype).itemsize if config.qwen4_exp else 0
+        return config.num_attention_layers * (2 * config.num_key_value_heads
+                                              * kv_bytes_per_row(config.head_dim, kv_dtype, dtype) + index)
 
 
 def check_kv_dtype(kv_dtype: str):
@@ -210,6 +229,12 @@ class LinearStates:
         self.recurrent = xp.zeros((Ll, num_slots, *recurrent_state_shape(config, heads)),
                                   dtype=np.promote_types(dtype, np.float32))          # (Ll, S, Hv, dk, dv)
         self.num_slots = num_slots
+        # Qwen4-Exp's PLE layers: the dilated convolution's last inputs (Lp, S, L, C*D) and each sequence's last
+        # ngram_size - 1 tokens (S, n-1), end-of-text before its first (an n-gram starts there)
+        Lp = len(config.ple_layer_ids)
+        self.eos = config.eos_token_ids[0] if Lp else 0
+        self.ple_conv = xp.zeros((Lp, num_slots, *ple_conv_state_shape(config)), dtype=dtype) if Lp else None
+        self.ple_ids = np.full((num_slots, config.ngram_size - 1), self.eos, dtype=np.int64) if Lp else None
         # speculative decoding: a verifying sequence's slot -> per linear layer (the conv's inputs (W-1+n, C) from
         # its state on, the delta rule's state after each of its n tokens (n, Hv, dk, dv)), until roll_back
         self.verified: dict[int, dict] = {}
@@ -227,23 +252,37 @@ class LinearStates:
         if len(slots):
             self.conv[:, slots] = 0
             self.recurrent[:, slots] = 0
+            if self.ple_conv is not None:
+                self.ple_conv[:, slots] = 0
+                self.ple_ids[slots] = self.eos
 
     @property
     def nbytes(self) -> int:
-        return self.conv.nbytes + self.recurrent.nbytes
+        ple = self.ple_conv.nbytes + self.ple_ids.nbytes if self.ple_conv is not None else 0
+        return self.conv.nbytes + self.recurrent.nbytes + ple
 
     @staticmethod
     def bytes_per_slot(config: Qwen3Config, dtype) -> int:
         """One sequence's states in every linear-attention layer: the same at any context length."""
-        Ll = config.num_hidden_layers - config.num_attention_layers
+        Ll, Lp = config.num_hidden_layers - config.num_attention_layers, len(config.ple_layer_ids)
+        ple = Lp * math.prod(ple_conv_state_shape(config)) * np.dtype(dtype).itemsize + 8 * (config.ngram_size - 1)
         return Ll * (math.prod(conv_state_shape(config)) * np.dtype(dtype).itemsize
-                     + math.prod(recurrent_state_shape(config)) * np.promote_types(dtype, np.float32).itemsize)
+                     + math.prod(recurrent_state_shape(config)) * np.promote_types(dtype, np.float32).itemsize) \
+            + (ple if Lp else 0)
 
 
 def copy_states(src: LinearStates, i: int, dst: LinearStates, j: int):
     """Slot i of src -> slot j of dst, in every linear-attention layer."""
     dst.conv[:, j] = src.conv[:, i]                # (Ll, W-1, C)
     dst.recurrent[:, j] = src.recurrent[:, i]      # (Ll, Hv, dk, dv)
+    if src.ple_conv is not None:                   # Qwen4-Exp's PLE layers
+        dst.ple_conv[:, j] = src.ple_conv[:, i]    # (Lp, L, C*D)
+        dst.ple_ids[j] = src.ple_ids[i]            # (n-1,)
+
+
+def ple_conv_state_shape(config: Qwen3Config) -> tuple[int, int]:
+    """(L, C*D): a PLE convolution's last (K-1) * ngram_size inputs (its dilation is ngram_size), all C streams."""
+    return (config.ple_conv_kernel_size - 1) * config.ngram_size, config.hc_count * config.hidden_size
 
 
 def conv_state_shape(config: Qwen3Config, heads: tuple[int, int] | None = None) -> tuple[int, int]:

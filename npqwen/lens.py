@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import hyper_connections as hc
 from . import ops
 from .backend import to_numpy
 from .errors import NpqwenError
@@ -38,10 +39,17 @@ class LogitLens:
 
 
 def lens_logits(llm, block_output):
-    """lm_head(norm(x)) (T, V) for one block's output x (T, D), as the model computes its last one."""
+    """lm_head(norm(x)) (T, V) for one block's output x (T, D), as the model computes its last one. Qwen4-Exp:
+    its C streams x (T, C*D) mixed into one by the final hyper_connection_mixer, which takes the final norm's place."""
     check_lm_head(llm.model)
     W, cfg = llm.weights, llm.config
     head = W["lm_head.weight"]                                                              # (V, D)
+    if cfg.qwen4_exp:
+        W, p = llm.model.weights, "model.hyper_connection_mixer"   # the names the model reads (not as stored)
+        x, _ = hc.mix_streams(llm.model.xp.asarray(block_output), W[f"{p}.hc_norm.weight"],
+                              W[f"{p}.input_mix_weight_down.weight"], W[f"{p}.input_mix_weight_up.weight"],
+                              cfg.hc_count, cfg.rms_norm_eps)                               # (T, D)
+        return to_numpy(ops.linear(x, head))
     x = ops.rms_norm(llm.model.xp.asarray(block_output), W["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
     return to_numpy(ops.linear(x, head))
 
@@ -139,6 +147,10 @@ def logit_attribution(llm, prompt, target, contrast=None, position: int = -1) ->
     """Direct logit attribution of `target` (minus `contrast`) at `position` of `prompt`, the final norm's
     scale taken from the run."""
     cfg, W, L = llm.config, llm.model.weights, llm.config.num_hidden_layers
+    if cfg.qwen4_exp:
+        raise NpqwenError("direct logit attribution splits the final residual into a sum read through one norm; "
+                          "Qwen4-Exp's residual is hc_count streams mixed by a learned sigmoid gate (not a sum's "
+                          "linear read-out), so it has no such split; use the logit lens or attribution patching")
     t = token_id(llm, target)
     names = ["model.embed_tokens", f"model.layers.{L - 1}"] + [n for i in range(L) for n in block_names(cfg, i)]
     logits, cache = llm.run_with_cache(prompt, names=names)

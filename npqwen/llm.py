@@ -29,6 +29,7 @@ from .lens import logit_attribution, logit_lens
 from .lora import read_adapter
 from .model import Qwen3
 from .parallel import agreed, check_split, communicator, rank_0_leads, shards
+from .qwen4_exp import Qwen4Exp
 from .rerank import rerank
 from .sampling_params import SamplingParams, params_of, read_generation_config
 from .tokenizer import Tokenizer
@@ -84,6 +85,10 @@ class LLM:
             raise NpqwenError(f"a LoRA adapter's name is a non-empty string without surrounding spaces, got {name!r}")
         if name in self._loras:
             raise NpqwenError(f"a LoRA adapter named {name!r} is loaded already; unload it first (llm.unload_lora)")
+        if self.config.qwen4_exp:
+            raise NpqwenError("LoRA adapters are not applied to Qwen4-Exp yet (npqwen/qwen4_exp.py has no adapter "
+                              "lines in its QSA attention and hyper-connections); merge the adapter with PEFT and "
+                              "load the result")
         if self.comm.size > 1:
             raise NpqwenError("LoRA adapters are not applied under tensor parallelism; merge the adapter into the "
                               "base (npqwen merge-lora) and load the result")
@@ -429,4 +434,5 @@ def load_part(path, device: str, dtype: str, comm, weights: str = "auto") -> LLM
     parts = None if comm.size == 1 else shards(config, expected_shapes(config), comm.size, comm.rank)
     arrays, fused = load_weights(path, config, xp, np.dtype(dtype), parts, weights)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
-    return LLM(Qwen3(config, arrays, fused, comm), tokenizer, read_generation_config(path), path, stored_names(path))
+    model = (Qwen4Exp if config.qwen4_exp else Qwen3)(config, arrays, fused, comm)   # a second family, its own file
+    return LLM(model, tokenizer, read_generation_config(path), path, stored_names(path))

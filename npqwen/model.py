@@ -108,7 +108,8 @@ class Qwen3:
         self.weights = weights    # HF name -> array with the HF shape (a rank's part of it under tensor parallelism)
         self.fused = fused        # per-layer stacked qkv_proj / gate_up_proj; HF q/k/v/gate/up (and experts) are views
         self.comm = comm or SingleProcess()   # the ranks the model is split over (npqwen/comm.py)
-        norm = weights["model.norm.weight"]       # always an array (matrices may be compact: npqwen/weights.py)
+        norm = weights.get("model.norm.weight", weights.get("model.hyper_connection_mixer.hc_norm.weight"))   # an
+        # array always (matrices may be compact: npqwen/weights.py); Qwen4-Exp has the final mixing's instead
         self.xp, self.dtype = xp_of(norm), norm.dtype
         Dh = config.head_dim      # this rank's heads (all of them in one process), and its first token id
         first = next((i for i in range(config.num_hidden_layers) if not config.is_linear_layer(i)), None)

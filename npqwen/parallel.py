@@ -66,6 +66,9 @@ def check_split(config, n: int):
     H, K = config.num_attention_heads, config.num_key_value_heads
     if n < 1:
         raise NpqwenError(f"the tensor-parallel size must be >= 1, got {n}")
+    if getattr(config, "qwen4_exp", False) and n > 1:
+        raise NpqwenError("tensor parallelism does not split Qwen4-Exp yet (its hyper-connection streams, QSA "
+                          "indexer and PLE tables have no split in npqwen); run it in one process")
     if getattr(config, "hybrid", False):
         check_linear_split(config, n)
     if H % n:

@@ -1,6 +1,7 @@
 """Qwen4-Exp's Per-Layer Embeddings (PLE): for each token, hashed ids of the n-grams that end at it, each
-looked up in a large table (transformers' Qwen4ExpTextNGramEmbedding; the PLE layer then convolves them and
-adds them to the residual streams, which npqwen does not have yet).
+looked up in a large table (transformers' Qwen4ExpTextNGramEmbedding); the PLE layer (`ple_layer`,
+transformers' Qwen4ExpTextPLELayer) gates them by each residual stream, convolves them over time (dilated) and
+adds them to the streams, before the layer's linear attention.
 
 For n = 2 .. ngram_size, the n-gram ending at a token is mixed into one integer by XOR of each of its n
 tokens times a fixed odd multiplier (`layer_multipliers`, from SplitMix64 and the layer's seed); a token
@@ -13,8 +14,13 @@ Hn = (n - 1) * heads_per_ngram hash heads, d = the width of one head's row. Inte
 torch's long (the multipliers are small enough that token * multiplier never overflows).
 """
 import math
+from functools import cache
 
 import numpy as np
+
+from . import ops
+from .backend import xp_of
+from .hyper_connections import grouped_rms_norm
 
 MASK64 = (1 << 64) - 1
 SPLITMIX_GAMMA, SPLITMIX_M1, SPLITMIX_M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -41,6 +47,7 @@ def is_prime(n: int) -> bool:
     return n == 2 or (n > 2 and n % 2 == 1 and all(n % d for d in range(3, math.isqrt(n) + 1, 2)))
 
 
+@cache
 def head_vocab_sizes(base: int, heads: int, ple_layer_index: int) -> tuple[np.ndarray, np.ndarray]:
     """Each hash head's table size (the primes after base - 1, continuing across PLE layers) and its first row
     in the shared embedding: ((Hn,), (Hn,)) int64."""
@@ -91,3 +98,68 @@ def ngram_embedding(table, token_ids, previous, multipliers, sizes, offsets, hea
     history = np.concatenate([np.asarray(previous, dtype=np.int64), np.asarray(token_ids, dtype=np.int64)])
     ids = ngram_ids(history, multipliers, sizes, offsets, heads_per_ngram, eos)[-len(token_ids):]   # (T, Hn)
     return table[ids].reshape(len(token_ids), -1)                               # (T, Hn*d)
+
+
+def table_rows(config, ple_layer_index: int) -> int:
+    """Rows of one PLE layer's table: its Hn heads' primes, added, rounded up to a multiple of
+    make_ngram_vocab_size_divisible_by."""
+    Hn = (config.ngram_size - 1) * config.heads_per_ngram
+    sizes, _ = head_vocab_sizes(config.ngram_vocab_size_base, Hn, ple_layer_index)
+    div = config.make_ngram_vocab_size_divisible_by
+    return -(-int(sizes.sum()) // div) * div
+
+
+class NgramTable:
+    """One PLE layer's n-gram table, left on disk: the checkpoint's shards (ngram_embedding.shard_0.weight, ...,
+    each a run of rows), memory-mapped; only the rows a batch looks up are read. (rows, d) like the HF weight."""
+
+    def __init__(self, parts: list, widen=None):
+        self.parts = parts                                          # [(rows_j, d)] mapped arrays, in order
+        self.starts = np.cumsum([0] + [len(p) for p in parts])      # (J + 1,) first row of each part
+        self.shape = (int(self.starts[-1]), parts[0].shape[1])
+        self.widen = widen or (lambda rows: np.asarray(rows, dtype=np.float32))   # stored bits -> float32
+        self.dtype = np.dtype(np.float32)
+
+    def __getitem__(self, ids):
+        """ids (...) int64 -> (..., d) float32: each row read from the part that holds it."""
+        flat = np.asarray(ids).reshape(-1)
+        part = np.searchsorted(self.starts, flat, side="right") - 1             # (n,) which part holds each row
+        out = np.empty((len(flat), self.shape[1]), dtype=np.float32)
+        for j in np.unique(part):
+            at = part == j
+            out[at] = self.widen(self.parts[j][flat[at] - self.starts[j]])
+        return out.reshape(*np.shape(ids), self.shape[1])
+
+    @property
+    def nbytes(self) -> int:   # on disk, not in memory
+        return sum(p.nbytes for p in self.parts)
+
+
+def dilated_causal_conv(x, kernel, state, dilation: int):
+    """A depthwise convolution over time, each output reading the inputs `dilation` apart, causal: out[t] =
+    sum_k kernel[:, k] * inputs[t + k * dilation] over the last L = (K-1) * dilation inputs before t and t's own.
+    x (T, CD), kernel (CD, K), state (L, CD) the inputs before these -> (T, CD), the new state (L, CD)."""
+    xp = xp_of(x)
+    T = x.shape[0]
+    inputs = xp.concatenate([state.astype(x.dtype), x])                     # (L + T, CD)
+    out = xp.zeros_like(x)
+    for k in range(kernel.shape[1]):
+        out += kernel[:, k] * inputs[k * dilation:k * dilation + T]          # (T, CD)
+    return out, inputs[T:]                                                   # the last L inputs
+
+
+def ple_layer(x, emb, W: dict, p: str, C: int, conv_state, dilation: int, eps: float):
+    """What a PLE layer adds to the C streams (transformers' Qwen4ExpTextPLELayer.forward). x (T, C*D) the streams,
+    emb (T, E) the tokens' n-gram embeddings -> (T, C*D), and the convolution's new state (L, C*D).
+    Each stream c asks with its normalised values (a query) how much of the shared value to take: the gate is the
+    signed square root of its scaled dot product with the embedding's key for stream c."""
+    T, D = x.shape[0], x.shape[1] // C
+    key = grouped_rms_norm(ops.linear(emb, W[f"{p}.key_proj.weight"]), W[f"{p}.norm_key.weight"], D, eps)  # (T, C*D)
+    value = ops.linear(emb, W[f"{p}.value_proj.weight"])                                                 # (T, D)
+    query = grouped_rms_norm(x, W[f"{p}.norm_query.weight"], D, eps)                                      # (T, C*D)
+    gate = (key.reshape(T, C, D) * query.reshape(T, C, D)).sum(-1, keepdims=True) / math.sqrt(D)        # (T, C, 1)
+    gate = xp_of(x).sqrt(xp_of(x).maximum(abs(gate), 1e-6)) * xp_of(x).sign(gate)   # signed sqrt, as HF's
+    gated = (ops.sigmoid(gate) * value[:, None, :]).reshape(T, C * D)                # (T, C*D): each stream's share
+    normed = grouped_rms_norm(gated, W[f"{p}.norm_conv.weight"], D, eps)             # (T, C*D)
+    conv, state = dilated_causal_conv(normed, W[f"{p}.conv1d.weight"][:, 0], conv_state, dilation)
+    return gated + ops.silu(conv), state                                             # (T, C*D)

@@ -8,13 +8,20 @@ is sum over the indexer heads of relu(q . key) / sqrt(di); the budget // r best 
 last visible tokens that do not fill a whole block. Attention then runs only over the kept tokens
 (`selection_mask` AND the causal mask).
 
+What the KV cache keeps for a QSA layer: every position's key and value (as full attention does) and its raw
+indexer key (kv_cache.KVCache.index_keys); the selection itself is not kept, as it is each query's own, and is
+recomputed from the raw keys (so a prefix-cache hit or a preempted request's recomputation selects the same).
+
 Shapes: T queries, S positions (cached + new), Hi indexer heads, di their width, B = complete blocks of one
-query, r tokens per block. npqwen does not run Qwen4-Exp yet (config.py refuses it); this is checked against
-transformers' module in tests/test_qwen4_exp.py.
+query, r tokens per block; H attention heads of Dh, K key/value heads. Checked against transformers' module in
+tests/test_qwen4_exp.py; the model (npqwen/qwen4_exp.py) runs `qsa_attention` per sequence.
 """
+import math
+
 import numpy as np
 
 from . import ops
+from .backend import xp_of
 
 
 def indexer_queries_keys(x, index_qk_proj, q_norm, Hi: int, di: int, cos, sin, eps: float):
@@ -61,3 +68,28 @@ def selection_mask(chosen: list, S: int):
     for t, positions in enumerate(chosen):
         mask[t, positions] = True
     return mask
+
+
+def gather_pages(store, table, S: int):
+    """One sequence's first S positions out of a layer's pages: (N, K, P, Dh) -> (S, K, Dh), or (N, P, di) ->
+    (S, di) for the indexer's keys."""
+    P = store.shape[-2]
+    pages = store[table[:-(-S // P)]]                                           # (n, [K,] P, d)
+    if pages.ndim == 4:
+        pages = pages.transpose(0, 2, 1, 3)                                     # (n, P, K, Dh)
+    return pages.reshape(-1, *pages.shape[2:])[:S]
+
+
+def sparse_attention(q, k, v, allowed):
+    """Attention that reads only the allowed positions: softmax(q k^T / sqrt(Dh), masked) v, the softmax in float32.
+    q (n, H, Dh), k, v (S, K, Dh), allowed (n, S) bool -> (n, H*Dh), probs (H, n, S). Head h reads kv head h // G."""
+    xp = xp_of(q)
+    n, H, Dh = q.shape
+    K = k.shape[1]
+    qg = q.reshape(n, K, H // K, Dh).transpose(1, 2, 0, 3)                     # (K, G, n, Dh)
+    scores = (qg @ k.transpose(1, 2, 0)[:, None]) * (1.0 / math.sqrt(Dh))      # (K, G, n, S)
+    scores = xp.where(xp.asarray(allowed), scores.astype(np.promote_types(q.dtype, np.float32)), -np.inf)
+    probs = xp.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs = (probs / probs.sum(axis=-1, keepdims=True)).astype(q.dtype)        # (K, G, n, S)
+    out = probs @ v.transpose(1, 0, 2)[:, None]                                 # (K, G, n, Dh)
+    return out.transpose(2, 0, 1, 3).reshape(n, H * Dh), probs.reshape(H, n, -1)

@@ -15,8 +15,10 @@ Qwen3-Reranker do (their weights random too, so their vectors and scores are mea
 `tiny-embedding` says what Qwen3-Embedding's sentence-transformers files say (last-token pooling,
 normalised, a "query" prompt) and its tokenizer appends <|endoftext|>; `tiny-reranker` is a
 CrossEncoder whose tokenizer has the "yes" and "no" tokens the reranker's question is answered with.
+`--model tiny-qwen4-exp` is a Qwen4-Exp: tiny-qwen3.5's four layers with C=4 hyper-connection streams, QSA on
+the full-attention layer and Per-Layer Embeddings on the first.
 Which command takes which: embed `tiny-embedding` (any of them embeds), rerank `tiny-reranker`,
-every other command `tiny`, `tiny-moe` or `tiny-qwen3.5`.
+every other command `tiny`, `tiny-moe`, `tiny-qwen3.5` or `tiny-qwen4-exp`.
 """
 from importlib import resources
 
@@ -46,11 +48,20 @@ TINY_MOE_CONFIG = dict(TINY_CONFIG, model_type="qwen3_moe", num_experts=8, num_e
 TINY_QWEN3_5_CONFIG = dict(TINY_CONFIG, model_type="qwen3_5_text", num_hidden_layers=4, head_dim=16,
                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                            linear_value_head_dim=8, linear_conv_kernel_dim=4, partial_rotary_factor=0.25)
+# Qwen4-Exp (qwen4_exp_text) at the tiny size: tiny-qwen3.5's layers, C=4 streams mixed at rank 8, a QSA layer
+# (4 indexer heads of 16, blocks of 4, a budget of 8), PLE on layer 0 (2 + 2 hash heads of 4), 4 experts + a shared one
+TINY_QWEN4_EXP_CONFIG = dict(TINY_QWEN3_5_CONFIG, model_type="qwen4_exp_text", hc_count=4, hc_lowrank=8,
+                             ple_layer_ids=[1], ple_embed_dim=16, ngram_size=3, heads_per_ngram=2,
+                             ngram_vocab_size_base=1000, make_ngram_vocab_size_divisible_by=16, indexer_n_heads=4,
+                             indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                             shared_expert_intermediate_size=16)
 # the reranker's answers: whole-word tokens after the special ones (Qwen3's vocabulary has both)
 ANSWER_TOKENS = ["yes", "no"]
 TINY_RERANKER_CONFIG = dict(TINY_CONFIG, vocab_size=TINY_CONFIG["vocab_size"] + len(ANSWER_TOKENS))
 BUILTIN = {"tiny": TINY_CONFIG, "tiny-moe": TINY_MOE_CONFIG,   # --model NAME
-           "tiny-embedding": TINY_CONFIG, "tiny-reranker": TINY_RERANKER_CONFIG, "tiny-qwen3.5": TINY_QWEN3_5_CONFIG}
+           "tiny-embedding": TINY_CONFIG, "tiny-reranker": TINY_RERANKER_CONFIG, "tiny-qwen3.5": TINY_QWEN3_5_CONFIG,
+           "tiny-qwen4-exp": TINY_QWEN4_EXP_CONFIG}
 # What Qwen3-Embedding's modules.json, 1_Pooling/config.json (pooling_mode_lasttoken), the Normalize
 # module and config_sentence_transformers.json ("prompts") say, as npqwen/embed.py reads them.
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
@@ -104,7 +115,7 @@ def random_value(name: str, noise: np.ndarray, config: Qwen3Config) -> np.ndarra
         return np.log(np.geomspace(0.01, 16, noise.size))
     if name.endswith("dt_bias"):
         return np.ones(noise.shape)
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight") or ".ple.norm_" in name:
         one = 0.0 if config.hybrid and not name.endswith("linear_attn.norm.weight") else 1.0
         return one + 0.1 * noise
     return 0.3 * noise
@@ -131,4 +142,10 @@ def tiny_model(device: str = "cpu", dtype: str = "float32", name: str = "tiny", 
     weights = tie_lm_head(config, weights)
     if weights_format(fmt, {}, {}, xp, dtype) not in ("float32", "stored"):   # "auto": float32, it is tiny
         weights, fused = compact_weights(config, weights, fmt, xp)
+    if config.qwen4_exp:   # its PLE tables, in memory (a checkpoint's stay on disk); its own model class
+        from .checkpoint import ple_table_shapes
+        from .qwen4_exp import Qwen4Exp
+        for name, shape in ple_table_shapes(config).items():
+            weights[name] = 0.3 * rng.standard_normal(shape).astype(np.float32)   # (rows, d) on the host
+        return Qwen4Exp(config, weights, fused, comm)
     return Qwen3(config, weights, fused, comm)

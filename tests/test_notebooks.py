@@ -198,7 +198,7 @@ def test_lesson_has_the_shape_of_a_lesson(md):
     code = [c.source for c in nb.cells if c.cell_type == "code"]
     fences = re.findall(r"^```python\s*$", md.read_text(encoding="utf-8"), re.MULTILINE)
     assert len(code) == len(fences), f"{md.name}: {len(code)} code cells from {len(fences)} ```python blocks"
-    assert code and re.search(r'^MODEL = "tiny(-[\w.]+)?"', code[0], re.MULTILINE), \
+    assert code and re.search(r'^MODEL = "tiny(-[\w.-]+)?"', code[0], re.MULTILINE), \
         f'{md.name}: the first code cell must set MODEL = "tiny" (or "tiny-moe"), and say how to switch:\n{code[:1]}'
     # jupytext keeps a heading in one cell with the text around it: look for it line by line
     heading = [i for i, c in enumerate(nb.cells) if c.cell_type == "markdown"

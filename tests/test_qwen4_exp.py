@@ -1,15 +1,18 @@
-"""Qwen4-Exp (model_type "qwen4_exp"): the parts npqwen has, each checked against transformers' own module on a
-tiny random config (hyper-connection mixing, PLE's n-gram hashing and lookup, the QSA indexer's block selection,
-the gated shared expert MoE), and the refusal that names what npqwen does not have yet (attention over the QSA
-selection, the PLE layer's convolution, MTP, loading, the decoder layer)."""
-import json
+"""Qwen4-Exp (model_type "qwen4_exp" / "qwen4_exp_text"): each new part checked against transformers' own module on
+a tiny random config (hyper-connection mixing, PLE's n-gram hashing, lookup and layer with its dilated convolution,
+the QSA indexer's block selection, the gated shared expert MoE); then the whole model read from the checkpoints
+transformers writes (Qwen4ExpForCausalLM, and the hub's Qwen4ExpForConditionalGeneration with a vision tower and
+sharded PLE tables): HF's float32 logits within tests/tolerance.py's bound and its greedy tokens; the engine
+(batched = alone, chunked prefill, a prefix hit, preemption); and the refusals, each naming what it refuses."""
 
 import numpy as np
 import pytest
 
 import npqwen
+from npqwen import Engine
 from npqwen import hyper_connections as hc
 from npqwen import ple
+from npqwen.backend import free_memory_bytes
 from npqwen.errors import NpqwenError
 
 torch = pytest.importorskip("torch")
@@ -82,18 +85,6 @@ def test_ngram_hashing_and_lookup_equal_hf(ple_layer_index):
     close("n-gram embedding", got, want, tol=0)
 
 
-def test_a_qwen4_exp_config_is_refused_naming_what_is_missing(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen4_exp", "architectures":
-                                                      ["Qwen4ExpForConditionalGeneration"], "text_config": TINY}))
-    with pytest.raises(NpqwenError) as error:
-        npqwen.load(tmp_path)
-    print(error.value)
-    for missing in ("attention over the QSA selection", "PLE layer", "MTP", "decoder layer"):
-        assert missing in str(error.value)
-    for ok in ("npqwen/hyper_connections.py", "npqwen/ple.py", "npqwen/qsa.py"):
-        assert ok in str(error.value)
-
-
 @pytest.mark.parametrize("T, budget, r", [(37, 8, 4), (20, 12, 3), (5, 8, 4)])
 def test_qsa_block_selection_equals_hf(T, budget, r):
     """The indexer's token selection for a causal prompt (blocks of r, budget // r kept, the tail always kept)."""
@@ -149,3 +140,294 @@ def test_the_gated_shared_expert_moe_is_npqwens_qwen3_5_moe_block():
                         * ops.linear(xs, W["shared_expert.up_proj.weight"]), W["shared_expert.down_proj.weight"])
     close("sparse MoE + gated shared expert", out + ops.sigmoid(ops.linear(xs, W["shared_expert_gate.weight"]))
           * shared, want)
+
+
+def test_ple_layer_with_its_dilated_convolution_equals_hf():
+    """The PLE layer (gate per stream, grouped norms, the dilated depthwise convolution) on HF's module's weights,
+    a prompt at once and then continued from the convolution's state (what a decoding step reads)."""
+    cfg = config()
+    module = randomize(qwen4.Qwen4ExpTextPLELayer(cfg, layer_idx=0, ple_layer_index=0))
+    W = {f"p.{n}": p.detach().numpy() for n, p in module.named_parameters()}
+    ids = np.array([5, 9, 7, 11, 12, 13, 7, 200, 3, 299, 0, 4, 8], dtype=np.int64)
+    x = torch.randn(1, len(ids), 3 * 32)
+    with torch.no_grad():
+        want = module(x, torch.from_numpy(ids)[None], cache=None)[0]                        # (T, C*D)
+    table, mult = W["p.ple_embedding.ngram_embedding.weight"], module.ple_embedding.layer_multipliers.numpy()
+    sizes, offsets = ple.head_vocab_sizes(cfg.ngram_vocab_size_base, 4, 0)
+    L = (cfg.ple_conv_kernel_size - 1) * cfg.ngram_size
+    emb = ple.ngram_embedding(table, ids, [7, 7], mult, sizes, offsets, 2, 7)
+    got, state = ple.ple_layer(x[0].numpy(), emb, W, "p", 3, np.zeros((L, 96), np.float32), 3, 1e-6)
+    close("PLE layer, whole prompt", got, want)
+    first, rest = 8, slice(8, None)   # the same in two calls: the second from the first's state and last tokens
+    _, state = ple.ple_layer(x[0, :first].numpy(), emb[:first], W, "p", 3, np.zeros((L, 96), np.float32), 3, 1e-6)
+    emb2 = ple.ngram_embedding(table, ids[rest], ids[first - 2:first], mult, sizes, offsets, 2, 7)
+    got2, _ = ple.ple_layer(x[0, rest].numpy(), emb2, W, "p", 3, state, 3, 1e-6)
+    close("PLE layer, continued from its state", got2, want[rest])
+
+
+# -- the whole model, read from the checkpoints transformers writes --
+
+MODEL = dict(TINY, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+             linear_value_head_dim=8, indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+             indexer_compress_ratio=4, split_ngram_parts=2, max_position_embeddings=512)
+# QSA's top blocks by relu(q . k) scores: with 8 indexer heads a block scores exactly 0 (a tie, whose order torch.topk
+# leaves unspecified) only where all 8 dot products are negative, so the random models here have no tie at the edge
+VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+              temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+CASES = {   # name -> (text config overrides, hub layout, save dtype, prompt length)
+    "causal-C3-PLE-in-2-shards": ({}, False, "float32", 40),
+    "hub-layout-vision-C4-GQA-partial-rope-bf16": (dict(hc_count=4, hidden_size=32, num_attention_heads=4,
+                                                        num_key_value_heads=2, indexer_compress_ratio=3,
+                                                        indexer_budget=6, ple_layer_ids=[1, 3], split_ngram_parts=4,
+                                                        layer_types=["linear_attention", "full_attention",
+                                                                     "linear_attention", "full_attention"],
+                                                        rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                         "partial_rotary_factor": 0.5,
+                                                                         "mrope_section": [2, 1, 1],
+                                                                         "mrope_interleaved": True}),
+                                                   True, "bfloat16", 50),
+}
+
+
+def build(path, text=None, hub=False, save_dtype="float32", seed=0):
+    """A random Qwen4ExpForCausalLM (or the hub's Qwen4ExpForConditionalGeneration: text_config, a one-block vision
+    tower, model.language_model.*), saved by transformers; HF's float32 model of the same files."""
+    from transformers import Qwen4ExpConfig, Qwen4ExpForConditionalGeneration
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+
+    text = {**MODEL, **(text or {})}
+    torch.manual_seed(seed)
+    model = (Qwen4ExpForConditionalGeneration(Qwen4ExpConfig(text_config=text, vision_config=VISION)) if hub
+             else qwen4.Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**text)))
+    randomize(model, seed)
+    model.to(getattr(torch, save_dtype)).save_pretrained(path)
+    cls = Qwen4ExpForConditionalGeneration if hub else qwen4.Qwen4ExpForCausalLM
+    return path, cls.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def causal(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("qwen4_causal"))
+
+
+def golden(llm, ref, ids, what):
+    from tolerance import model_tolerance, relative_diff
+
+    logits = llm.forward(ids)
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor([ids]), use_cache=False).logits[0].numpy()
+    rel, bound = relative_diff(logits, want), model_tolerance(llm.config, len(ids))
+    mismatch = np.flatnonzero(logits.argmax(-1) != want.argmax(-1))
+    print(f"{what}: max |logit diff| {np.abs(logits - want).max():.3e}, relative {rel:.3e} (bound {bound:.1e}), "
+          f"argmax mismatches {mismatch[:10].tolist()} of {len(ids)}")
+    assert rel <= bound and mismatch.size == 0
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_match_hf(case, tmp_path, causal):
+    text, hub, dtype, T = CASES[case]
+    path, ref = causal if case.startswith("causal") else build(tmp_path, text, hub, dtype, seed=1)
+    llm = npqwen.load(path)
+    assert llm.config.qwen4_exp and not any("visual" in n for n in llm.weights)
+    table = llm.model.weights["model.layers.0.ple.ple_embedding.ngram_embedding.weight"]
+    assert isinstance(table, ple.NgramTable) and len(table.parts) == (4 if hub else 2)   # left on disk, mapped
+    ids = np.random.default_rng(0).integers(0, MODEL["vocab_size"], T).tolist()
+    ids[7] = ids[8] = MODEL["eos_token_id"]   # n-grams never reach back past an end of text
+    golden(llm, ref, ids, case)
+
+
+def test_greedy_equals_hf(causal):
+    path, ref = causal
+    llm = npqwen.load(path)
+    prompt = np.random.default_rng(1).integers(0, 300, 20).tolist()
+    got = llm.generate(prompt, max_new_tokens=12, temperature=0).token_ids
+    with torch.no_grad():
+        want = ref.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    print(f"greedy: npqwen {got} HF {want}")
+    assert got == want and len(set(got)) > 3
+
+
+# Qwen4-Exp's layer at full width: transformers' defaults are the real model's (D=2048, 16/2 heads of 256, Gated
+# DeltaNet 16/32 heads of 128, C=4 streams mixed at rank 320, experts of 512, PLE of 16 hash heads of 128); cut: 4
+# experts (of 512; each the real shape), a 2,048-token vocabulary, PLE tables of ~1,000 rows per head (of 20M), and
+# the indexer's sizes, which transformers leaves unset (16 heads of 128, blocks of 8, budget 32), rotary 64 of 256
+REAL = dict(vocab_size=2048, hidden_size=2048, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=2,
+            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+            linear_value_head_dim=128, hc_count=4, hc_lowrank=320, moe_intermediate_size=512,
+            shared_expert_intermediate_size=512, num_experts=4, num_experts_per_tok=2, ple_layer_ids=[1],
+            ple_embed_dim=2048, ngram_size=3, heads_per_ngram=8, ngram_vocab_size_base=1000,
+            make_ngram_vocab_size_divisible_by=128, split_ngram_parts=4, indexer_n_heads=16, indexer_kv_heads=1,
+            indexer_head_dim=128, indexer_budget=32, indexer_compress_ratio=8, eos_token_id=7,
+            layer_types=["linear_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+
+
+@pytest.mark.skipif(free_memory_bytes(np) < 4 * 2**30, reason="Qwen4-Exp's layers at full width need ~2 GiB (two "
+                    "layers of D=2048 with 4 full-size experts, in HF, in its file and in npqwen)")
+def test_a_real_layer_shape(tmp_path):
+    path, ref = build_real(tmp_path)
+    llm = npqwen.load(path)
+    assert (llm.model.heads, llm.model.kv_heads, llm.config.rotary_dim, llm.config.hc_count) == (16, 2, 64, 4)
+    golden(llm, ref, np.random.default_rng(2).integers(0, 2048, 56).tolist(), "Qwen4-Exp layer shape, 2 layers")
+
+
+def build_real(path):
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+
+    torch.manual_seed(3)
+    model = qwen4.Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**REAL))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.3 if name.endswith("norm.weight") or "A_log" in name else 0.02)
+    model.save_pretrained(path)
+    return path, model.eval()
+
+
+# -- the engine: batched = alone, chunked prefill, a prefix hit, preemption (float64: only the order of sums differs) --
+
+@pytest.fixture(scope="module")
+def causal64(causal):
+    return npqwen.load(causal[0], dtype="float64")
+
+
+def test_engine_batched_chunked_equals_alone(causal64):
+    from test_engine import alone, compare, prompts, run
+
+    ps = prompts([3, 40, 90], seed=3, vocab=300)
+    engine = Engine(causal64, kv_cache_tokens=16 * 32, page_size=16, max_batched_tokens=32)
+    for p, (tokens, logits, _) in zip(ps, run(engine, [(p, dict(max_new_tokens=5, temperature=0)) for p in ps],
+                                          spy=True)):
+        assert compare(f"batched, chunked: prompt {len(p)}", tokens, logits, *alone(causal64, p, 5)) <= 1e-10
+
+
+def test_engine_prefix_hit_and_preemption_equal_a_miss(causal64):
+    """A hit reuses the pages (keys, values and QSA's raw indexer keys) and restores the linear and PLE states from
+    a snapshot; preemption recomputes. Both select the same blocks and give the same tokens."""
+    from test_engine import alone, compare, prompts, run
+
+    P = 16
+    shared = prompts([5 * P], seed=4, vocab=300)[0]
+    first, second = shared + prompts([7], seed=5, vocab=300)[0], shared + prompts([20], seed=6, vocab=300)[0]
+    kw = dict(max_new_tokens=6, temperature=0)
+    engine = Engine(causal64, kv_cache_tokens=64 * P, page_size=P)
+    run(engine, [(first, kw)])
+    (hit, hit_logits, _), = run(engine, [(second, kw)], spy=True)
+    print("prefix hit tokens:", engine.stats["prefix_cache_hit_tokens"])
+    assert engine.stats["prefix_cache_hit_tokens"] == 5 * P
+    assert compare("prefix hit", hit, hit_logits, *alone(causal64, second, 6)) <= 1e-10
+    ps = prompts([3, 40, 90], seed=7, vocab=300)
+    tight = Engine(causal64, kv_cache_tokens=16 * 9, page_size=16, max_batched_tokens=64)
+    outs = run(tight, [(p, dict(max_new_tokens=12, temperature=0)) for p in ps], spy=True)
+    print("preemptions:", tight.stats["preemptions"])
+    assert tight.stats["preemptions"] > 0
+    for p, (tokens, logits, _) in zip(ps, outs):
+        assert compare(f"preempted: prompt {len(p)}", tokens, logits, *alone(causal64, p, 12)) <= 1e-10
+
+
+def test_trace_hooks_and_lens(causal):
+    """Every step under its HF module name (the streams (T, C*D) at a layer's output), a hook that changes a value,
+    and the logit lens, whose last layer is the model's own distribution (the final mixing in the norm's place)."""
+    from npqwen.hooks import step_names
+    from npqwen.lens import logit_attribution, logit_lens
+
+    llm = npqwen.load(causal[0])
+    ids = list(range(10, 40))
+    logits, cache = llm.run_with_cache(ids)
+    assert list(cache) == step_names(llm.config)
+    assert cache["model.layers.3"].shape == (30, 3 * 32) and cache["model.layers.3.self_attn.indexer"].shape == (30, 30)
+    kept = cache["model.layers.3.self_attn.indexer"].sum(-1)
+    print("tokens each query of the QSA layer reads:", kept.tolist())
+    assert kept.max() <= MODEL["indexer_budget"] + MODEL["indexer_compress_ratio"] - 1 < 30
+    ablated = llm.run_with_hooks(ids, {"model.layers.3.self_attn.o_proj": lambda a, name: a * 0})
+    assert np.abs(ablated - logits).max() > 1e-2
+    lens = logit_lens(llm, ids)
+    assert (lens.top_ids[-1, :, 0] == logits.argmax(-1)).all()
+    with pytest.raises(NpqwenError, match="hc_count streams"):
+        logit_attribution(llm, ids, 5)
+
+
+def test_refusals_name_what_they_refuse(causal):
+    """A QSA variant, a malformed mRoPE section, a sigmoid output gate; LoRA, tensor parallelism, speculative
+    decoding, steering, compact weights and gradients on a Qwen4-Exp model."""
+    from npqwen.config import Qwen3Config
+    from npqwen.parallel import check_split
+
+    raw = {"model_type": "qwen4_exp_text", **MODEL}
+    for change, named in ((dict(indexer_kv_heads=2), "indexer_kv_heads 2: a QSA variant"),
+                          (dict(indexer_topk_method="dynamic"), "'indexer_topk_method' describes a QSA variant"),
+                          (dict(indexer_budget=None), "missing: indexer_budget"),
+                          (dict(indexer_budget=10), "indexer_budget 10 is not a multiple"),
+                          (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                 "mrope_section": [8, 8]}), r"mrope_section \[8, 8\]"),
+                          (dict(output_gate_type="sigmoid"), "output_gate_type 'sigmoid'"),
+                          (dict(ple_layer_ids=[4]), r"ple_layer_ids \[4\] are attention layers")):
+        with pytest.raises(NpqwenError, match=named) as error:
+            Qwen3Config.from_dict({**raw, **change})
+        print(error.value)
+    llm = npqwen.load(causal[0])
+    with pytest.raises(NpqwenError, match="tensor parallelism does not split Qwen4-Exp"):
+        check_split(llm.config, 2)
+    with pytest.raises(NpqwenError, match="LoRA adapters are not applied to Qwen4-Exp"):
+        llm.load_lora("a", causal[0])
+    for kw in (dict(speculative={"method": "ngram", "k": 3}), dict(steering=[{"layer": 1, "vector": np.ones(32, np.float32), "scale": 1.0}])):
+        with pytest.raises(NpqwenError, match="not implemented for it"):
+            llm.generate([1, 2, 3], max_new_tokens=2, temperature=0, **kw)
+    with pytest.raises(NpqwenError, match="compact weights"):
+        npqwen.load(causal[0], weights="int8")
+    from npqwen import grad
+    with pytest.raises(NpqwenError, match="no backward for Qwen4-Exp"):
+        grad.gradients(llm, [1, 2, 3], grad.log_prob(5))
+
+
+def test_inspect_prints_what_a_request_costs(causal):
+    """The QSA layers' KV (keys, values and the indexer's raw key), the PLE states, the PLE tables on disk, and the
+    figures computed from the config (no weights read)."""
+    from npqwen.describe import describe
+
+    text = describe(str(causal[0]))
+    print(text[text.index("Qwen4-Exp ("):text.index("weights (")])
+    per_token = 2 * 1 * 16 * 4 + 16 * 4   # one QSA layer: K=1 head of 16 for keys and values, di=16, float32
+    assert "QSA layers                 [3]: per token 128 bytes of keys and values + 64 of the indexer's" in text
+    assert f"KV cache per token         {per_token} bytes in float32" in text
+    assert "PLE layers                 [0, 1]: per request 2 x conv state [9, 96] + the last 2 token ids" in text
+    assert "[4,064, 2] F32 in 2 part(s)" in text and "16,448 parameters" in text and "memory-mapped" in text
+    assert "not used by npqwen" not in text and "MISSING" not in text
+
+
+def test_the_server_and_the_vision_tower(tmp_path):
+    """A chat completion through `npqwen serve`'s app equals llm.generate, the web page's logit-lens probe reads the
+    streams through the final mixing (its last layer is the model's own probability); an image is refused by name
+    (npqwen reads the text model; the vision tower's weights stay on disk). The hub layout, Qwen3's tokenizer."""
+    pytest.importorskip("fastapi")
+    from conftest import add_qwen3_tokenizer, needs_qwen3_tokenizer
+    from serving import LiveServer, http_json
+
+    needs_qwen3_tokenizer()
+    path, _ = build(tmp_path, dict(vocab_size=151936, eos_token_id=151645), hub=True, seed=2)
+    llm = npqwen.load(add_qwen3_tokenizer(path))
+    live = LiveServer(llm, engine=Engine(llm, kv_cache_tokens=512, page_size=16))
+    try:
+        messages = [{"role": "user", "content": "What is a hyper-connection?"}]
+        body = dict(model="test-model", messages=messages, temperature=0, max_tokens=8, return_token_ids=True,
+                    chat_template_kwargs={"enable_thinking": False})
+        status, chat = http_json("POST", live.url + "/v1/chat/completions", body)
+        assert status == 200, chat
+        want = llm.generate(llm.chat_prompt(messages, enable_thinking=False), max_new_tokens=8, temperature=0)
+        print("server", chat["choices"][0]["token_ids"], "generate", want.token_ids)
+        assert chat["choices"][0]["token_ids"] == want.token_ids
+        ids = llm.prompt_ids("Four streams, one lens.")   # the web page's layers probe: each layer's logit lens
+        status, lens = http_json("POST", live.url + "/v1/npqwen/layers", dict(tokens=ids, position=5))
+        logits = llm.forward(ids[:5])[-1].astype(np.float64)
+        p = np.exp(logits - logits.max())
+        want = (p / p.sum())[ids[5]]
+        print(status, [layer["probability"] for layer in lens["layers"]], want)
+        assert status == 200 and abs(lens["layers"][-1]["probability"] / want - 1) < 1e-4
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+        body = dict(model="test-model", max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
+        status, out = http_json("POST", live.url + "/v1/chat/completions", body)
+        print(status, out)
+        assert status == 400 and "image_url" in out["error"]["message"]
+    finally:
+        live.close()

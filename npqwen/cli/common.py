@@ -49,7 +49,7 @@ def model_options() -> argparse.ArgumentParser:
     model = argparse.ArgumentParser(add_help=False)
     model.add_argument("--model", "-m", default=DEFAULT_MODEL,
                        help=f"checkpoint directory, hub id in the HF cache (downloaded if missing), or 'tiny' / "
-                            f"'tiny-moe' / 'tiny-qwen3.5' / 'tiny-embedding' / 'tiny-reranker' "
+                            f"'tiny-moe' / 'tiny-qwen3.5' / 'tiny-qwen4-exp' / 'tiny-embedding' / 'tiny-reranker' "
                             f"(built-in, random weights) "
                             f"(default: {DEFAULT_MODEL})")
     model.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: cpu)")

@@ -167,6 +167,11 @@ class Engine:
         if params.speculative is not None and self.llm.comm.size > 1:
             raise NpqwenError("speculative decoding does not run under tensor parallelism yet (the other ranks would "
                               "not roll back); leave speculative unset")
+        if self.config.qwen4_exp and (params.speculative is not None or steers or edits):
+            raise NpqwenError("Qwen4-Exp: speculative decoding (its PLE states have no roll-back in npqwen, and "
+                              "transformers has no forward of its MTP head to check one against), steering and SAE "
+                              "feature edits (a (D,) vector added to a residual that is hc_count streams of D) are "
+                              "not implemented for it; leave speculative, steering and feature_edits unset")
         if params.speculative is not None and params.speculative.method == "mtp":
             self.mtp_head()   # a checkpoint without the head says so now
         tokenizer = self.llm.tokenizer

@@ -94,7 +94,8 @@ class ServingProbes(Serving):
             raise APIError(400, "position 0 is not predicted by any position before it; choose 1 .. "
                                 f"{len(ids) - 1}", "position")
         blocks = {f"model.layers.{i}": i for i in range(L)}
-        kept = np.zeros((L, self.config.hidden_size), np.float32)                    # (L, D)
+        width = self.config.hidden_size * (self.config.hc_count if self.config.qwen4_exp else 1)   # Qwen4-Exp: C*D
+        kept = np.zeros((L, width), np.float32)                                      # (L, D)
 
         def keep(step, array):   # position p - 1 is the probe's last token: its row of each block's output
             if step in blocks:

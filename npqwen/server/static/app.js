@@ -75,7 +75,7 @@ async function* events(response) {
 }
 
 // npqwen's built-in models (npqwen/tiny.py, served under their own names): random weights, meaningless text
-const BUILT_IN_MODELS = ["tiny", "tiny-moe", "tiny-embedding", "tiny-reranker", "tiny-qwen3.5"];
+const BUILT_IN_MODELS = ["tiny", "tiny-moe", "tiny-embedding", "tiny-reranker", "tiny-qwen3.5", "tiny-qwen4-exp"];
 
 async function loadModel() {
   try {

@@ -1,0 +1,156 @@
+"""The Qwen4-Exp forward pass (Qwen3.8-Flash-Next): a packed batch of tokens -> logits. Read it top to bottom.
+
+Qwen4-Exp is Qwen3.5-MoE (Gated DeltaNet on three layers of four, 512 experts with a sigmoid-gated shared expert,
+partial RoPE, output-gated attention; npqwen/model.py runs those parts and this class reuses them) with three
+new parts, each in its own file:
+- hyper-connections (npqwen/hyper_connections.py): the residual is C = hc_count streams of D side by side; before
+  each block a learned gate mixes them into the block's input, and the block's output is added back to every
+  stream with its own weight. There is no input, post-attention or final RMSNorm: the mixing normalises.
+- QSA (npqwen/qsa.py): each full-attention layer's indexer picks, per query, the best blocks of r earlier tokens
+  under a token budget, and attention reads only those (and the last tokens that fill no block).
+- Per-Layer Embeddings (npqwen/ple.py): some linear layers first add hashed n-gram embeddings, looked up in
+  tables left on disk (memory-mapped), gated per stream and convolved over time.
+
+Shapes: T tokens, D hidden, C streams, S positions of one sequence; the rest as in npqwen/model.py.
+
+forward: x = embed, copied into C streams -> for each layer: [x += ple(x)]; a, w = mix(x); x += w * attention(a);
+m, w = mix(x); x += w * moe(m) -> mix(x) -> lm_head.
+
+Not here: the MTP head (transformers has no forward for Qwen4-Exp's to check against), steering and SAE feature
+edits (a (D,) vector added to a residual that is C streams), LoRA and tensor parallelism; each is refused by name.
+"""
+import numpy as np
+
+from . import hyper_connections as hc
+from . import ops, ple, qsa
+from .errors import NpqwenError
+from .model import BatchOutput, Qwen3, as_hook, no_recorder
+
+
+class Qwen4Exp(Qwen3):
+    """Config + weights (HF names) + the Qwen4-Exp forward pass; Qwen3's Gated DeltaNet, MoE and caches reused."""
+
+    def forward_batch(self, batch, kv, recorder=no_recorder, embeds=None) -> BatchOutput:
+        """One packed forward pass, as Qwen3.forward_batch: each sequence's keys, values, indexer keys and states are
+        written; the logits of the rows that sample (and hidden states, scores) come back."""
+        cfg, W, xp, C = self.config, self.weights, self.xp, self.config.hc_count
+        recorder = as_hook(recorder)
+        if embeds is not None or batch.steering or batch.feature_edits:
+            raise NpqwenError("Qwen4-Exp: steering vectors, SAE feature edits and MTP drafts add or feed a (D,) "
+                              "vector to the residual, but Qwen4-Exp's residual is hc_count streams of D; npqwen "
+                              "does not implement them for it")
+        # 1. embedding lookup, then C copies of it side by side: the C residual streams start equal
+        x = ops.embed(W["model.embed_tokens.weight"], xp.asarray(batch.token_ids))                # (T, D)
+        x = recorder("model.embed_tokens", x)
+        x = xp.tile(x, (1, C))                                                                   # (T, C*D)
+        # 2. RoPE tables for each token's own position (text: mRoPE's three positions are equal, plain RoPE)
+        cos, sin = ops.rope_cos_sin(self.inv_freq, xp.asarray(batch.positions), self.rope_scale, self.dtype)  # (T, rot)
+        cos, sin = recorder("model.rotary_emb.cos", cos), recorder("model.rotary_emb.sin", sin)
+        slots = xp.asarray(kv.slots(batch.write_pages, batch.write_offsets))    # where new keys/values go
+        kv.states.reset(batch.new_slots)   # a sequence at position 0 starts its states from zero (PLE: from eos)
+        previous = [kv.states.ple_ids[s].copy() for s in batch.slots] if cfg.ple_layer_ids else None   # (n-1,) each
+        # 3. the decoder layers
+        for i in range(cfg.num_hidden_layers):
+            x = self.decoder_layer(i, x, cos, sin, batch, kv, slots, recorder, previous=previous)
+        if cfg.ple_layer_ids:   # each sequence's last n-1 tokens, for its next batch's n-grams
+            for (row, n), slot, prev in zip(batch.rows, batch.slots, previous):
+                kv.states.ple_ids[slot] = np.concatenate([prev, batch.token_ids[row:row + n]])[-len(prev):]
+        # 4. the C streams mixed into one, for the rows that have an output (the final norm's place)
+        rows = batch.output_rows
+        if len(rows) < x.shape[0] or (rows != np.arange(len(rows))).any():
+            x = x[xp.asarray(rows)]                                                  # (B, C*D)
+        p = "model.hyper_connection_mixer"
+        x, _ = hc.mix_streams(x, W[f"{p}.hc_norm.weight"], W[f"{p}.input_mix_weight_down.weight"],
+                              W[f"{p}.input_mix_weight_up.weight"], C, cfg.rms_norm_eps)   # (B, D)
+        x = recorder(p, x)
+        # 5. lm_head for the rows that sample; hidden states and scores as Qwen3's
+        S, R = len(batch.sample_rows), len(batch.hidden_rows)
+        logits = ops.linear(x[:S], self.lm_head_weight()) if S else xp.zeros((0, cfg.vocab_size), x.dtype)  # (S, V)
+        logits = recorder("lm_head", logits)
+        scores = None
+        if len(batch.score_rows):
+            ids = xp.asarray(batch.score_ids)                                      # (Q, k)
+            heads = self.lm_head_weight()[ids.reshape(-1)].reshape(*ids.shape, -1)   # (Q, k, D)
+            scores = xp.einsum("qd,qkd->qk", x[S + R:], heads)                     # (Q, k)
+        return BatchOutput(logits, x[S:S + R], scores)
+
+    def decoder_layer(self, i: int, x, cos, sin, batch, kv, slots, recorder=no_recorder, loras=(), previous=None):
+        """[x += PLE]; then two hyper-connected blocks: a, w = mix(x); x += w * block(a). (T, C*D) -> (T, C*D)."""
+        cfg, W, p, C, eps = self.config, self.weights, f"model.layers.{i}", self.config.hc_count, self.config.rms_norm_eps
+        if cfg.is_ple_layer(i):   # Per-Layer Embeddings: hashed n-grams, gated per stream, convolved, added
+            x = x + recorder(f"{p}.ple", self.ple(i, x, batch, kv, previous))                 # (T, C*D)
+        h = f"{p}.attn_hyper_connection"
+        a, x, w = hc.gated_residual(x, W[f"{h}.hc_norm.weight"], W[f"{h}.input_mix_weight_down.weight"],
+                                    W[f"{h}.input_mix_weight_up.weight"], W[f"{h}.block_inject_weight.weight"],
+                                    C, eps)                                       # (T, D), (T, C*D), (T, C)
+        a = recorder(h, a)
+        attn = self.linear_attn if cfg.is_linear_layer(i) else self.self_attn      # Gated DeltaNet or QSA
+        x = hc.inject(x, attn(i, a, cos, sin, batch, kv, slots, recorder), w)      # (T, C*D)
+        x = recorder(f"{p}.attn_residual", x)
+        h = f"{p}.mlp_hyper_connection"
+        m, x, w = hc.gated_residual(x, W[f"{h}.hc_norm.weight"], W[f"{h}.input_mix_weight_down.weight"],
+                                    W[f"{h}.input_mix_weight_up.weight"], W[f"{h}.block_inject_weight.weight"],
+                                    C, eps)
+        m = recorder(h, m)
+        x = hc.inject(x, self.sparse_moe(i, m, recorder), w)                       # (T, C*D)
+        return recorder(p, x)
+
+    def ple(self, i: int, x, batch, kv, previous):
+        """Layer i's Per-Layer Embeddings for every sequence of the batch, each from its own last n-1 tokens and
+        convolution state. (T, C*D) -> (T, C*D)."""
+        cfg, W, p, xp = self.config, self.weights, f"model.layers.{i}.ple", self.xp
+        j = cfg.ple_index(i)
+        Hn = (cfg.ngram_size - 1) * cfg.heads_per_ngram
+        multipliers = ple.layer_multipliers(cfg.vocab_size, cfg.ngram_size, j, cfg.seed)     # (n,)
+        sizes, offsets = ple.head_vocab_sizes(cfg.ngram_vocab_size_base, Hn, j)             # (Hn,) each
+        table = W[f"{p}.ple_embedding.ngram_embedding.weight"]                              # (rows, d), on disk
+        conv = kv.states.ple_conv[j]                                                        # (slots, L, C*D)
+        out = xp.empty_like(x)
+        for (row, n), slot, prev in zip(batch.rows, batch.slots, previous):
+            r = slice(row, row + n)
+            emb = ple.ngram_embedding(table, batch.token_ids[r], prev, multipliers, sizes, offsets,
+                                      cfg.heads_per_ngram, kv.states.eos)                  # (n, E) float32
+            emb = xp.asarray(emb, dtype=x.dtype)
+            out[r], conv[slot] = ple.ple_layer(x[r], emb, W, p, cfg.hc_count, conv[slot], cfg.ngram_size,
+                                               cfg.rms_norm_eps)                           # (n, C*D), (L, C*D)
+        return out
+
+    def self_attn(self, i: int, x, cos, sin, batch, kv, slots, recorder=no_recorder, loras=()):
+        """QSA: output-gated, QK-normed, partly rotary grouped-query attention of layer i, each query reading only
+        the tokens its indexer selected. (T, D) -> (T, D)."""
+        cfg, W, p, xp = self.config, self.weights, f"model.layers.{i}.self_attn", self.xp
+        T, H, K, Dh = x.shape[0], self.heads, self.kv_heads, cfg.head_dim
+        Hi, di, c = cfg.indexer_n_heads, cfg.indexer_head_dim, cfg.cache_index(i)
+        # the indexer's queries (normalised, rotated) and raw keys; the keys go to the pages with the rest
+        iq, ik = qsa.indexer_queries_keys(x, W[f"{p}.indexer.index_qk_proj.weight"],
+                                          W[f"{p}.indexer.q_layernorm.weight"], Hi, di, cos, sin,
+                                          cfg.rms_norm_eps)                          # (T, Hi, di), (T, di)
+        kv.write_index_keys(c, batch.write_pages, batch.write_offsets, ik)
+        # q (with each head's output gate), k, v: as Qwen3.5's attention
+        qkv = ops.linear(x, self.fused[f"{p}.qkv_proj.weight"])                     # (T, 2H*Dh + 2K*Dh)
+        Q = 2 * H * Dh
+        q, k, v = qkv[:, :Q], qkv[:, Q:Q + K * Dh], qkv[:, Q + K * Dh:]
+        q, k, v = recorder(f"{p}.q_proj", q), recorder(f"{p}.k_proj", k), recorder(f"{p}.v_proj", v)
+        q, gate = q.reshape(T, H, 2 * Dh)[..., :Dh], q.reshape(T, H, 2 * Dh)[..., Dh:].reshape(T, H * Dh)
+        q = ops.rms_norm(q, W[f"{p}.q_norm.weight"], cfg.rms_norm_eps, 1.0)        # (T, H, Dh), 1 + weight
+        k = ops.rms_norm(k.reshape(T, K, Dh), W[f"{p}.k_norm.weight"], cfg.rms_norm_eps, 1.0)   # (T, K, Dh)
+        q, k = recorder(f"{p}.q_norm", q), recorder(f"{p}.k_norm", k)
+        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+        q, k = recorder(f"{p}.q_rope", q), recorder(f"{p}.k_rope", k)
+        kv.write(c, slots, k, v.reshape(T, K, Dh))
+        # each sequence: its indexer's selection, then attention over the selected positions only
+        out, probs = xp.empty((T, H * Dh), dtype=x.dtype), None
+        for (row, n), start, table in zip(batch.rows, batch.starts, batch.page_tables):
+            r, S = slice(row, row + n), start + n
+            keys = qsa.gather_pages(kv.index_keys[c], table, S)                        # (S, di) raw
+            cos_all, sin_all = ops.rope_cos_sin(self.inv_freq, xp.arange(S), self.rope_scale, self.dtype)  # (S, rot)
+            visible = np.arange(S)[None, :] <= np.arange(start, S)[:, None]          # (n, S) causal
+            chosen = qsa.select_tokens(iq[r], keys, visible, W[f"{p}.indexer.k_layernorm.weight"], cos_all,
+                                       sin_all, cfg.indexer_budget, cfg.indexer_compress_ratio, cfg.rms_norm_eps)
+            allowed = recorder(f"{p}.indexer", qsa.selection_mask(chosen, S))          # (n, S) bool
+            out[r], probs = qsa.sparse_attention(q[r], qsa.gather_pages(kv.keys[c], table, S),
+                                                 qsa.gather_pages(kv.values[c], table, S), allowed)
+        recorder(f"{p}.attn_probs", probs)   # the last sequence's (H, n, S): seen, not replaced
+        out = recorder(f"{p}.attn_output", out)                                  # (T, H*Dh)
+        out = out * ops.sigmoid(gate)                                            # the output gate
+        return recorder(f"{p}.o_proj", ops.linear(out, W[f"{p}.o_proj.weight"]))   # (T, D)
