@@ -33,6 +33,10 @@ def add_arguments(p):
     p.add_argument("--weights-memory", action="store_true",
                    help="weights: also each format's peak RSS after load and after a generation (its own process)")
     p.add_argument("--weights-generate", type=int, default=1024, help="weights: the context's positions for the RSS")
+    p.add_argument("--weights-memory-8b", action="store_true",
+                   help="weights: also Qwen3-8B's real shape in Q4_K and Q8_0, written, measured, deleted, one at a time")
+    p.add_argument("--weights-8b-context", type=int, default=80,
+                   help="weights: the 8B shape's context (its last 4 positions generated)")
 
 
 def runs_on(engine, args) -> bool:
@@ -174,6 +178,12 @@ def run(engine, args, rng) -> dict:
     if args.weights_memory:
         for fmt in ("float32", *formats):
             out.update({f"weights_rss_{k}_{fmt}": v for k, v in memory(fmt, args.weights_generate).items()})
+    if args.weights_memory_8b:
+        from tools.bench.engines import CACHE_DIR
+
+        for fmt in ("q4_k", "q8_0"):
+            got = memory_8b(fmt, args.weights_8b_context, CACHE_DIR, decode=4)
+            out.update({f"weights_8b_rss_{k}_{fmt}": v for k, v in got.items()})
     return {"weights": out}
 
 
@@ -214,7 +224,7 @@ QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 rope_theta=1000000)   # Qwen3-8B's config.json where it differs from the 0.6B's
 
 
-def memory_8b(fmt: str, generate: int, directory: Path) -> dict:
+def memory_8b(fmt: str, generate: int, directory: Path, decode: int = 4) -> dict:
     """memory() at Qwen3-8B's real shape (all 36 layers, the whole vocabulary, lm_head untied): a random checkpoint
     written directly in `fmt` into `directory`, measured in a process of its own, then deleted."""
     import shutil
@@ -224,7 +234,7 @@ def memory_8b(fmt: str, generate: int, directory: Path) -> dict:
     path = directory / f"qwen3-8b-shape-{fmt}"
     try:
         write_random(path, dict(QWEN3_0_6B_CONFIG, **QWEN3_8B), fmt)
-        return memory(fmt, generate, path)
+        return memory(fmt, generate, path, decode=decode)
     finally:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -240,7 +250,7 @@ def vm_hwm() -> int:
 def figures(report) -> dict:
     ours = report["engines"].get("npqwen", {}).get("weights", {})
     return {k: v for k, v in ours.items() if not k.endswith("_s") and not k.startswith(("weights_bytes",
-                                                                                        "weights_rss"))}
+                                                                                        "weights_rss", "weights_8b"))}
 
 
 def rows(report) -> list:
@@ -268,4 +278,7 @@ def tables(report) -> list:
 
 
 def notes(report) -> list[str]:
-    return []
+    ours = report["engines"].get("npqwen", {}).get("weights", {})
+    return [f"Qwen3-8B's shape, 36 layers, {fmt}: peak RSS {ours[f'weights_8b_rss_load_{fmt}'] / 1e9:.2f} GB after "
+            f"loading, {ours[f'weights_8b_rss_generate_{fmt}'] / 1e9:.2f} GB after its context"
+            for fmt in ("q4_k", "q8_0") if f"weights_8b_rss_load_{fmt}" in ours]
