@@ -3,6 +3,7 @@
 Model code receives arrays and asks `xp_of(array)` for the module that owns them, so the
 same operator runs on both devices and never branches on the device itself.
 """
+import os
 import sys
 
 import numpy as np
@@ -53,18 +54,40 @@ def to_numpy(a) -> np.ndarray:
 
 
 def free_memory_bytes(xp) -> int:
-    """Memory free for new arrays: the GPU's free memory under CuPy, else the host's MemAvailable."""
+    """Memory free for new arrays: the GPU's free memory under CuPy, else the host's MemAvailable, or less
+    where this process's cgroup (a container, a systemd slice) allows less: the kernel kills at that limit."""
     if xp is not np:
         return int(xp.cuda.runtime.memGetInfo()[0])
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        return min(available, cgroup_room_bytes())
+    except (OSError, StopIteration):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")   # no /proc (macOS): free pages
+
+
+def cgroup_room_bytes() -> int:
+    """The memory limit of this process's cgroup less what the group uses (cgroup v2's memory.max and
+    memory.current, or v1's limit_in_bytes and usage_in_bytes); unbounded when there is none."""
+    group = ""
+    try:
+        with open("/proc/self/cgroup") as f:
+            group = next((line.strip().split(":", 2)[2] for line in f if line.startswith("0::")), "")
     except OSError:
         pass
-    import os
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")   # no /proc (macOS): free pages
+    for limit_file, used_file in ((f"/sys/fs/cgroup{group.rstrip('/')}/memory.max", "memory.current"),
+                                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(os.path.join(os.path.dirname(limit_file), used_file)) as f:
+                used = int(f.read())
+        except (OSError, ValueError):
+            continue
+        if limit != "max" and int(limit) < 2**62:
+            return max(0, int(limit) - used)
+    return 2**63
 
 
 _MALLOC_TUNED = False

@@ -161,7 +161,7 @@ def train_step(model, adapter: LoraAdapter, examples: list[Example], optimizer: 
         try:
             g = grad.gradients(model, ex.ids, grad.loss(ex.targets), weights=False, lora=adapter,
                                activations=False, checkpoint=checkpoint)
-        except NpqwenError as e:   # a loss of nan or inf: nothing to step with
+        except grad.NotFinite as e:   # a loss of nan or inf: nothing to step with
             raise NpqwenError(f"the loss is not finite at optimizer step {optimizer.t + 1} ({e}); the adapter was "
                               f"not updated (lower --lr, or check the data)") from None
         losses.append(g.value)

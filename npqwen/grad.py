@@ -37,6 +37,10 @@ from .backend import to_numpy, xp_of
 from .errors import NpqwenError
 
 
+class NotFinite(NpqwenError):
+    """The value is nan or inf (a diverged training step): no gradient is taken."""
+
+
 class Tape(dict):
     """A recorder that keeps a copy of every array a forward pass records, on its device: tape[name]. With
     keep (a function of the name), only those: activation checkpointing keeps the residual stream alone."""
@@ -174,7 +178,7 @@ def gradients(llm, prompt, objective: Objective, hooks=None, weights: bool = Tru
     else:
         value, d_logits = objective.fn(logits)
     if not np.isfinite(value):
-        raise NpqwenError(f"{objective.name} is {value}: there is no gradient to take")
+        raise NotFinite(f"{objective.name} is {value}: there is no gradient to take")
     grads = Gradients(value, logits, tape, lora, weights, activations)
     return backward(model, tape, ids, d_logits, grads, (lambda i: recompute_layer(model, i, ids, tape, lora, hooked))
                     if checkpoint else None)

@@ -10,18 +10,27 @@ A hybrid model (Qwen3.5) keeps keys and values for its full-attention layers onl
 linear-attention layer keeps a fixed-size state per sequence instead, in `LinearStates` slots (a
 Batch names each sequence's slot). The state does not grow with the context.
 
+Keys and values may be kept compact (`kv_dtype`: bfloat16, float8 e4m3 or int8 rows with a scale each) and
+widened to the compute dtype one page at a time when attention reads it (`CompactPages`), as compact
+weights are widened per block (npqwen/weights.py).
+
 Shapes: L layers, N pages, P positions per page, K key/value heads (this rank's), Dh head dim,
 T tokens in a batch; Ll linear-attention layers, S state slots, W conv kernel, C convolved channels,
 Hv value heads of dv (this rank's), dk key head dim.
 """
+import functools
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 
+from .backend import xp_of
 from .config import Qwen3Config
 from .errors import NpqwenError
+from .weights import E4M3, bf16_bits_to_float32, float32_to_bf16_bits
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float8_e4m3", "int8")   # vLLM's --kv-cache-dtype; auto: the compute dtype
 
 
 class KVCache:
@@ -36,14 +45,20 @@ class KVCache:
     """
 
     def __init__(self, config: Qwen3Config, num_pages: int, page_size: int, xp, dtype, kv_heads: int | None = None,
-                 num_slots: int = 1, linear_heads: tuple[int, int] | None = None):
+                 num_slots: int = 1, linear_heads: tuple[int, int] | None = None, kv_dtype: str = "auto"):
         L, K, Dh = config.num_attention_layers, kv_heads or config.num_key_value_heads, config.head_dim   # K: this rank's
         shape = (L, num_pages, K, page_size, Dh)
+        check_kv_dtype(kv_dtype)
+        self.kv_dtype = kv_dtype
         try:
-            self.keys = xp.zeros(shape, dtype=dtype)       # (L, N, K, P, Dh)
-            self.values = xp.zeros(shape, dtype=dtype)     # (L, N, K, P, Dh)
+            if kv_dtype == "auto":   # the compute dtype: attention reads the pages as they are
+                self.keys = xp.zeros(shape, dtype=dtype)       # (L, N, K, P, Dh)
+                self.values = xp.zeros(shape, dtype=dtype)     # (L, N, K, P, Dh)
+            else:                    # compact: widened a page at a time as attention reads it
+                self.keys = CompactPages.zeros(shape, kv_dtype, xp, dtype)      # (L, N, K, P, Dh) as kv_dtype
+                self.values = CompactPages.zeros(shape, kv_dtype, xp, dtype)
         except MemoryError as e:   # NumPy's _ArrayMemoryError and CuPy's OutOfMemoryError are both MemoryErrors
-            need = 2 * math.prod(shape) * np.dtype(dtype).itemsize
+            need = 2 * math.prod(shape[:-1]) * kv_bytes_per_row(Dh, kv_dtype, dtype)
             raise NpqwenError(f"a KV cache of {num_pages} pages x {page_size} positions needs "
                               f"{need / 2**30:.2f} GiB, which cannot be allocated; use fewer pages") from e
         self.num_pages, self.page_size = num_pages, page_size
@@ -61,18 +76,127 @@ class KVCache:
     def write(self, layer: int, slots, k, v):
         """Store k, v (T, K, Dh) at their slots: one row copy of Dh values per token and kv head."""
         Dh = k.shape[-1]
+        if self.kv_dtype != "auto":
+            self.keys.write(layer, slots, k.reshape(-1, Dh))                 # encoded row by row
+            self.values.write(layer, slots, v.reshape(-1, Dh))
+            return
         self.keys[layer].reshape(-1, Dh)[slots] = k.reshape(-1, Dh)          # (N*K*P, Dh)[(T*K,)] = (T*K, Dh)
         self.values[layer].reshape(-1, Dh)[slots] = v.reshape(-1, Dh)
+
+    def page_arrays(self, page: int) -> list:
+        """Everything stored for one page, every layer (keys, values, and int8's scales): what the prefix
+        cache's disk tier writes (npqwen/engine/prefix_disk.py)."""
+        if self.kv_dtype == "auto":
+            return [self.keys[:, page], self.values[:, page]]                  # (L, K, P, Dh) each
+        return [a[:, page] for store in (self.keys, self.values) for a in store.arrays]
+
+    def set_page_arrays(self, page: int, arrays: list):
+        """The inverse of page_arrays: fill one page, every layer."""
+        stores = [self.keys, self.values] if self.kv_dtype == "auto" else \
+            [a for store in (self.keys, self.values) for a in store.arrays]
+        for store, a in zip(stores, arrays, strict=True):
+            store[:, page] = xp_of(store).asarray(a)
 
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes + (self.states.nbytes if self.states is not None else 0)
 
     @staticmethod
-    def bytes_per_token(config: Qwen3Config, dtype) -> int:
-        """Keys + values of one position in every full-attention layer (all layers of a Qwen3)."""
-        return (2 * config.num_attention_layers * config.num_key_value_heads * config.head_dim
-                * np.dtype(dtype).itemsize)
+    def bytes_per_token(config: Qwen3Config, dtype, kv_dtype: str = "auto") -> int:
+        """Keys + values of one position in every full-attention layer (all layers of a Qwen3), as stored."""
+        return (2 * config.num_attention_layers * config.num_key_value_heads
+                * kv_bytes_per_row(config.head_dim, kv_dtype, dtype))
+
+
+def check_kv_dtype(kv_dtype: str):
+    if kv_dtype not in KV_CACHE_DTYPES:
+        raise NpqwenError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_dtype!r}")
+
+
+def kv_bytes_per_row(Dh: int, kv_dtype: str, dtype) -> int:
+    """One token's key (or value) of one head as stored: Dh values, and int8's float32 scale."""
+    return {"auto": Dh * np.dtype(dtype).itemsize, "bfloat16": 2 * Dh, "float8_e4m3": Dh, "int8": Dh + 4}[kv_dtype]
+
+
+class CompactPages:
+    """Keys (or values) stored compact, (L, N, K, P, Dh) of `kv_dtype`, read as the compute dtype one page
+    at a time: `pages[layer]` is one layer's store and `pages[layer][page, :, :w]` widens just that page's
+    (K, w, Dh), which is how ops.paged_attention reads a page. Writing encodes each new (Dh,) row:
+        bfloat16     uint16: a float32's top 16 bits, rounded to nearest even   widened by a shift
+        float8_e4m3  uint8: the nearest e4m3fn value, saturated at +-448        widened by a 256-entry table
+        int8         int8 of row / scale, scale = max|row| / 127, one per row   widened times the row's scale
+    int8 keeps a scale per token and head, not per page: a page's scale would have to be known before its
+    last token is written."""
+
+    def __init__(self, data, scale, kv_dtype: str, dtype):
+        self.data, self.scale = data, scale            # (..., Dh) codes; int8: (...,) float32 scales, else None
+        self.kv_dtype, self.dtype = kv_dtype, np.dtype(dtype)
+        self.shape = data.shape
+
+    @classmethod
+    def zeros(cls, shape, kv_dtype: str, xp, dtype):
+        code = {"bfloat16": np.uint16, "float8_e4m3": np.uint8, "int8": np.int8}[kv_dtype]
+        scale = xp.zeros(shape[:-1], dtype=np.float32) if kv_dtype == "int8" else None
+        return cls(xp.zeros(shape, dtype=code), scale, kv_dtype, dtype)
+
+    @property
+    def arrays(self) -> list:
+        return [self.data] if self.scale is None else [self.data, self.scale]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    def __getitem__(self, index):
+        """A layer (an int into (L, ...)): its store; anything else, e.g. [page, :, :w]: those values, widened."""
+        if isinstance(index, (int, np.integer)) and self.data.ndim == 5:
+            return CompactPages(self.data[index], None if self.scale is None else self.scale[index], self.kv_dtype,
+                                self.dtype)
+        return widen_kv(self.data[index], None if self.scale is None else self.scale[index], self.kv_dtype,
+                        self.dtype)
+
+    def write(self, layer: int, slots, rows):
+        """Encode rows (T*K, Dh) into their slots of one layer, seen as (N*K*P, Dh) rows."""
+        Dh = rows.shape[-1]
+        codes, scale = encode_kv(rows, self.kv_dtype)
+        self.data[layer].reshape(-1, Dh)[slots] = codes                      # (N*K*P, Dh)[(T*K,)] = (T*K, Dh)
+        if scale is not None:
+            self.scale[layer].reshape(-1)[slots] = scale                     # (N*K*P,)[(T*K,)] = (T*K,)
+
+
+E4M3_CODES = np.arange(127, dtype=np.uint8)                                # 0 .. 448: the finite non-negative codes
+E4M3_MIDPOINTS = (E4M3[1:127] + E4M3[:126]) / 2                            # (126,) between neighbouring values
+
+
+def encode_kv(rows, kv_dtype: str):
+    """Rows (n, Dh) in the compute dtype -> (codes (n, Dh), int8's scales (n,) or None)."""
+    xp = xp_of(rows)
+    if kv_dtype == "bfloat16":
+        return float32_to_bf16_bits(rows), None
+    if kv_dtype == "float8_e4m3":   # the nearest of e4m3's values (|x| past 448 saturates), then the sign bit
+        code = xp.searchsorted(xp.asarray(E4M3_MIDPOINTS), xp.abs(rows.astype(np.float32))).astype(np.uint8)
+        return code | (rows < 0).astype(np.uint8) << np.uint8(7), None
+    scale = xp.abs(rows).max(axis=-1).astype(np.float32) / 127                  # (n,) int8: one scale per row
+    q = xp.rint(rows / xp.where(scale == 0, 1, scale)[:, None])                  # (n, Dh) in -127 .. 127
+    return q.astype(np.int8), scale
+
+
+def widen_kv(codes, scale, kv_dtype: str, dtype):
+    """Stored codes (..., Dh) (and int8's scales (...,)) -> the values in the compute dtype."""
+    xp = xp_of(codes)
+    if kv_dtype == "bfloat16":
+        out = xp.empty(codes.shape, dtype=dtype)
+        bf16_bits_to_float32(codes, out)
+        return out
+    if kv_dtype == "float8_e4m3":
+        return e4m3_table(xp, np.dtype(dtype))[codes]
+    return codes.astype(dtype) * scale[..., None].astype(dtype)
+
+
+@functools.cache
+def e4m3_table(xp, dtype):
+    """The 256 e4m3 values in `dtype` on xp's device, made once (not copied to a GPU at every page)."""
+    return xp.asarray(E4M3, dtype=dtype)
 
 
 class LinearStates:

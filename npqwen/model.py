@@ -125,9 +125,9 @@ class Qwen3:
         return SequenceCache(self.config, capacity, self.xp, self.dtype, kv_heads=self.kv_heads,
                              linear_heads=self.linear_heads)
 
-    def new_kv_cache(self, num_pages: int, page_size: int, num_slots: int = 1) -> KVCache:
+    def new_kv_cache(self, num_pages: int, page_size: int, num_slots: int = 1, kv_dtype: str = "auto") -> KVCache:
         return KVCache(self.config, num_pages, page_size, self.xp, self.dtype, self.kv_heads, num_slots,
-                       self.linear_heads)
+                       self.linear_heads, kv_dtype)
 
     def forward(self, token_ids, cache: SequenceCache | None = None, last_only: bool = False, recorder=None,
                 lora=None):

@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from .backend import xp_of
+from .errors import NpqwenError
 from .weights import is_compact
 
 
@@ -66,6 +67,11 @@ def linear_backward(d_y, x, weight, want_weight: bool = True):
     not wanted). d_x is computed as (weight^T @ d_y^T)^T: with two threads OpenBLAS runs lm_head's product (inner
     dimension V) 3x faster that way round (measured at T=256, V=151936, D=1024: 1.7-2.0 s against 5.4 s, twice;
     with one thread both take 1.9-2.5 s, and the layers' shapes the same either way)."""
+    if is_compact(weight):   # a frozen compact base (QLoRA): it widens a block of rows at a time, as in linear
+        if want_weight:
+            raise NpqwenError(f"a compact weight ({weight.format}) is frozen and has no gradient; load the model with "
+                              f"weights='float32' for the weights' gradients, or ask for none (weights=False)")
+        return weight.linear_backward(d_y), None                        # (T, out) -> (T, in)
     d_x = xp_of(d_y).ascontiguousarray((weight.T @ d_y.T).T)           # (in, out) @ (out, T) -> (T, in)
     return d_x, (d_y.T @ x if want_weight else None)                    # (out, T) @ (T, in)
 
@@ -200,6 +206,9 @@ def apply_rope_backward(d_out, cos, sin):
     return apply_rope(d_out, cos, -sin)
 
 
+SCORES_BYTES = 128 * 2**20   # the most one block of paged_attention's scores takes: 256 queries x 16 heads x 8k keys
+
+
 def paged_attention(q, keys, values, page_table, start: int, block: int = 256, want_probs: bool = False):
     """Causal grouped-query attention of one sequence whose keys and values live in pages:
     softmax(q k^T / sqrt(Dh) + mask) v.
@@ -219,12 +228,15 @@ def paged_attention(q, keys, values, page_table, start: int, block: int = 256, w
     every step. Queries go in blocks of `block`: a block needs keys only up to its own last
     position, so much of the masked upper triangle is never computed, and only the block's own
     last Tb columns need the causal mask. (Measured in a 1024-token prefill: blocks of 256 beat 64,
-    128 and 512.)
+    128 and 512.) A block's scores are (H, Tb, S) float32: past 8k keys (16 heads) the block shrinks so that
+    they stay under SCORES_BYTES, and a long prompt's scratch does not grow with its length.
+    Compact pages (kv_cache.CompactPages) are widened one page at a time as they are read here.
     """
     xp = xp_of(q)
     T, H, Dh = q.shape
     K, P = keys.shape[1], keys.shape[2]
     G = H // K
+    block = max(1, min(block, SCORES_BYTES // (H * (start + T) * 4)))   # (H, Tb, S) float32 under SCORES_BYTES
     q = (q * (1.0 / math.sqrt(Dh))).reshape(T, K, G, Dh).transpose(1, 2, 0, 3)   # (K, G, T, Dh), scaled once
     softmax_dtype = np.promote_types(q.dtype, np.float32)
     out = xp.empty((T, H * Dh), dtype=q.dtype)

@@ -226,7 +226,8 @@ def share_batch(model, batch, kv, recording: bool):
 
 def cache_key(comm, kv) -> tuple:
     """(key, pages, page size, state slots, snapshot slots, keys of caches rank 0 has let go of, its copies
-    between state slots and snapshots since the last batch): how the followers find and keep their copy."""
+    between state slots and snapshots since the last batch, the KV dtype): how the followers find and keep their
+    copy."""
     key = comm.kv_keys.get(kv)
     if key is None:
         key = comm.kv_keys[kv] = next(comm.kv_counter)
@@ -237,7 +238,7 @@ def cache_key(comm, kv) -> tuple:
         kv.state_copies.clear()
     slots = kv.states.num_slots if kv.states is not None else 1
     snapshots = kv.snapshots.num_slots if kv.snapshots is not None else 0
-    return key, kv.num_pages, kv.page_size, slots, snapshots, freed, copies
+    return key, kv.num_pages, kv.page_size, slots, snapshots, freed, copies, kv.kv_dtype
 
 
 def follow(model) -> tuple[str, object]:
@@ -249,12 +250,12 @@ def follow(model) -> tuple[str, object]:
         while True:
             kind, *rest = comm.broadcast(patient=True)
             if kind == "batch":
-                batch, (key, pages, page_size, slots, snapshots, freed, copies), recording = rest
+                batch, (key, pages, page_size, slots, snapshots, freed, copies, kv_dtype), recording = rest
                 for k in freed:
                     comm.caches.pop(k, None)
                 kv = comm.caches.get(key)
                 if kv is None:   # the same pages (and state slots) as rank 0's cache, for this rank's heads
-                    kv = comm.caches[key] = model.new_kv_cache(pages, page_size, slots)
+                    kv = comm.caches[key] = model.new_kv_cache(pages, page_size, slots, kv_dtype)
                     kv.snapshots = LinearStates(model.config, snapshots, model.xp, model.dtype,
                                                 model.linear_heads) if snapshots else None
                 for what, i, j in copies:   # rank 0's prefix cache saved (slot i -> snapshot j) or restored states

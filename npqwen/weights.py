@@ -16,11 +16,12 @@ widening is paid once per block and shared by every row of x (a prefill of 512 t
     Q8_0 ...   ggml blocks (npqwen/quants.py: llama.cpp's)         quants.dequantize_rows; for decoding,
                                                                   products per sub-block (block_dot_linear)
 
-Every class has the same few members: `shape`, `nbytes`, `format`, `linear(x)`, `take(ids)` (an embedding
-lookup that widens only those rows), `rows(sel)` and `columns(sel)` (a tensor-parallel rank's part),
-`dequantize()` (the whole matrix in float32: for tests and inspection, never on the forward path).
-`Rows` stacks several of them by rows (q | k | v as qkv_proj, gate | up as gate_up_proj) without a copy.
-ops.linear and ops.embed call `linear` and `take`; nothing else looks inside.
+Every class has the same few members: `shape`, `nbytes`, `format`, `linear(x)`, `linear_backward(d_y)` (d_y @ W,
+the input's gradient through a frozen weight, by the same blocks: QLoRA), `take(ids)` (an embedding lookup that
+widens only those rows), `rows(sel)` and `columns(sel)` (a tensor-parallel rank's part), `dequantize()` (the
+whole matrix in float32: for tests and inspection, never on the forward path). `Rows` stacks several of them by
+rows (q | k | v as qkv_proj, gate | up as gate_up_proj) without a copy. ops.linear, ops.linear_backward and
+ops.embed call `linear`, `linear_backward` and `take`; nothing else looks inside.
 """
 import numpy as np
 
@@ -77,6 +78,22 @@ class Compact:
                 if scale is not None:
                     y[:, a:b] *= scale
         return xp.ascontiguousarray(y.T) if transposed else y
+
+    def linear_backward(self, d_y):
+        """d_x = d_y @ W: (T, out) -> (T, in), the gradient of linear's input (a frozen weight: QLoRA). The same
+        blocks of rows widened as linear widens them; each adds its rows' share, d_y[:, rows] @ W[rows]."""
+        xp = xp_of(d_y)
+        n_out, n_in = self.shape
+        step = min(block_rows(n_in) * PREFILL_BLOCKS, n_out)
+        buf = xp.empty((step, n_in), dtype=np.float32)                      # (rows, in), reused by every block
+        d_x = xp.zeros((d_y.shape[0], n_in), dtype=np.float32)              # (T, in)
+        for a in range(0, n_out, step):
+            b = min(a + step, n_out)
+            w = buf[:b - a]
+            scale = self.widen(slice(a, b), w)                             # (n, in) float32
+            d = d_y[:, a:b] if scale is None else d_y[:, a:b] * scale       # (T, n): a row's scale is on its output
+            d_x += d @ w                                                   # (T, n) @ (n, in) -> (T, in)
+        return d_x
 
     def take(self, ids):
         """The rows `ids` (T,) widened to float32 (T, in): an embedding lookup."""
@@ -403,6 +420,11 @@ class Rows:
     def linear(self, x):
         """x @ [W_1; W_2; ...]^T = [x @ W_1^T, x @ W_2^T, ...]: (T, in) -> (T, out)."""
         return xp_of(x).concatenate([p.linear(x) for p in self.parts], axis=1)
+
+    def linear_backward(self, d_y):
+        """d_y @ [W_1; W_2; ...] = sum of d_y's columns of each part @ that part: (T, out) -> (T, in)."""
+        ends = np.cumsum([p.shape[0] for p in self.parts])
+        return sum(p.linear_backward(d_y[:, e - p.shape[0]:e]) for p, e in zip(self.parts, ends))
 
     def dequantize(self):
         return xp_of(self.parts[0].storage).concatenate([p.dequantize() for p in self.parts])

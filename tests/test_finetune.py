@@ -182,3 +182,35 @@ def test_adapter_gradients_equal_finite_differences(name):
     worst.sort(reverse=True)
     print(f"{name}: {len(ours)} adapter weights; worst relative differences {worst[:2]}")
     assert worst[0][0] < 1e-6
+
+
+@pytest.mark.parametrize("name, fmt", [("tiny", "int8"), ("tiny", "bfloat16"), ("tiny-qwen3.5", "int8")])
+def test_a_lora_on_a_frozen_compact_base_trains_as_on_its_float32_twin(name, fmt):
+    """QLoRA's way: the base stays int8 or bfloat16 (npqwen/weights.py), the gradient flows through it by
+    d_x = d_y @ W widened a block at a time. Five steps against the same steps on the base's dequantized weights
+    in float32 (the twin): each loss and the adapter after them within 1e-5 (both float32, the products blocked
+    differently)."""
+    from npqwen import grad
+    from test_weights import dequantized_twin
+
+    llm = npqwen.load(name, weights=fmt)
+    twin = dequantized_twin(llm)
+    data = examples(4, seed=3)
+    for ex in data:
+        ex.ids[:] %= llm.config.vocab_size
+        ex.targets[ex.targets >= 0] %= llm.config.vocab_size
+    runs = []
+    for model in (llm.model, twin):
+        adapter = ft.new_adapter(model, r=4, alpha=8, seed=0)
+        rng = np.random.default_rng(1)
+        for a in adapter.weights.values():   # B non-zero from the start: every path has a gradient at step 1
+            a[...] = 0.1 * rng.standard_normal(a.shape)
+        optimizer = ft.AdamW(adapter.weights, lr=5e-3)
+        losses = [ft.train_step(model, adapter, ft.batches(data, 2, s), optimizer) for s in range(5)]
+        runs.append((losses, adapter.weights))
+    (losses, tuned), (want_losses, want_tuned) = runs
+    print(f"{name} {fmt}: losses {np.round(losses, 6)}, float32 twin {np.round(want_losses, 6)}; adapter "
+          f"{max(rel(tuned[n], want_tuned[n]) for n in tuned):.1e}")
+    assert rel(losses, want_losses) < 1e-5 and max(rel(tuned[n], want_tuned[n]) for n in tuned) < 1e-5
+    with pytest.raises(npqwen.NpqwenError, match="frozen"):   # a compact weight has no gradient of its own
+        grad.gradients(llm, [1, 2, 3], grad.loss())

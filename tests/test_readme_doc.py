@@ -8,9 +8,11 @@ from conftest import ROOT, doc_blocks, run_doc_line, run_doc_python
 
 TWINS = {"Qwen/Qwen3-Embedding-0.6B": "tiny-embedding", "Qwen/Qwen3-Reranker-0.6B": "tiny-reranker",
          "Qwen/Qwen3-0.6B": "tiny"}
-# not run here: an install, the server (its client sample needs it), and tensor parallelism
-# (tests/test_parallel_doc.py runs the same line over 2 ranks)
-ELSEWHERE = ("pip install", "npqwen serve", "from openai import OpenAI", "--tensor-parallel-size")
+# not run here: an install, the server (its client sample needs it), tensor parallelism
+# (tests/test_parallel_doc.py runs the same line over 2 ranks), and replicas on Ray Serve
+# (tests/test_scale_out_doc.py builds the same app; tests/test_ray.py serves it on a cluster)
+ELSEWHERE = ("pip install", "npqwen serve", "from openai import OpenAI", "--tensor-parallel-size",
+             "serve run npqwen.ray")
 
 
 def readme_samples() -> list[tuple[str, str]]:

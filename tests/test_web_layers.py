@@ -1,6 +1,8 @@
 """The token inspector's "layers" view: POST /v1/npqwen/layers (one token's probability and rank under each
 layer's logit lens) equals llm.logit_lens, runs its pass on the engine thread (a probe), refuses bad input;
-the page draws it for the clicked token."""
+the page draws it for the clicked token. The same for the "saliency" view: POST /v1/npqwen/saliency (gradient x
+input of one token's log-probability for each token before it) equals npqwen.attribution.gradient_x_input, and
+the page shades the tokens by it (in this file, to share its server and browser)."""
 import threading
 
 import numpy as np
@@ -10,6 +12,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
 import npqwen  # noqa: E402
+from npqwen import attribution, grad  # noqa: E402
 
 from serving import http_json, tiny_server  # noqa: E402,F401  (fixtures)
 from tolerance import model_tolerance  # noqa: E402
@@ -82,4 +85,68 @@ def test_page_shows_each_layer_s_lens_of_the_token(browser, tiny_server, screens
              what=f"the layers of token {index}")
     browser.execute_script("document.getElementById('layers-view').scrollIntoView()")
     screenshot("layers.png", WIDE)
+    assert not console_errors(browser)
+
+
+# -- saliency --
+
+TWIN = npqwen.load("tiny")   # a second copy of the server's model: the same weights, the same float32 sums
+
+
+def saliency_of(ids, p) -> np.ndarray:
+    return attribution.gradient_x_input(TWIN, ids[:p], grad.log_prob(ids[p])).per_token
+
+
+def test_saliency_endpoint_equals_gradient_x_input_and_runs_on_the_engine_thread(tiny_server):
+    ids = tiny_server.llm.tokenizer.encode("<|im_start|>user\nWhich tokens?<|im_end|>\n")
+    wants = {p: saliency_of(ids, p) for p in (3, len(ids) - 1)}   # before the watch: the server's calls only
+    threads, gradients = [], grad.gradients
+
+    def watched(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return gradients(*args, **kwargs)
+    grad.gradients = watched
+    try:
+        for position in (3, None):
+            body = {"tokens": ids} if position is None else {"tokens": ids, "position": position}
+            status, got = http_json("POST", tiny_server.url + "/v1/npqwen/saliency", body)
+            assert status == 200, got
+            p = len(ids) - 1 if position is None else position
+            want = wants[p]
+            diff = np.abs(np.array(got["scores"]) - want).max()
+            print(f"position {p}: {len(want)} scores, max |server - gradient_x_input| {diff:.2e}")
+            assert got["position"] == p and len(got["tokens"]) == p == len(got["token_bytes"])
+            assert diff <= 1e-6 * max(1.0, np.abs(want).max())   # the same model and sums: equal, or all but
+    finally:
+        grad.gradients = gradients
+    assert threads == ["npqwen-engine"] * 2, threads
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"tokens": [65, 66], "position": 0}, "position", "position 0 is not predicted"),
+    ({"tokens": []}, "tokens", "send 1 .. 2048"),
+    ({"tokens": [65, 100000]}, "tokens", "token id 100000"),
+])
+def test_saliency_endpoint_refuses(tiny_server, body, param, words):
+    status, error = http_json("POST", tiny_server.url + "/v1/npqwen/saliency", body)
+    assert status == 400, error
+    assert error["error"]["param"] == param and words in error["error"]["message"], error
+
+
+def test_page_shades_the_tokens_before_the_clicked_one_by_their_saliency(browser, tiny_server, screenshot):
+    open_page(browser, tiny_server)
+    answer = ask(browser, "Saliency")
+    got = page_answer(browser)
+    click_token(browser, answer, 1)
+    ids = got["prompt_ids"] + got["ids"][:2]
+    want = saliency_of(ids, len(ids) - 1)
+
+    def shown():
+        return browser.execute_script("""const v = document.getElementById('saliency');
+            if (v.dataset.state !== 'ready') return [];
+            return [...v.querySelectorAll('.sal')].map(s => Number(s.dataset.score));""")
+    wait(browser, lambda: len(shown()) == len(want), what="the saliency of token 1")
+    assert np.abs(np.array(shown()) - want).max() <= 1e-6 * max(1.0, np.abs(want).max())
+    browser.execute_script("document.getElementById('saliency-view').scrollIntoView()")
+    screenshot("saliency.png", WIDE)
     assert not console_errors(browser)

@@ -3,6 +3,14 @@ does the same at a tiny shape, in float32 and float64, in every test run).
 
     python tools/grad_check.py                   # Qwen3-0.6B's shape, 2 layers, full vocabulary
     python tools/grad_check.py --layers 4 --tokens 32
+    python tools/grad_check.py --hybrid          # Qwen3.5-0.8B's layers (3 Gated DeltaNet, 1 full attention)
+
+--hybrid asks where Qwen3.5's float32 gradients' distance from HF's float32 ones comes from: npqwen and HF
+in float64 (HF's float32 casts made float64, as tests/test_backward.py does), each side's float32 against
+that, HF's two forms of the delta rule (chunked, recurrent) against each other in float32, and how far the
+float64 gradients move when every weight moves by half a float32 ulp (what a float32 computation cannot
+avoid). Its vocabulary is cut to 32768; even so it peaks at 6.8 GB (HF's model with three sets of gradients,
+and npqwen's float64 model with two), about 3 minutes.
 
 Random weights (std 0.02, norms 1 + noise), saved by transformers in float32 to a temporary directory; the
 objective is log p of a token at the last position. Prints the largest relative difference (max |diff| /
@@ -27,7 +35,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--hybrid", action="store_true", help="Qwen3.5-0.8B's layer shapes, float32 and float64")
     args = parser.parse_args()
+    if args.hybrid:
+        return hybrid(args)
     from conftest import build_hf_checkpoint, hf_model
     from test_backward import hf_gradients, rel
 
@@ -52,6 +63,61 @@ def main():
           f"compared; largest relative differences {worst[:3]}; forward+backward npqwen {npqwen_s:.2f} s, "
           f"HF {hf_s:.2f} s")
     return 0 if worst[0][0] < 1e-5 else 1
+
+
+def hybrid(args):
+    from hybrid_checkpoints import QWEN3_5_0_8B_TEXT, build_hybrid_checkpoint, hf_hybrid_model
+    from test_backward import float64_hf, hf_gradients, rel
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    config = {"model_type": "qwen3_5_text", **QWEN3_5_0_8B_TEXT, "num_hidden_layers": 4, "vocab_size": 32768}
+    ids = np.random.default_rng(0).integers(0, 32768, args.tokens).tolist()
+    target = 42
+
+    def worst(got, want):   # the largest relative difference over every weight, and its name
+        return max((rel(got[n], w), n) for n, w in want.items())
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_hybrid_checkpoint(Path(tmp), config, std=0.02)
+        hf = hf_hybrid_model(path)
+        hf32 = hf_gradients(hf, ids, target, gated=True)[1]
+        hf.zero_grad(set_to_none=True)
+        chunked = modeling_qwen3_5.torch_chunk_gated_delta_rule   # HF's other form of the same rule
+        modeling_qwen3_5.torch_chunk_gated_delta_rule = modeling_qwen3_5.torch_recurrent_gated_delta_rule
+        hf32_recurrent = hf_gradients(hf, ids, target, gated=True)[1]
+        modeling_qwen3_5.torch_chunk_gated_delta_rule = chunked
+        hf.zero_grad(set_to_none=True)
+        llm64 = npqwen.load(path, dtype="float64")
+        with pytest_monkeypatch() as mp:
+            hf64 = hf_gradients(float64_hf(hf, llm64, mp, hybrid=True), ids, target, gated=True)[1]
+        del hf
+        exact = grad.gradients(llm64, ids, grad.log_prob(target))
+        exact = {n: exact[n] for n in hf32}
+        eps32, rng, seen = float(np.finfo(np.float32).eps), np.random.default_rng(1), []
+        for w in llm64.model.weights.values():   # every weight moved by up to half a float32 ulp, once
+            if not any(np.shares_memory(w, s) for s in seen):
+                w *= 1 + rng.uniform(-eps32 / 2, eps32 / 2, w.shape)
+                seen.append(w)
+        moved = grad.gradients(llm64, ids, grad.log_prob(target))
+        moved = {n: moved[n] for n in hf32}
+        del llm64
+        ours32 = grad.gradients(npqwen.load(path), ids, grad.log_prob(target))
+    print(f"Qwen3.5-0.8B's layer shapes, 4 layers (3 linear), vocabulary 32768, {args.tokens} tokens; the largest "
+          f"relative difference over {len(hf32)} weights' gradients:")
+    for label, (got, want) in {"npqwen float64 vs HF float64": (exact, hf64),
+                               "npqwen float32 vs float64": (ours32, exact),
+                               "HF float32 (chunked) vs float64": (hf32, exact),
+                               "HF float32 recurrent vs float64": (hf32_recurrent, exact),
+                               "HF float32 recurrent vs chunked": (hf32_recurrent, hf32),
+                               "npqwen float32 vs HF float32": (ours32, hf32),
+                               "float64, weights moved by eps32/2": (moved, exact)}.items():
+        print(f"  {label:36s} {worst(got, want)[0]:.1e}  ({worst(got, want)[1]})")
+    return 0
+
+
+def pytest_monkeypatch():
+    from _pytest.monkeypatch import MonkeyPatch
+    return MonkeyPatch.context()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..errors import NpqwenError
 from ..hub import DEFAULT_MODEL, missing_files
+from ..kv_cache import KV_CACHE_DTYPES
 from .parallel import share_load
 
 # Every option's help ends with its default: "(default: ...)", written out where None means
@@ -249,7 +250,7 @@ def read_text_file(path: str, option: str, instead: str | None) -> str:
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                    "presence_penalty", "seed", "stop", "frequency_penalty")
 ENGINE_SIZES = ("max_batch_size", "max_batched_tokens", "kv_cache_tokens", "page_size",
-                "state_snapshots")   # npqwen.Engine's
+                "state_snapshots", "kv_cache_dtype", "prefix_cache_dir", "prefix_cache_dir_size")   # npqwen.Engine's
 
 
 def add_engine_sizes(group):
@@ -262,6 +263,15 @@ def add_engine_sizes(group):
                        "at the end of cached prefixes, for prefix hits (default: the engine's, 16)")
     group.add_argument("--no-prefix-cache", action="store_true", help="do not reuse pages of shared prefixes "
                        "(default: reuse them)")
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                       help="how keys and values are stored: auto is the compute dtype; bfloat16 halves float32's "
+                            "memory, float8_e4m3 and int8 quarter it, widened a page at a time as attention reads "
+                            "them (docs/engine.md; default: auto)")
+    group.add_argument("--prefix-cache-dir", metavar="DIR",
+                       help="keep the KV pages of cached prefixes in files in DIR too, read back after a restart, so "
+                            "a long system prompt is computed once per machine (default: in memory only)")
+    group.add_argument("--prefix-cache-dir-size", type=float, metavar="GB",
+                       help="the most --prefix-cache-dir holds; least recently used pages go first (default: 16)")
 
 
 def engine_sizes(args) -> dict:

@@ -44,7 +44,7 @@ def cmd_finetune(args) -> int:
             raise NpqwenError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.lr <= 0:
         raise NpqwenError(f"--lr must be positive, got {args.lr}")
-    llm = load(args.model, device=args.device, dtype=args.dtype)
+    llm = load(args.model, device=args.device, dtype=args.dtype, weights=args.weights)   # int8/bfloat16: QLoRA's way
     if llm.tokenizer is None:
         raise NpqwenError(f"{args.model}: no tokenizer files; finetune reads text")
     examples = read_examples(args.data, llm.tokenizer, args.max_tokens or llm.config.max_position_embeddings,

@@ -50,19 +50,13 @@ def cmd_serve(args) -> int:
     try:
         import uvicorn
 
-        from ..server.api_server import create_app
+        from ..server import api_server  # noqa: F401  (the serve extra's packages)
     except ImportError as e:
         raise NpqwenError(f"npqwen serve needs the serve extra: pip install 'npqwen[serve]' ({e.name} is "
                           f"missing)") from None
-    from ..engine import Engine
-
     if not 0 <= args.port <= 65535:
         raise NpqwenError(f"--port must be in 0 .. 65535, got {args.port}")
-    if args.max_queue < 1:
-        raise NpqwenError(f"--max-queue must be >= 1, got {args.max_queue}")
-    template_kwargs = template_kwargs_option(args.default_chat_template_kwargs)
-    if args.thinking_budget is not None and args.thinking_budget < 0:
-        raise NpqwenError(f"--thinking-budget must be >= 0 (reasoning tokens), got {args.thinking_budget}")
+    check_server_options(args)
     try:   # bound before the (slow) load, so that a port in use is said at once
         family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -72,21 +66,11 @@ def cmd_serve(args) -> int:
     except OSError as e:
         raise NpqwenError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); pick another --port "
                           f"(0 picks a free one) or --host") from None
-    llm, seconds = load_model(args, chat_template=True)
-    engine = Engine(llm, **engine_sizes(args))
-    name = args.served_model_name or args.model
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-
-    def ready():
-        print(f"npqwen: serving {name} at {url}/v1, the web page at {url}/ (loaded in {seconds:.1f} s; KV cache "
-              f"{engine.pool.num_pages * engine.page_size} positions); Ctrl-C stops", flush=True)
-
-    origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
-    app = create_app(llm, engine, name, api_key=args.api_key, max_queue=args.max_queue, on_ready=ready,
-                     allowed_origins=origins or None, template_kwargs=template_kwargs,
-                     thinking_budget=args.thinking_budget, allow_generation=args.allow_generation,
-                     allow_runtime_lora=args.allow_runtime_lora)
+    app, seconds = server_app(args, lambda app: print(
+        f"npqwen: serving {app.state.model_name} at {url}/v1, the web page at {url}/ (loaded in {seconds:.1f} s; "
+        f"KV cache {app.state.kv_positions} positions); Ctrl-C stops", flush=True))
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=3))
 
     def handle_exit(sig, frame):
@@ -106,6 +90,35 @@ def cmd_serve(args) -> int:
     return 0
 
 
+
+
+def check_server_options(args):
+    """The options checked before the (slow) load; `npqwen serve` and npqwen.ray's build_app both call this."""
+    if args.max_queue < 1:
+        raise NpqwenError(f"--max-queue must be >= 1, got {args.max_queue}")
+    template_kwargs_option(args.default_chat_template_kwargs)
+    if args.thinking_budget is not None and args.thinking_budget < 0:
+        raise NpqwenError(f"--thinking-budget must be >= 0 (reasoning tokens), got {args.thinking_budget}")
+
+
+def server_app(args, on_ready=None):
+    """Load the model, make its engine and the FastAPI app that serves it: (app, load seconds).
+    on_ready(app) runs once the app is up (its lifespan started). Used by `npqwen serve` and by each
+    Ray Serve replica (npqwen/ray.py)."""
+    from ..engine import Engine
+    from ..server.api_server import create_app
+
+    llm, seconds = load_model(args, chat_template=True)
+    engine = Engine(llm, **engine_sizes(args))
+    name = args.served_model_name or args.model
+    origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
+    app = create_app(llm, engine, name, api_key=args.api_key, max_queue=args.max_queue,
+                     on_ready=None if on_ready is None else lambda: on_ready(app), allowed_origins=origins or None,
+                     template_kwargs=template_kwargs_option(args.default_chat_template_kwargs),
+                     thinking_budget=args.thinking_budget, allow_generation=args.allow_generation,
+                     allow_runtime_lora=args.allow_runtime_lora)
+    app.state.model_name, app.state.kv_positions = name, engine.pool.num_pages * engine.page_size
+    return app, seconds
 
 
 def template_kwargs_option(text: str | None) -> dict:

@@ -25,8 +25,9 @@ from ..checks import check_token_ids
 from ..embed import POOLING_MODES, InputTooLong
 from ..errors import NpqwenError
 from ..generate import StopStrings
-from ..kv_cache import Batch, KVCache, LinearStates
+from ..kv_cache import Batch, KVCache, LinearStates, check_kv_dtype
 from ..model import check_lm_head
+from ..ops import SCORES_BYTES
 from ..mtp import load_mtp
 from ..parallel import rank_0_leads
 from ..sampling import candidates, draw, score_rows
@@ -39,6 +40,7 @@ from ..structured import ConstraintFailed, Masks, build_constraint
 from .pages import PagePool
 from .prefill_only import PrefillRows
 from .prefix_cache import PrefixCache
+from .prefix_disk import DiskPages, model_key
 from .request import Request, StepOutput
 from .scheduler import Scheduler
 from .state_slots import StateSlots
@@ -48,7 +50,8 @@ from .thinking import thinking_budget
 
 DEFAULT_PAGE_SIZE = 256        # positions per page; see ops.paged_attention for why pages are large
 DEFAULT_STATE_SNAPSHOTS = 16   # hybrid models: snapshots of the linear layers' states kept for prefix hits
-KV_MEMORY_SHARE = 0.5          # default KV pool: this share of the memory free when the engine starts
+KV_MEMORY_SHARE = 0.5          # default KV pool: this share of the memory free when the engine starts, less scratch
+DEFAULT_PREFIX_CACHE_DIR_GB = 16.0   # prefix_cache_dir: the most its files take, least recently used evicted first
 
 
 class Engine:
@@ -57,29 +60,43 @@ class Engine:
     @rank_0_leads
     def __init__(self, llm, kv_cache_tokens: int | None = None, page_size: int = DEFAULT_PAGE_SIZE,
                  max_batch_size: int = 64, max_batched_tokens: int = 512, prefix_cache: bool = True,
-                 state_snapshots: int = DEFAULT_STATE_SNAPSHOTS, record_steps: bool = False):
+                 state_snapshots: int = DEFAULT_STATE_SNAPSHOTS, record_steps: bool = False,
+                 kv_cache_dtype: str = "auto", prefix_cache_dir=None,
+                 prefix_cache_dir_size: float = DEFAULT_PREFIX_CACHE_DIR_GB):
         self.llm, self.model, self.config = llm, llm.model, llm.config
+        check_kv_dtype(kv_cache_dtype)
         for name, value, least in (("page_size", page_size, 1), ("max_batch_size", max_batch_size, 1),
                                    ("max_batched_tokens", max_batched_tokens, 1),
                                    ("state_snapshots", state_snapshots, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise NpqwenError(f"{name} must be an integer >= {least}, got {value!r}")
-        per_token = max(1, KVCache.bytes_per_token(self.config, self.model.dtype))   # full-attention layers only
+        # a position's keys and values in the full-attention layers only, as stored (kv_cache_dtype)
+        per_token = max(1, KVCache.bytes_per_token(self.config, self.model.dtype, kv_cache_dtype))
         hybrid = getattr(self.config, "hybrid", False)   # Qwen3.5: a state per request beside the pages
         # and, for its prefix cache, snapshots of those states at the end of cached prefixes (state_snapshots.py)
         snapshots = state_snapshots if hybrid and prefix_cache else 0
         states = LinearStates.bytes_per_slot(self.config, self.model.dtype) * (max_batch_size + snapshots) \
             if hybrid else 0
-        if kv_cache_tokens is None:   # a share of free memory, but no more than a full batch of full contexts
-            fits = (int(free_memory_bytes(self.model.xp) * KV_MEMORY_SHARE) - states) // per_token
+        # The default pool: a share of the memory free now (the weights are loaded already) once a step's scratch
+        # is set aside, so that a prompt the pool admits never takes the process past what is free; and no more
+        # than a full batch of full contexts.
+        if kv_cache_tokens is None:
+            scratch, free = step_scratch_bytes(self.config, max_batched_tokens, max_batch_size), \
+                free_memory_bytes(self.model.xp)
+            fits = (int((free - scratch) * KV_MEMORY_SHARE) - states) // per_token
             kv_cache_tokens = min(fits, max_batch_size * self.config.max_position_embeddings)
+            if kv_cache_tokens < page_size:
+                raise NpqwenError(f"{free / 2**30:.2f} GiB is free, less a step's scratch of {scratch / 2**30:.2f} "
+                                  f"GiB: no room for a KV pool of even one page; free memory, lower "
+                                  f"max_batched_tokens, or give kv_cache_tokens")
         if isinstance(kv_cache_tokens, bool) or not isinstance(kv_cache_tokens, int) or kv_cache_tokens < page_size:
             raise NpqwenError(f"kv_cache_tokens must be an integer >= page_size ({page_size}), got {kv_cache_tokens!r}")
         self.page_size = page_size
         self.kv = KVCache(self.config, kv_cache_tokens // page_size, page_size, self.model.xp, self.model.dtype,
                           getattr(self.model, "kv_heads", None),   # this rank's heads (a stand-in model: all)
                           num_slots=max_batch_size if hybrid else 1,
-                          linear_heads=getattr(self.model, "linear_heads", None))   # ... of the linear layers
+                          linear_heads=getattr(self.model, "linear_heads", None),   # ... of the linear layers
+                          kv_dtype=kv_cache_dtype)
         self.pool = PagePool(self.kv.num_pages)
         # A hybrid model's prefix hit also needs its linear layers' states at the end of the shared prefix:
         # without snapshots of them (state_snapshots=0) it has no prefix cache.
@@ -89,7 +106,9 @@ class Engine:
             self.kv.state_copies = [] if self.llm.comm.size > 1 else None
         snapshot_pool = StateSnapshots(self.kv.states, self.kv.snapshots, self.kv.state_copies) if snapshots else None
         self.cache = PrefixCache(self.pool, page_size, enabled=prefix_cache and (snapshots > 0 or not hybrid),
-                                 snapshots=snapshot_pool)
+                                 snapshots=snapshot_pool,
+                                 disk=self._disk_tier(prefix_cache_dir, prefix_cache_dir_size, kv_cache_dtype,
+                                                      prefix_cache, hybrid))
         self.states = StateSlots(max_batch_size) if hybrid else None
         self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens, self.states)
         self.requests: dict[str, Request] = {}       # unfinished requests by id
@@ -100,6 +119,22 @@ class Engine:
         self._mtp = None                             # the MTP head (npqwen/mtp.py), read when a request asks for it
         # speculative decoding's counts, vLLM's spec_decode_* metrics: verifications, drafts, drafts kept
         self.spec_decode = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+
+    def _disk_tier(self, folder, size_gb, kv_dtype: str, prefix_cache: bool, hybrid: bool) -> DiskPages | None:
+        """The prefix cache's pages kept in `folder` (prefix_disk.py), at most size_gb GB of them; None: none."""
+        if folder is None:
+            return None
+        if isinstance(size_gb, bool) or not isinstance(size_gb, (int, float)) or not size_gb > 0:
+            raise NpqwenError(f"prefix_cache_dir_size must be a number of GB > 0, got {size_gb!r}")
+        if not prefix_cache:
+            raise NpqwenError("prefix_cache_dir needs the prefix cache; leave prefix_cache on (no --no-prefix-cache)")
+        if hybrid:
+            raise NpqwenError("prefix_cache_dir does not serve hybrid models (Qwen3.5) yet: their prefix hits also "
+                              "need the linear layers' state snapshots, which are not written to disk; leave it unset")
+        if self.llm.comm.size > 1:
+            raise NpqwenError("prefix_cache_dir does not run under tensor parallelism yet (each rank holds its own "
+                              "heads' keys); leave it unset")
+        return DiskPages(folder, model_key(self.llm, kv_dtype, self.page_size), self.kv, int(size_gb * 1e9))
 
     @rank_0_leads
     def add_request(self, prompt, params: SamplingParams | int | None = None, steering=None, *,
@@ -393,6 +428,8 @@ class Engine:
                 "kv_pages_total": self.pool.num_pages, "kv_pages_free": len(self.pool.free),
                 "kv_pages_cached": self.cache.cached_pages, "page_size": self.page_size,
                 "prefix_cache_hit_tokens": self.cache.hit_tokens, "preemptions": self.scheduler.preemptions,
+                "prefix_cache_disk_pages_read": self.cache.disk.loaded_pages if self.cache.disk else 0,
+                "prefix_cache_disk_pages_written": self.cache.disk.saved_pages if self.cache.disk else 0,
                 "state_snapshots": len(self.cache.snapshots.by_hash) if self.cache.snapshots is not None else 0,
                 **{f"spec_decode_{name}": count for name, count in self.spec_decode.items()}}
 
@@ -456,6 +493,9 @@ class Engine:
             j = len(req.page_hashes)
             parent = req.page_hashes[-1] if req.page_hashes else req.cache_root
             req.page_hashes.append(self.cache.register(req.page_table[j], parent, req.tokens[j * P:(j + 1) * P]))
+            if self.cache.disk is not None and req.cache_root is None:   # and to the disk tier (prefix_disk.py)
+                key = self.cache.disk.keys(req.tokens, j + 1, P)[-1]
+                self.cache.disk.save(key, req.page_table[j], req.tokens[j * P:(j + 1) * P])
         if req.cached_len in req.snapshot_points:
             self.cache.snapshots.save(req.page_hashes[req.cached_len // P - 1], req.state_slot)
 
@@ -474,6 +514,17 @@ class Engine:
         req.finish_reason, req.error = "error", message
         self._finish(req)
         return StepOutput(req.request_id, [], "", True, "error", req.result())
+
+
+def step_scratch_bytes(config, max_batched_tokens: int, max_batch_size: int) -> int:
+    """The most a step holds besides the weights and the KV pool, in float32 (an upper estimate): a chunk's
+    activations, bounded by max_batched_tokens, not by the prompt (each layer's x, qkv, q/k after norm and
+    rotation, the attention output, gate_up, its activation and product, a few of each); one block of attention
+    scores and its softmax (ops.SCORES_BYTES); the sampled rows' logits and their sampling copies."""
+    D, F = config.hidden_size, max(config.intermediate_size, getattr(config, "moe_intermediate_size", 0) or 0)
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    per_token = 6 * F + 12 * D + 4 * qkv
+    return 4 * (max_batched_tokens * per_token + 3 * max_batch_size * config.vocab_size) + 2 * SCORES_BYTES
 
 
 def drafts_by_mtp(req: Request) -> bool:

@@ -7,6 +7,10 @@ the tokens too, so a hash collision can never hand out the wrong keys. Pages who
 left (ref_count 0) wait in an LRU queue and are evicted, oldest first, only when the pool has
 no free page left.
 
+With a disk tier (prefix_disk.py, `prefix_cache_dir`), a prefix that runs on past the pages in memory
+goes on from files: each page found there is read into a page taken as for new keys, and is from then
+on a cached page like any other.
+
 A hybrid model (Qwen3.5) can resume its linear-attention layers only where their states were kept
 (state_snapshots.py): its hit is the longest cached prefix whose last page has a snapshot, and a page
 evicted takes its snapshot with it.
@@ -15,13 +19,16 @@ from collections import OrderedDict
 
 from ..errors import NpqwenError
 from .pages import PagePool
+from .prefix_disk import DiskPages
 from .state_snapshots import StateSnapshots
 
 
 class PrefixCache:
-    def __init__(self, pool: PagePool, page_size: int, enabled: bool = True, snapshots: StateSnapshots | None = None):
+    def __init__(self, pool: PagePool, page_size: int, enabled: bool = True, snapshots: StateSnapshots | None = None,
+                 disk: DiskPages | None = None):
         self.pool, self.page_size, self.enabled = pool, page_size, enabled
         self.snapshots = snapshots                          # a hybrid model's state snapshots, else None
+        self.disk = disk                                    # the pages kept in files (prefix_disk.py), else None
         self.by_hash: dict[int, int] = {}                   # chain hash -> page
         self.contents: dict[int, tuple] = {}                # page -> (parent hash, its tokens, hash)
         self.unused: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, oldest first
@@ -43,7 +50,30 @@ class PrefixCache:
             if self.pool.ref_count[page] == 0:
                 del self.unused[page]
             self.pool.share(page)
-        return [page for page, _ in found], [h for _, h in found]
+        pages, hashes = [page for page, _ in found], [h for _, h in found]
+        if self.disk is not None and root is None and len(pages) < max_pages:
+            self.from_disk(tokens, max_pages, pages, hashes)
+        return pages, hashes
+
+    def from_disk(self, tokens, max_pages: int, pages: list, hashes: list):
+        """Extend a match (pages, hashes, taken) with the pages that follow it in the disk tier's files: each
+        is read into a page taken for it and registered here, until a file is missing or unsound, or no
+        page can be taken."""
+        P = self.page_size
+        keys = self.disk.keys(tokens, max_pages, P)
+        for j in range(len(pages), max_pages):
+            if not self.disk.has(keys[j]):
+                break
+            page = self.take_page()
+            if page is None:
+                break
+            chunk = tuple(tokens[j * P:(j + 1) * P])
+            if not self.disk.load(keys[j], page, chunk):
+                self.pool.release(page)
+                self.pool.give_back(page)
+                break
+            hashes.append(self.register(page, hashes[-1] if hashes else None, chunk))
+            pages.append(page)
 
     def lookup(self, tokens, max_pages: int, root=None) -> list[tuple[int, int]]:
         """(page, chain hash) of each cached page of the longest prefix of `tokens` (at most max_pages),

@@ -12,6 +12,7 @@
     POST /v1/npqwen/attention       one position's attention in every head of a layer (serving_probes.py)
     POST /v1/npqwen/experts         the experts one token went to in each layer (Qwen3-MoE; for the page)
     POST /v1/npqwen/layers          one token's probability and rank under each layer's logit lens (the page)
+    POST /v1/npqwen/saliency        gradient x input of one token's log-probability per token before it (the page)
     POST /tokenize, /detokenize     the model's tokenizer (vLLM's shapes); GET /tokenizer_info
     GET  /health                    200 while the engine thread is alive
     (HEAD on every GET route: as GET, without the body)
@@ -187,6 +188,10 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     @app.post("/v1/npqwen/layers")
     async def layers(body: ExpertsRequest, http: HTTPRequest):   # the same fields: tokens, position
         return await probes.layers(body, http)
+
+    @app.post("/v1/npqwen/saliency")
+    async def saliency(body: ExpertsRequest, http: HTTPRequest):   # the same fields: tokens, position
+        return await probes.saliency(body, http)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

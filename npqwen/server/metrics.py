@@ -80,6 +80,10 @@ class EngineState:
                                   value=s["prefix_cache_hit_tokens"])
         yield CounterMetricFamily("npqwen:num_preemptions", "Requests preempted for lack of pages",
                                   value=s["preemptions"])
+        yield CounterMetricFamily("npqwen:prefix_cache_disk_pages_read", "KV pages read from --prefix-cache-dir",
+                                  value=s["prefix_cache_disk_pages_read"])
+        yield CounterMetricFamily("npqwen:prefix_cache_disk_pages_written", "KV pages written to --prefix-cache-dir",
+                                  value=s["prefix_cache_disk_pages_written"])
         # speculative decoding, vLLM's spec_decode_* names: verification steps, drafts verified, drafts kept
         for name, text in (("num_drafts", "Verification steps of speculating requests"),
                            ("num_draft_tokens", "Draft tokens verified"),

@@ -21,6 +21,7 @@ MAX_CHOICES = 8          # n
 MAX_TOP_LOGPROBS = 20    # top_logprobs (chat), logprobs (completions)
 MAX_STOPS = 16
 MAX_ATTENTION_TOKENS = 2048   # tokens one /v1/npqwen/attention call may rerun
+MAX_SALIENCY_TOKENS = 1024    # tokens one /v1/npqwen/saliency call runs a backward pass over (the engine waits)
 
 
 class APIError(Exception):

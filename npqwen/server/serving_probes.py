@@ -1,6 +1,7 @@
 """The web page's probes: POST /v1/npqwen/attention (one position's attention in every head of a
-layer), /v1/npqwen/experts (the experts one token went to in each layer of a Qwen3-MoE) and
-/v1/npqwen/layers (the probability and rank each layer's logit lens gives one token).
+layer), /v1/npqwen/experts (the experts one token went to in each layer of a Qwen3-MoE),
+/v1/npqwen/layers (the probability and rank each layer's logit lens gives one token) and
+/v1/npqwen/saliency (gradient x input of one token's log-probability for each token before it).
 
 A probe is an engine request like the others: it reads tokens[:position + 1] a chunk per step,
 and its last token then runs alone with a recorder that keeps the one array asked for
@@ -11,15 +12,17 @@ from fastapi.responses import Response
 
 import numpy as np
 
+from .. import attribution, grad
 from ..backend import to_numpy
+from ..errors import NpqwenError
 from ..lens import token_lens
 from ..sampling_params import SamplingParams
-from .protocol import MAX_ATTENTION_TOKENS, APIError, AttentionRequest, ExpertsRequest
+from .protocol import MAX_ATTENTION_TOKENS, MAX_SALIENCY_TOKENS, APIError, AttentionRequest, ExpertsRequest
 from .serving import Serving
 
 
 class ServingProbes(Serving):
-    """POST /v1/npqwen/attention, /v1/npqwen/experts and /v1/npqwen/layers."""
+    """POST /v1/npqwen/attention, /v1/npqwen/experts, /v1/npqwen/layers and /v1/npqwen/saliency."""
 
     async def attention(self, body: AttentionRequest, http: HTTPRequest) -> dict:
         """The attention row of `position` over positions 0 .. position in every head of `layer` (default: the
@@ -103,6 +106,34 @@ class ServingProbes(Serving):
         return {"object": "npqwen.layers", "model": self.model_name, "position": p,
                 "token": self.tokenizer.decode([ids[p]]),
                 "layers": [{"layer": i, "probability": float(probs[i]), "rank": int(ranks[i])} for i in range(L)]}
+
+    async def saliency(self, body: ExpertsRequest, http: HTTPRequest) -> dict:
+        """Which earlier tokens the token at `position` leaned on: gradient x input of log p(token) at position - 1,
+        per token of tokens[:position] (npqwen.attribution.gradient_x_input: grad . embedding over D). Not a
+        probe: one forward and one backward over tokens[:position], run on the engine thread between two of its
+        steps (one thread owns the model), so the streams wait for it (the tiny model: milliseconds)."""
+        self.check_model(body.model, adapters=False)
+        ids = body.tokens
+        p = self.position(body)
+        if p == 0:
+            raise APIError(400, "position 0 is not predicted by any position before it; choose 1 .. "
+                                f"{len(ids) - 1}", "position")
+        if p > MAX_SALIENCY_TOKENS:
+            raise APIError(400, f"saliency takes a backward pass over the {p} tokens before position {p}; it is "
+                                f"offered for up to {MAX_SALIENCY_TOKENS}", "position")
+
+        def gradient_x_input():   # on the engine thread
+            return attribution.gradient_x_input(self.llm, ids[:p], grad.log_prob(ids[p]))
+
+        try:
+            s = await self.loop.call(gradient_x_input)
+        except NpqwenError as e:   # a model the gradients do not cover (tensor parallelism)
+            raise APIError(400, f"no saliency for this model: {e}", "model") from None
+        decode = self.tokenizer.decode
+        return {"object": "npqwen.saliency", "model": self.model_name, "position": p, "token": decode([ids[p]]),
+                "log_prob": float(s.value), "tokens": [decode([t]) for t in ids[:p]],
+                "token_bytes": [list(self.tokenizer.token_bytes(t)) for t in ids[:p]],
+                "scores": s.per_token.tolist()}
 
     def position(self, body: AttentionRequest | ExpertsRequest) -> int:
         """The position a probe looks at (default: the last token), after checking the tokens it reruns."""

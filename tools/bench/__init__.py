@@ -73,6 +73,10 @@ Suites (--suites, comma-separated, or all; the default is prefill,decode):
               at the Qwen3-0.6B shape: batch-1 decode, a prefill, a batched decode step, as speed ratios; with
               --weights-memory each format's peak RSS after load and after a 1,024-token generation
               (random checkpoints written in each format, its own; run it alone: --suites weights).
+    scale_out npqwen on Ray Serve (npqwen/ray.py) on a two-node Ray cluster on this machine: conversations of
+              several turns through one replica, two routed by prefix, two in round robin: the share of prompt
+              tokens from the prefix caches and output tokens/s (target: two by prefix keep >= 80% of one's
+              hits; needs the ray extra; run it alone: --suites scale_out --engines npqwen).
 
     python -m tools.bench --suites batch1,serving,prefix    # the serving benchmark alone
     python -m tools.bench --suites moe                      # the mixture-of-experts steps
@@ -98,8 +102,8 @@ prefix run in another worker per engine, once whatever --rounds says, so their p
 #   tables(report)        tables of its own: [(column names, rows)]
 #   notes(report)         sentences printed under the tables
 # The order here is the order of the rows, tables, notes and targets, and of the runs in a worker.
-from tools.bench import (batch1, decode, embed, finetune, hybrid, lora, moe, prefill, prefix, serving, speculative,
-                         step, structured, tp, weights)
+from tools.bench import (batch1, decode, embed, finetune, hybrid, lora, moe, prefill, prefix, scale_out, serving,
+                         speculative, step, structured, tp, weights)
 
 SUITES = {suite.NAME: suite for suite in (decode, batch1, prefill, serving, prefix, step, moe, hybrid, structured, tp,
-                                          embed, lora, speculative, finetune, weights)}
+                                          embed, lora, speculative, finetune, weights, scale_out)}

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     unknown = set(engines) - set(KNOWN_ENGINES)
     if unknown:
         p.error(f"unknown engine(s) {', '.join(sorted(unknown))}")
-    suites = set(SUITES) - {"moe", "hybrid", "finetune"} if args.suites == "all" else {s for s in args.suites.split(",") if s}
+    suites = set(SUITES) - {"moe", "hybrid", "finetune", "scale_out"} if args.suites == "all" else {s for s in args.suites.split(",") if s}
     if suites - set(SUITES):
         p.error(f"unknown suite(s) {', '.join(sorted(suites - set(SUITES)))}; choose from {', '.join(SUITES)}")
     for name in list(suites):

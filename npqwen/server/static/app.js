@@ -367,6 +367,7 @@ function inspect(answer, index) {
     token.logprob === null ? "" : ` with probability ${(100 * Math.exp(token.logprob)).toFixed(2)}\u00a0%`);
   drawAlternatives(token);
   loadAttention();
+  loadSaliency();
   loadLayers();
   loadExperts();
 }
@@ -522,6 +523,49 @@ async function loadExperts() {
   $("experts-note").textContent = `Where the router sent this token (position ${experts.position}): ` +
     `${experts.num_experts_per_tok} of ${experts.num_experts} experts in each layer, best first, ` +
     `with the weight of each in the layer's output.`;
+}
+
+// Saliency: which earlier tokens the chosen token leaned on, as gradient x input of its log-probability
+// for each token's embedding (/v1/npqwen/saliency: one backward pass). Warm (orange) for a token that raised
+// the chosen token's probability, cool (blue) for one that lowered it; shade ∝ |score| / the largest |score|.
+async function loadSaliency() {
+  const { answer, index } = state.inspected;
+  const ids = answer.promptIds.concat(answer.generated.slice(0, index + 1).map((t) => t.id));
+  const view = $("saliency");
+  view.dataset.state = "loading";
+  let saliency;
+  try {
+    saliency = await api("v1/npqwen/saliency", { tokens: ids });
+  } catch (e) {
+    view.dataset.state = "error";
+    view.replaceChildren();
+    $("saliency-note").textContent = "No saliency: " + e.message;
+    return;
+  }
+  if (!isInspected(answer, index)) return;   // another token was clicked meanwhile
+  const top = Math.max(...saliency.scores.map(Math.abs)) || 1;
+  const spans = saliency.tokens.map((text, j) => {
+    const score = saliency.scores[j];
+    const span = document.createElement("span");
+    span.className = "sal";
+    span.textContent = shown(text, saliency.token_bytes[j]);
+    span.dataset.position = j;
+    span.dataset.score = String(score);
+    span.title = `position ${j}: ${score >= 0 ? "+" : ""}${score.toPrecision(3)}`;
+    const color = score >= 0 ? "234, 88, 12" : "37, 99, 235";
+    span.style.background = `rgba(${color}, ${(Math.abs(score) / top).toFixed(3)})`;
+    if (Math.abs(score) / top > 0.5) span.classList.add("strong");
+    return span;
+  });
+  const next = document.createElement("span");
+  next.className = "heat next";
+  next.textContent = shown(answer.generated[index].text, answer.generated[index].bytes);
+  next.title = "the chosen token";
+  view.replaceChildren(...spans, next);
+  view.dataset.position = saliency.position;
+  view.dataset.state = "ready";
+  $("saliency-note").textContent = "Gradient × input of the chosen token's log-probability for each earlier " +
+    "token's embedding: orange raised it, blue lowered it (shade ∝ |score| / the largest). Hover for the value.";
 }
 
 // The logit lens of the chosen token: the probability (a bar) and rank each layer's lens gives it, read
