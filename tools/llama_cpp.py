@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NODE_LLAMA_CPP = Path(os.environ.get("NPQWEN_NODE_LLAMA_CPP", ROOT / ".cache" / "node-llama-cpp"))
 BINS = NODE_LLAMA_CPP / "node_modules" / "@node-llama-cpp" / "linux-x64" / "bins" / "linux-x64"
 SOURCE = NODE_LLAMA_CPP / "llama.cpp"
-FTYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "BF16": 32, "F16": 1}   # llama_ftype
+FTYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "BF16": 32,
+          "F16": 1}   # llama_ftype
 
 
 class QuantizeParams(ctypes.Structure):
@@ -30,14 +31,15 @@ def library(name: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(BINS / name))
 
 
-def quantize(src: Path, dst: Path, ftype: str, threads: int = 1) -> Path:
-    """llama.cpp's own quantizer (llama_model_quantize) from an F32 GGUF to `ftype` (a key of FTYPES)."""
+def quantize(src: Path, dst: Path, ftype: str, threads: int = 1, pure: bool = False) -> Path:
+    """llama.cpp's own quantizer (llama_model_quantize) from an F32 GGUF to `ftype` (a key of FTYPES); `pure`
+    (llama-quantize --pure) keeps every matrix in the ftype's one type, no mix (Q4_K_S pure: all Q4_K)."""
     lib = library("libllama.v0.4.0.so")
     lib.llama_model_quantize_default_params.restype = QuantizeParams
     lib.llama_model_quantize.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(QuantizeParams)]
     lib.llama_model_quantize.restype = ctypes.c_uint32
     params = lib.llama_model_quantize_default_params()
-    params.ftype, params.nthread = FTYPES[ftype], threads
+    params.ftype, params.nthread, params.pure = FTYPES[ftype], threads, pure
     if lib.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
         raise RuntimeError(f"llama_model_quantize {src} -> {dst} ({ftype}) failed")
     return dst

@@ -33,6 +33,10 @@ def add_arguments(p):
     p.add_argument("--weights-memory", action="store_true",
                    help="weights: also each format's peak RSS after load and after a generation (its own process)")
     p.add_argument("--weights-generate", type=int, default=1024, help="weights: the context's positions for the RSS")
+    p.add_argument("--weights-memory-8b", action="store_true",
+                   help="weights: also Qwen3-8B's real shape in Q4_K and Q8_0, written, measured, deleted, one at a time")
+    p.add_argument("--weights-8b-context", type=int, default=80,
+                   help="weights: the 8B shape's context (its last 4 positions generated)")
 
 
 def runs_on(engine, args) -> bool:
@@ -174,34 +178,65 @@ def run(engine, args, rng) -> dict:
     if args.weights_memory:
         for fmt in ("float32", *formats):
             out.update({f"weights_rss_{k}_{fmt}": v for k, v in memory(fmt, args.weights_generate).items()})
+    if args.weights_memory_8b:
+        from tools.bench.engines import CACHE_DIR
+
+        for fmt in ("q4_k", "q8_0"):
+            got = memory_8b(fmt, args.weights_8b_context, CACHE_DIR, decode=4)
+            out.update({f"weights_8b_rss_{k}_{fmt}": v for k, v in got.items()})
     return {"weights": out}
 
 
 # ---------------------------------------------------------------------------- memory, a process per format
 
-def memory(fmt: str, generate: int, path: Path | None = None, decode: int = 16) -> dict:
+def memory(fmt: str, generate: int, path: Path | None = None, decode: int = 16, chunk: int = 256) -> dict:
     """Peak RSS (bytes) of a process that loads a checkpoint (the whole 0.6B shape in `fmt`) as stored, then
-    fills a context of `generate` positions through the engine: a prompt of generate - decode tokens read in
-    chunks of 64 (a decode step's temporaries, not a long prefill's), then `decode` tokens generated greedily:
-    every position's keys and values written, as a generation of that length writes them (decoding all of
-    them would take a shared machine an hour for six formats)."""
-    path = path or checkpoint(fmt, 28)
-    code = (f"import json, npqwen\nfrom tools.bench.weights import vm_hwm\n"
+    fills a context of `generate` positions through the engine, its KV cache exactly that long: a prompt of
+    generate - decode tokens read in chunks of `chunk`, then `decode` tokens generated greedily; every position's
+    keys and values written, as a generation of that length writes them. One BLAS thread: on a loaded machine
+    OpenBLAS's threads wait on each other in every small product of paged attention (measured: a 64-token chunk's
+    attention 0.03-2.8 s with two threads, 5-26 ms with one; the runs took 16-45 min)."""
+    path = path or checkpoint("bfloat16" if fmt == "float32" else fmt, 28)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    code = (f"import json, time, npqwen\nfrom tools.bench.weights import vm_hwm\n"
+            f"started = time.perf_counter()\n"
             f"llm = npqwen.load({str(path)!r}, weights={'float32' if fmt == 'float32' else 'stored'!r})\n"
-            f"loaded = vm_hwm()\n"
-            f"engine = npqwen.Engine(llm, kv_cache_tokens={generate + 512}, max_batched_tokens=64)\n"
-            f"req = engine.new_request([1000 + i % 5000 for i in range({generate - decode})], "
+            f"loaded, load_s = vm_hwm(), time.perf_counter() - started\n"
+            f"engine = npqwen.Engine(llm, kv_cache_tokens={-(-generate // 256) * 256}, max_batched_tokens={chunk})\n"
+            f"req = engine.new_request([(1000 + i % 5000) % {vocab} for i in range({generate - decode})], "
             f"max_new_tokens={decode}, temperature=0)\n"
             f"req.eos_ids = frozenset()   # random weights: run to the length\n"
             f"engine.add(req)\n"
             f"n = 0\nwhile engine.has_unfinished():\n    n += sum(len(o.token_ids) for o in engine.step())\n"
-            f"print(json.dumps({{'load': loaded, 'generate': vm_hwm(), 'tokens': n}}))\n")
+            f"print(json.dumps({{'load': loaded, 'generate': vm_hwm(), 'tokens': n, 'load_s': load_s, "
+            f"'generate_s': time.perf_counter() - started - load_s}}))\n")
     root = Path(__file__).resolve().parents[2]
+    one_thread = {k: "1" for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
-                            env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+                            env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", **one_thread})
     if result.returncode != 0:
         raise RuntimeError(f"weights memory {fmt}: {result.stderr.strip().splitlines()[-1]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, max_window_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                rope_theta=1000000)   # Qwen3-8B's config.json where it differs from the 0.6B's
+
+
+def memory_8b(fmt: str, generate: int, directory: Path, decode: int = 4) -> dict:
+    """memory() at Qwen3-8B's real shape (all 36 layers, the whole vocabulary, lm_head untied): a random checkpoint
+    written directly in `fmt` into `directory`, measured in a process of its own, then deleted."""
+    import shutil
+
+    from npqwen.config import QWEN3_0_6B_CONFIG
+
+    path = directory / f"qwen3-8b-shape-{fmt}"
+    try:
+        write_random(path, dict(QWEN3_0_6B_CONFIG, **QWEN3_8B), fmt)
+        return memory(fmt, generate, path, decode=decode)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def vm_hwm() -> int:
@@ -215,7 +250,7 @@ def vm_hwm() -> int:
 def figures(report) -> dict:
     ours = report["engines"].get("npqwen", {}).get("weights", {})
     return {k: v for k, v in ours.items() if not k.endswith("_s") and not k.startswith(("weights_bytes",
-                                                                                        "weights_rss"))}
+                                                                                        "weights_rss", "weights_8b"))}
 
 
 def rows(report) -> list:
@@ -243,4 +278,7 @@ def tables(report) -> list:
 
 
 def notes(report) -> list[str]:
-    return []
+    ours = report["engines"].get("npqwen", {}).get("weights", {})
+    return [f"Qwen3-8B's shape, 36 layers, {fmt}: peak RSS {ours[f'weights_8b_rss_load_{fmt}'] / 1e9:.2f} GB after "
+            f"loading, {ours[f'weights_8b_rss_generate_{fmt}'] / 1e9:.2f} GB after its context"
+            for fmt in ("q4_k", "q8_0") if f"weights_8b_rss_load_{fmt}" in ours]
