@@ -588,9 +588,11 @@ def ple_tables(found: dict, config: Qwen3Config, directory) -> dict:
 
 
 def is_matrix(name: str) -> bool:
-    """The weights kept compact: every linear layer's, the embedding, lm_head. Norms, the router, a shared
+    """The weights kept compact: every linear layer's (Gated DeltaNet's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+    and Qwen3-Next's fused in_proj_qkvz, in_proj_ba included), the embedding, lm_head. Norms, the router, a shared
     expert's gate and the convolution stay float32, as llama.cpp keeps them (they are small and read whole)."""
-    return name.endswith("_proj.weight") or name in ("model.embed_tokens.weight", "lm_head.weight")
+    return name.endswith("_proj.weight") or ".in_proj_" in name and name.endswith(".weight") or \
+        name in ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def check_dtype(found: dict, name: str, directory) -> None:
