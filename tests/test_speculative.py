@@ -272,3 +272,17 @@ def test_hooks_see_propose_verify_accept():
         run({"speculative.accept": lambda kept, name: ~kept})
     with pytest.raises(NpqwenError, match=r"unknown hook name 'speculative.drafts'; did you mean speculative\."):
         Engine(llm, hooks={"speculative.drafts": print})
+
+
+def test_tensor_parallelism_refuses_speculation():
+    """Under tensor parallelism (here a communicator that says two ranks, rank 0 leading) a request that
+    speculates is one clear error, before it runs; one that does not is taken."""
+    llm = npqwen.load("tiny")
+    engine = Engine(llm, kv_cache_tokens=256, page_size=16)
+
+    class TwoRanks:   # what rank 0 leading a group of two looks like to the engine
+        size, rank, leading = 2, 0, True
+    llm.comm = TwoRanks()
+    with pytest.raises(NpqwenError, match="does not run under tensor parallelism yet .* leave speculative unset"):
+        engine.add_request("abcabc", max_new_tokens=4, speculative={"method": "ngram", "k": 2})
+    assert engine.add_request("abcabc", max_new_tokens=4) in engine.requests

@@ -134,8 +134,10 @@ class Engine:
         ids = self.llm.prompt_ids(prompt)
         max_new_tokens = self.fit(ids, params.max_new_tokens)
         if params.speculative is not None and self.llm.comm.size > 1:
-            raise NpqwenError("speculative decoding does not run under tensor parallelism yet (the other ranks would "
-                              "not roll back); leave speculative unset")
+            # refused, not wrong: the other ranks would keep a Qwen3.5's linear-attention states past refused drafts
+            # (LinearStates.roll_back runs where accept runs, on rank 0) and hold no MTP head of their own
+            raise NpqwenError("speculative decoding does not run under tensor parallelism yet (the other ranks do not "
+                              "roll back); leave speculative unset, or run on one process")
         if params.speculative is not None and params.speculative.method == "mtp":
             self.mtp_head()   # a checkpoint without the head says so now
         tokenizer = self.llm.tokenizer

@@ -8,8 +8,8 @@ costs far more than a 1-row one; compact weights widen each block once for all t
 Speedup: one greedy request of --spec-new-tokens tokens with drafts from an oracle (the model's own
 greedy continuation, so every draft is kept), then with each draft replaced by a random token with
 probability 20% and 40% (acceptance 80% and 60% per draft), against the same request without drafts:
-tokens/s ratio (the four runs in turn, --spec-repeats times, the median of each), and the acceptance
-measured. Run it on a few layers of a real shape, in each weight format:
+tokens/s ratio (the four run side by side, a step of each in turn, --spec-repeats times, the median of
+each), and the acceptance measured. Run it on a few layers of a real shape, in each weight format:
 
     python -m tools.bench.speculative                  # Qwen3-0.6B's shape, 4 layers, random weights, float32
     python -m tools.bench.speculative --shape 0.8b --weights float32,bfloat16,int8,q8_0,q4_k --json out.json
@@ -63,46 +63,52 @@ def verify_times(llm, context: int, ks: list[int], steps: int) -> dict:
 
 
 def speedups(llm, k: int, new_tokens: int, repeats: int = 1, seed: int = 0) -> dict:
-    """Tokens/s of one greedy request with oracle drafts (ACCEPTANCE % of them right) and without: the runs
-    in turn, `repeats` times, the median of each."""
+    """Tokens/s of one greedy request with oracle drafts (ACCEPTANCE % of them right) and without. The four
+    run side by side, a step of each in turn (so a busy moment slows them alike), `repeats` times; each
+    figure is the median over the repeats of its decoding time (its steps after the first token)."""
     import numpy as np
 
     from npqwen import Engine
 
     prompt = np.random.default_rng(seed).integers(0, llm.config.vocab_size, 32).tolist()
-
-    def generate(propose=None, spec=None):
-        engine = Engine(llm, kv_cache_tokens=1024, page_size=256)
-        if propose is not None:
-            engine.propose = lambda req: propose(req) if req.uncomputed == 1 else []
-        engine.add_request(prompt, max_new_tokens=new_tokens, temperature=0, speculative=spec)
-        tokens, started = [], None
-        while engine.has_unfinished():
-            out = engine.step()
-            tokens += [t for o in out for t in o.token_ids]
-            started = started or time.perf_counter()   # decoding only: from the first token on
-        return tokens, (len(tokens) - 1) / (time.perf_counter() - started), engine.stats
+    plain = llm.generate(prompt, max_new_tokens=new_tokens, temperature=0).token_ids   # the oracle's answer
 
     def oracle_of(accept: int):
         rng = np.random.default_rng(accept)
 
         def oracle(req):   # the continuation decoding without drafts gave, each token wrong with 1 - accept %
+            if req.uncomputed != 1 or req.params.speculative is None:
+                return []
             have = len(req.output_ids)
             drafts = plain[have:have + min(k, req.max_new_tokens - have - 1)]
             return [int(rng.integers(llm.config.vocab_size)) if rng.random() * 100 >= accept else t for t in drafts]
         return oracle
 
-    plain, _, _ = generate()   # (untimed: the oracle's answer, and a warm-up)
     tps = {kind: [] for kind in ("plain", *ACCEPTANCE)}
     out = {}
     for _ in range(repeats):
-        tps["plain"].append(generate()[1])
-        for accept in ACCEPTANCE:
-            tokens, t, stats = generate(oracle_of(accept), {"method": "ngram", "k": k})
-            assert tokens == plain, "speculative decoding changed the greedy output"
-            tps[accept].append(t)
-            out[f"spec_{accept}_kept_pct"] = 100 * stats["spec_decode_num_accepted_tokens"] / \
-                max(1, stats["spec_decode_num_draft_tokens"])
+        engines, tokens, seconds = {}, {}, {}
+        for kind in tps:
+            engine = engines[kind] = Engine(llm, kv_cache_tokens=1024, page_size=256)
+            if kind != "plain":
+                engine.propose = oracle_of(kind)
+            engine.add_request(prompt, max_new_tokens=new_tokens, temperature=0,
+                               speculative=None if kind == "plain" else {"method": "ngram", "k": k})
+            tokens[kind], seconds[kind] = [], 0.0
+        while any(e.has_unfinished() for e in engines.values()):
+            for kind, engine in engines.items():   # one step of each in turn
+                if engine.has_unfinished():
+                    started = time.perf_counter()
+                    step = engine.step()
+                    if tokens[kind]:   # decoding only: from the first token on
+                        seconds[kind] += time.perf_counter() - started
+                    tokens[kind] += [t for o in step for t in o.token_ids]
+        for kind, engine in engines.items():
+            assert tokens[kind] == plain, "speculative decoding changed the greedy output"
+            tps[kind].append((len(tokens[kind]) - 1) / seconds[kind])
+            if kind != "plain":
+                out[f"spec_{kind}_kept_pct"] = 100 * engine.stats["spec_decode_num_accepted_tokens"] / \
+                    max(1, engine.stats["spec_decode_num_draft_tokens"])
     return {**out, **{f"spec_{kind}_tps": statistics.median(t) for kind, t in tps.items()}}
 
 
