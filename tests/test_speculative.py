@@ -268,6 +268,12 @@ def test_hooks_see_propose_verify_accept():
     wrong = lambda drafts, name: (drafts + 1) % llm.config.vocab_size   # every draft replaced by a wrong one
     tokens, verified, engine = run({"speculative.propose": wrong})
     assert tokens == plain and verified and engine.stats["spec_decode_num_accepted_tokens"] == 0
+    def force_7(rows, name):   # a verify hook's rows are what the tokens are picked from
+        rows = rows.copy()
+        rows[:, 7] = 1e9
+        return rows
+    tokens, verified, engine = run({"speculative.verify": force_7})
+    assert verified and all(t == 7 for o in verified for t in o.token_ids) and tokens != plain
     with pytest.raises(NpqwenError, match="read it, not replace it"):
         run({"speculative.accept": lambda kept, name: ~kept})
     with pytest.raises(NpqwenError, match=r"unknown hook name 'speculative.drafts'; did you mean speculative\."):
