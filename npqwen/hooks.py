@@ -12,6 +12,15 @@ The names are `npqwen trace`'s (HF module names, npqwen/trace.py). A hook is cal
 fn(array, name), as TransformerLens calls its hooks, and returns an array of the same shape and
 dtype, which replaces the value from then on (patching, ablation, steering), or None to leave
 it. Both are recorders (model.py): the forward pass is the same code, step for step.
+
+The engine's speculative decoding (docs/speculative.md) has three names of its own, one per step a
+forward pass does not hold; Engine(llm, hooks={name: fn}) calls them for each request that verifies
+drafts, in batch order, the same way:
+
+    speculative.propose   (k,) int64: the drafts it proposed (1. propose); a returned array replaces them
+    speculative.verify    (1 + k, V) float32: its rows of the verification (2. verify): the logits of its
+                          last token and of each draft, before sampling; a returned array replaces them
+    speculative.accept    (k,) bool: which drafts it kept (3. accept: the first ones); read only
 """
 import difflib
 from collections.abc import Callable
@@ -21,7 +30,8 @@ import numpy as np
 from .backend import to_numpy
 from .errors import NpqwenError
 
-SEEN_ONLY = ("self_attn.attn_probs", "mlp.gate")   # recorded after they were used: a hook may read, not replace
+SEEN_ONLY = ("self_attn.attn_probs", "mlp.gate", "speculative.accept")   # recorded after they were used: read only
+SPECULATIVE = ("speculative.propose", "speculative.verify", "speculative.accept")   # the engine's (Engine(hooks=))
 
 
 def step_names(config) -> list[str]:
@@ -51,14 +61,16 @@ def step_names(config) -> list[str]:
     return names + (["model.hyper_connection_mixer"] if config.qwen4_exp else ["model.norm"]) + ["lm_head"]
 
 
-def check_names(names, config, what: str = "hook"):
-    """An error naming the first unknown name and the nearest known ones."""
-    known = step_names(config)
+def check_names(names, config, what: str = "hook", known: list[str] | None = None):
+    """An error naming the first unknown name and the nearest known ones (of `known`, default step_names)."""
+    where = "npqwen.hooks.step_names(llm.config) lists them" if known is None else \
+        f"an engine's are {', '.join(known)}; a forward pass's are llm.run_with_hooks's"
+    known = step_names(config) if known is None else list(known)
     for name in names:
         if name not in known:
             near = difflib.get_close_matches(str(name), known, n=3, cutoff=0.5)
             hint = f"; did you mean {' or '.join(near)}?" if near else \
-                "; the names are npqwen trace's (npqwen.hooks.step_names(llm.config) lists them)"
+                f"; the names are npqwen trace's ({where})"
             raise NpqwenError(f"unknown {what} name {name!r}{hint}")
 
 
@@ -77,9 +89,9 @@ class Cache(dict):
 class Hooks:
     """A recorder that calls each name's hooks in turn; a returned array, checked, replaces the value."""
 
-    def __init__(self, hooks, config):
+    def __init__(self, hooks, config, known: list[str] | None = None):
         pairs = list(hooks.items()) if isinstance(hooks, dict) else list(hooks)   # {name: fn} or [(name, fn)]
-        check_names([name for name, _ in pairs], config)
+        check_names([name for name, _ in pairs], config, known=known)
         self.hooks: dict[str, list[Callable]] = {}
         for name, fn in pairs:
             if not callable(fn):

@@ -242,7 +242,7 @@ class LinearStates:
     def roll_back(self, slot: int, kept: int):
         """A verification kept its first `kept` tokens: the slot's states become those after them (the
         convolution's last W-1 inputs up to there, the delta rule's state after token kept - 1)."""
-        for layer, (inputs, states) in self.verified.pop(slot).items():
+        for layer, (inputs, states) in self.verified.pop(slot, {}).items():   # (none: no linear layer ran)
             W1 = self.conv.shape[2]
             self.conv[layer, slot] = inputs[kept:kept + W1]                  # (W-1, C)
             self.recurrent[layer, slot] = states[kept - 1]                   # (Hv, dk, dv)

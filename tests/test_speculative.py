@@ -8,6 +8,7 @@ import pytest
 
 import npqwen
 from npqwen import Engine, NpqwenError, SamplingParams
+from npqwen.hooks import SPECULATIVE
 from npqwen.sampling import candidates
 from npqwen.speculative import accept_or_replace, propose_ngram, speculative_of
 
@@ -204,7 +205,7 @@ def test_bench_suite_measures_on_the_tiny_model():
     from tools.bench import speculative as suite
 
     llm = npqwen.load("tiny")
-    times = suite.verify_times(llm, context=16, k_max=3, steps=2)
+    times = suite.verify_times(llm, context=16, ks=[1, 2, 3], steps=2)
     out = {**{f"spec_verify_{n}_s": t for n, t in times.items()}, **suite.speedups(llm, k=3, new_tokens=12)}
     figures = suite.figures({"engines": {"npqwen": out}})
     print(figures)
@@ -230,3 +231,64 @@ def test_logprobs_with_drafts_equal_without():
     assert [t for t, _ in got[False]] == answer
     for (t, (lp, top)), (u, (lq, topq)) in zip(got[False], got[True]):
         assert t == u and abs(lp - lq) < 1e-4 and [i for i, _ in top] == [i for i, _ in topq]
+
+
+def test_hooks_see_propose_verify_accept():
+    """Engine(hooks=...) calls speculative.propose, .verify and .accept for each verification, in that order:
+    the drafts (as step_log records them), the k + 1 rows the kept tokens were picked from, and which drafts
+    were kept; a propose hook's drafts replace the engine's (greedy output unchanged, none kept); accept is
+    read only; a name that is not one of them is one error that names the nearest."""
+    llm = npqwen.load("tiny")
+    prompt = list(range(65, 75)) * 3
+    plain = llm.generate(prompt, max_new_tokens=20, temperature=0).token_ids
+
+    def run(hooks):
+        engine = Engine(llm, kv_cache_tokens=1024, page_size=16, record_steps=True, hooks=hooks)
+        propose = continuation([prompt], [plain], llm.config.vocab_size, 0.3, seed=2)
+        engine.propose = lambda req: propose(engine, req)
+        engine.add_request(prompt, max_new_tokens=20, temperature=0, speculative={"method": "ngram", "k": 4})
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+        return [t for o in outs for t in o.token_ids], [o for o in outs if o.drafts], engine
+
+    seen = []
+    tokens, verified, engine = run({name: lambda a, name: seen.append((name, a.copy())) for name in SPECULATIVE})
+    assert tokens == plain
+    rows = [r for step in engine.step_log for r in step if r.draft_tokens]
+    assert [name for name, _ in seen] == list(SPECULATIVE) * len(rows) and len(rows) == len(verified) > 0
+    for (_, drafts), (_, logits), (_, kept), row, out in zip(seen[::3], seen[1::3], seen[2::3], rows, verified):
+        assert drafts.tolist() == list(row.drafts) == out.drafts and drafts.dtype == np.int64
+        assert logits.shape == (1 + len(drafts), llm.config.vocab_size) and logits.dtype == np.float32
+        assert kept.tolist() == [i < row.accepted_tokens for i in range(len(drafts))]
+        assert out.token_ids == [int(np.argmax(r)) for r in logits[:len(out.token_ids)]]   # picked from these rows
+    print(f"{len(rows)} verifications, {engine.stats['spec_decode_num_accepted_tokens']} drafts kept")
+    assert 0 < engine.stats["spec_decode_num_accepted_tokens"] < engine.stats["spec_decode_num_draft_tokens"]
+
+    wrong = lambda drafts, name: (drafts + 1) % llm.config.vocab_size   # every draft replaced by a wrong one
+    tokens, verified, engine = run({"speculative.propose": wrong})
+    assert tokens == plain and verified and engine.stats["spec_decode_num_accepted_tokens"] == 0
+    def force_7(rows, name):   # a verify hook's rows are what the tokens are picked from
+        rows = rows.copy()
+        rows[:, 7] = 1e9
+        return rows
+    tokens, verified, engine = run({"speculative.verify": force_7})
+    assert verified and all(t == 7 for o in verified for t in o.token_ids) and tokens != plain
+    with pytest.raises(NpqwenError, match="read it, not replace it"):
+        run({"speculative.accept": lambda kept, name: ~kept})
+    with pytest.raises(NpqwenError, match=r"unknown hook name 'speculative.drafts'; did you mean speculative\."):
+        Engine(llm, hooks={"speculative.drafts": print})
+
+
+def test_tensor_parallelism_refuses_speculation():
+    """Under tensor parallelism (here a communicator that says two ranks, rank 0 leading) a request that
+    speculates is one clear error, before it runs; one that does not is taken."""
+    llm = npqwen.load("tiny")
+    engine = Engine(llm, kv_cache_tokens=256, page_size=16)
+
+    class TwoRanks:   # what rank 0 leading a group of two looks like to the engine
+        size, rank, leading = 2, 0, True
+    llm.comm = TwoRanks()
+    with pytest.raises(NpqwenError, match="does not run under tensor parallelism yet .* leave speculative unset"):
+        engine.add_request("abcabc", max_new_tokens=4, speculative={"method": "ngram", "k": 2})
+    assert engine.add_request("abcabc", max_new_tokens=4) in engine.requests

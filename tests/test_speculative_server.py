@@ -40,6 +40,33 @@ def test_a_bad_speculative_is_a_400(tiny_server, speculative, says):
     assert status == 400 and says in body["error"]["message"], body
 
 
+def test_chat_says_which_tokens_were_drafted_and_kept(tiny_server, reference):
+    """A chat with drafts carries, per token (streamed: per chunk, beside its token_ids), the draft verified at
+    its place and whether the token is that draft, kept: what the page marks (docs/web-page.md)."""
+    from test_web_page import sse
+
+    messages = [{"role": "user", "content": PROMPT}]
+    body = {"model": "test-model", "messages": messages, "max_tokens": 24, "temperature": 0, "return_token_ids": True,
+            "chat_template_kwargs": {"enable_thinking": False}, "speculative": {"method": "ngram", "k": 3}}
+    status, whole = http_json("POST", tiny_server.url + "/v1/chat/completions", body)
+    assert status == 200, whole
+    choice = whole["choices"][0]
+    assert choice["token_ids"] == reference.generate(reference.chat_prompt(messages, enable_thinking=False),
+                                                     max_new_tokens=24, temperature=0).token_ids
+    marks = choice["speculative"]
+    assert len(marks) == len(choice["token_ids"])
+    assert all(m["accepted"] == (m["draft"] == t) for m, t in zip(marks, choice["token_ids"]))
+    kept = sum(m["accepted"] for m in marks)
+    print(f"{len(marks)} tokens, {sum(m['draft'] is not None for m in marks)} drafted, {kept} kept")
+    assert kept > 0
+    chunks = sse(tiny_server.url + "/v1/chat/completions", {**body, "stream": True})
+    streamed = [c["choices"][0] for c in chunks if c["choices"]]
+    assert all(len(c["speculative"]) == len(c["token_ids"]) for c in streamed)
+    assert sum((c["speculative"] for c in streamed), []) == marks
+    status, plain = http_json("POST", tiny_server.url + "/v1/chat/completions", {**body, "speculative": None})
+    assert "speculative" not in plain["choices"][0]
+
+
 def test_cli_speculative():
     args = ("generate", "--model", "tiny", "--prompt", PROMPT, "--raw", "-t", "0", "-n", "16")
     code, plain, _ = run(*args)

@@ -650,3 +650,28 @@ def test_page_says_a_built_in_models_text_is_meaningless(browser, tiny_server):
         server.close()
     open_page(browser, tiny_server)   # "test-model": a name npqwen does not build in
     assert browser.find_element("id", "model-name").text == "test-model"
+
+
+def test_page_marks_drafted_and_accepted_tokens(browser, tiny_server):
+    """Settings' Drafts (speculative decoding): the answer is the one without drafts, and in the token view each
+    token the API says was a kept draft is underlined as one, each that replaced a refused draft as that;
+    the footer counts them."""
+    open_page(browser, tiny_server)
+    browser.execute_script("document.getElementById('drafts').value = 'ngram';"   # (Settings is folded, as in ask)
+                           "document.getElementById('draft-k').value = 3;")
+    prompt = "abcabcabcabc abcabc abc"
+    answer = ask(browser, prompt, max_tokens=24)
+    body = dict(model="test-model", messages=user(prompt), temperature=0, max_tokens=24, return_token_ids=True,
+                chat_template_kwargs={"enable_thinking": False}, speculative={"method": "ngram", "k": 3})
+    api = http_json("POST", tiny_server.url + "/v1/chat/completions", body)[1]["choices"][0]
+    assert page_answer(browser)["ids"] == api["token_ids"]
+    answer.find_element("css selector", ".tokens-toggle").click()
+    spans = answer.find_elements("css selector", ".tok")
+    shown = [("draft-accepted" in s.get_attribute("class"), "draft-refused" in s.get_attribute("class"))
+             for s in spans]
+    want = [(m["accepted"], m["draft"] is not None and not m["accepted"]) for m in api["speculative"]]
+    assert shown == want and any(a for a, _ in shown), (shown, want)
+    accepted = sum(a for a, _ in want)
+    drafted = sum(m["draft"] is not None for m in api["speculative"])
+    assert f"{accepted} of {drafted} drafts accepted" in answer.find_element("css selector", ".stats").text
+    assert console_errors(browser) == []

@@ -25,6 +25,7 @@ from ..checks import check_token_ids
 from ..embed import POOLING_MODES, InputTooLong
 from ..errors import NpqwenError
 from ..generate import StopStrings
+from ..hooks import SPECULATIVE, Hooks
 from ..kv_cache import Batch, KVCache, LinearStates, check_kv_dtype
 from ..model import check_lm_head
 from ..ops import SCORES_BYTES
@@ -62,9 +63,12 @@ class Engine:
                  max_batch_size: int = 64, max_batched_tokens: int = 512, prefix_cache: bool = True,
                  state_snapshots: int = DEFAULT_STATE_SNAPSHOTS, record_steps: bool = False,
                  kv_cache_dtype: str = "auto", prefix_cache_dir=None,
-                 prefix_cache_dir_size: float = DEFAULT_PREFIX_CACHE_DIR_GB):
+                 prefix_cache_dir_size: float = DEFAULT_PREFIX_CACHE_DIR_GB, hooks=None):
         self.llm, self.model, self.config = llm, llm.model, llm.config
         check_kv_dtype(kv_cache_dtype)
+        # speculative decoding's hooks ({name: fn}, npqwen/hooks.py SPECULATIVE): each request's drafts, its rows of
+        # the verification, and which drafts it kept, called as fn(array, name); None: none
+        self.hooks = None if hooks is None else Hooks(hooks, self.config, known=SPECULATIVE)
         for name, value, least in (("page_size", page_size, 1), ("max_batch_size", max_batch_size, 1),
                                    ("max_batched_tokens", max_batched_tokens, 1),
                                    ("state_snapshots", state_snapshots, 0)):
@@ -165,8 +169,10 @@ class Engine:
         ids = self.llm.prompt_ids(prompt)
         max_new_tokens = self.fit(ids, params.max_new_tokens)
         if params.speculative is not None and self.llm.comm.size > 1:
-            raise NpqwenError("speculative decoding does not run under tensor parallelism yet (the other ranks would "
-                              "not roll back); leave speculative unset")
+            # refused, not wrong: the other ranks would keep a Qwen3.5's linear-attention states past refused drafts
+            # (LinearStates.roll_back runs where accept runs, on rank 0) and hold no MTP head of their own
+            raise NpqwenError("speculative decoding does not run under tensor parallelism yet (the other ranks do not "
+                              "roll back); leave speculative unset, or run on one process")
         if self.config.qwen4_exp and (params.speculative is not None or steers or edits):
             raise NpqwenError("Qwen4-Exp: speculative decoding (its PLE states have no roll-back in npqwen, and "
                               "transformers has no forward of its MTP head to check one against), steering and SAE "
@@ -250,7 +256,7 @@ class Engine:
         in the step's Batch (self.last_batch), then one per probe that ended (its last token ran alone,
         Engine._probe_pass)."""
         for req in self.scheduler.running:   # speculative decoding, 1. propose: drafts after its last token
-            req.drafts = self.propose(req)
+            req.drafts = self.hooked_drafts(self.propose(req))
         plan = self.scheduler.schedule()
         planned = dict(plan)                 # drafts the budget left out (or of a request preempted) are dropped
         for req in self.scheduler.running:
@@ -361,6 +367,8 @@ class Engine:
         row gives one more token. 4. roll back: the keys/values and linear-attention states of its last token and
         the kept drafts stay, those of the refused ones go (Scheduler.roll_back, LinearStates.roll_back)."""
         start, drafts = req.cached_len, req.drafts
+        if self.hooks is not None:   # the verification's rows, as a hook sees (and may change) them
+            logits = self.hooks("speculative.verify", logits)
         tokens, text, logprobs, kept = [], "", [], 0
         for i, row_logits in enumerate(logits):
             draft = drafts[i] if i < len(drafts) else None
@@ -378,6 +386,8 @@ class Engine:
         self.spec_decode["num_drafts"] += 1
         self.spec_decode["num_draft_tokens"] += len(drafts)
         self.spec_decode["num_accepted_tokens"] += kept
+        if self.hooks is not None:   # which drafts it kept: the first `kept` (read only)
+            self.hooks("speculative.accept", np.arange(len(drafts)) < kept)
         req.drafts = []
         self.scheduler.roll_back(req, start + 1 + kept)
         if req.state_slot is not None:
@@ -388,7 +398,17 @@ class Engine:
                                  else r for r in self.step_log[-1]]
         return StepOutput(req.request_id, tokens, text, req.finished, req.finish_reason,
                           req.result() if req.finished else None, logprobs=logprobs if req.logprobs is not None
-                          else None)
+                          else None, drafts=list(drafts))
+
+    def hooked_drafts(self, drafts: list[int]) -> list[int]:
+        """The drafts as the hooks on speculative.propose leave them (a hook may replace them: same length)."""
+        if self.hooks is None or not drafts:
+            return drafts
+        new = self.hooks("speculative.propose", np.array(drafts, dtype=np.int64))
+        if ((new < 0) | (new >= self.config.vocab_size)).any():
+            raise NpqwenError(f"a hook on speculative.propose returned drafts outside the vocabulary "
+                              f"[0, {self.config.vocab_size}): {new.tolist()}")
+        return [int(t) for t in new]
 
     def mtp_drafts(self, req: Request, k: int) -> list[int]:
         """k drafts from Qwen3.5's MTP head (npqwen/mtp.py): the positions computed since the last call are

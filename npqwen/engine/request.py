@@ -31,6 +31,8 @@ class StepOutput:
                                          # (log p, [(id, log p) most likely first], rank), the model's own distribution
     embedding: np.ndarray | None = None  # a finished "embed" request: its pooled hidden state (D,) float32
     scores: np.ndarray | None = None     # a finished "score" request: the logits of its score_ids (k,) float32
+    drafts: list[int] | None = None      # speculative decoding: the drafts this step verified (None: it verified
+                                         # none); token_ids[i] was draft i kept where token_ids[i] == drafts[i]
 
 
 @dataclass(eq=False)

@@ -59,6 +59,7 @@ class Choice:
         self.finish_reason = None
         self.logprobs = []        # (token, log p, top) not sent yet (a stream), or all of them
         self.token_ids = []       # ids sampled and not sent yet (a stream), or all of them
+        self.drafts = []          # speculative decoding: per id in token_ids, {"draft": id or None, "accepted": bool}
         self.prompt_logprobs = []  # (log p, top, rank) of each prompt token after the first, when scored
         self.offsets = TextOffsets()   # completions' text_offset, across the chunks of a stream
         self.echoed = False       # a streamed echo: the prompt's chunk is out
@@ -316,6 +317,7 @@ class Serving:
                 c.text += out.text
                 c.logprobs += token_logprobs(out)
                 c.token_ids += out.token_ids
+                c.drafts += token_drafts(out)
                 c.prompt_logprobs += out.prompt_logprobs or []
                 c.finish_reason = out.finish_reason
         return not await http.is_disconnected() and all(c.finish_reason is not None for c in choices)
@@ -355,6 +357,14 @@ class TextOffsets:
         at = self.at
         self.at += len(self.decoder.decode(token_bytes))
         return at
+
+
+def token_drafts(out) -> list[dict]:
+    """Per token of a StepOutput: the draft verified at its place (None: none was) and whether it is that
+    draft, kept (speculative decoding; the page marks them)."""
+    drafts = out.drafts or []
+    return [{"draft": drafts[i] if i < len(drafts) else None, "accepted": i < len(drafts) and t == drafts[i]}
+            for i, t in enumerate(out.token_ids)]
 
 
 def token_logprobs(out) -> list[tuple]:

@@ -12,7 +12,7 @@ from .constraints import chat_constraint
 from .http import sse
 from .parsers import StreamParser, finish_reason, parse_output
 from .protocol import APIError, ChatCompletionRequest, template_messages
-from .serving import Choice, Serving, token_logprobs, usage
+from .serving import Choice, Serving, token_drafts, token_logprobs, usage
 from .tokenizer_process import LONG_TEXT_CHARS
 
 # reasoning_effort as a thinking budget (tokens); "none" and "minimal" turn thinking off, "xhigh": no budget
@@ -53,7 +53,8 @@ class ServingChat(Serving):
             answers.append({"index": c.index, "message": message,
                             "logprobs": {"content": self.chat_logprobs(c.logprobs)} if body.logprobs else None,
                             "finish_reason": finish_reason(c.finish_reason, bool(tool_calls)),
-                            **({"token_ids": c.token_ids} if body.return_token_ids else {})})
+                            **({"token_ids": c.token_ids} if body.return_token_ids else {}),
+                            **({"speculative": c.drafts} if body.speculative is not None else {})})
         prompt_ids = {"prompt_token_ids": requests[0].prompt_ids} if body.return_token_ids else {}
         if body.prompt_logprobs is not None:   # vLLM's, at the top: the choices share the prompt
             prompt_ids["prompt_logprobs"] = self.vllm_prompt_logprobs(choices[0])
@@ -130,7 +131,9 @@ class ServingChat(Serving):
                 choice["logprobs"] = {"content": self.chat_logprobs(c.logprobs)}
             if return_ids:
                 choice["token_ids"] = c.token_ids
-            c.logprobs, c.token_ids = [], []
+            if c.request.params.speculative is not None:   # npqwen's: per token, its draft and whether it was kept
+                choice["speculative"] = c.drafts
+            c.logprobs, c.token_ids, c.drafts = [], [], []
             return {**call, "object": "chat.completion.chunk", "choices": [choice],
                     **({"usage": None} if include_usage else {})}
 
@@ -143,6 +146,7 @@ class ServingChat(Serving):
             c = choices[index]
             c.logprobs += token_logprobs(out)
             c.token_ids += out.token_ids
+            c.drafts += token_drafts(out)
             deltas = c.parser.feed(out.text)
             if out.finished:
                 deltas += c.parser.finish()

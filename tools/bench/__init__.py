@@ -62,10 +62,11 @@ Suites (--suites, comma-separated, or all; the default is prefill,decode):
               on all seven projections vs none, and a decode step of --lora-batch (32) sequences mixing 4
               adapters vs none (targets: at most 15% and 25% more time).
     speculative
-              speculative decoding (npqwen, float32): one sequence's verify step of 1 + k tokens vs a 1-token
-              step (k to --spec-k-max), and a greedy request with oracle drafts (the model's own answer)
-              100/80/60% right vs without drafts (tok/s). `python -m tools.bench.speculative [--shape 0.8b]`
-              runs it on 4 layers of Qwen3-0.6B's (Qwen3.5-0.8B's) shape with random weights.
+              speculative decoding (npqwen, the model's weight format): one sequence's verify step of 1 + k
+              tokens vs a 1-token step (k in --spec-ks), and a greedy request with oracle drafts (the model's
+              own answer) 100/80/60% right vs without drafts, side by side a step at a time (tok/s).
+              `python -m tools.bench.speculative [--shape 0.8b] [--weights float32,bfloat16,int8,q8_0,q4_k]`
+              runs it on 4 layers of Qwen3-0.6B's (Qwen3.5-0.8B's) shape with random weights, per format.
     finetune  LoRA training (its own checkpoint: the 0.6B shape with --finetune-layers (4) layers, float32): npqwen's
               train_step against PEFT + torch float32, tokens/s of one --finetune-tokens (256) example per step,
               and each worker's peak RSS (targets: >= 0.8x the tokens/s, less memory).

@@ -112,6 +112,8 @@ function settings() {
     top_k: number("top-k"),
     max_tokens: number("max-tokens"),
     chat_template_kwargs: { enable_thinking: $("thinking").checked },
+    // speculative decoding: the drafts and which were kept come back per token (choice.speculative)
+    speculative: $("drafts").value ? { method: $("drafts").value, k: number("draft-k") || 4 } : undefined,
   };
   return Object.fromEntries(Object.entries(body).filter(([, v]) => v !== undefined));
 }
@@ -155,7 +157,7 @@ function newAnswer() {
     node, reasoning, summary, reasoningText, body, tokens, footer, stats, toggle,
     reasoningSoFar: "", content: "", rendered: null,
     promptIds: [],       // the prompt as the model read it (prompt_token_ids)
-    generated: [],       // per token: {id, text, logprob, top: [{id, text, logprob}]}
+    generated: [],       // per token: {id, text, logprob, top: [{id, text, logprob}], draft, accepted}
     sent: 0, firstToken: 0, lastToken: 0, thinkingUntil: 0, drawScheduled: false,
   };
   toggle.addEventListener("click", () => showTokens(answer, answer.tokens.hidden));
@@ -219,11 +221,14 @@ function take(answer, chunk) {
   for (const choice of chunk.choices || []) {
     const ids = choice.token_ids || [];
     const entries = (choice.logprobs && choice.logprobs.content) || [];
+    const drafts = choice.speculative || [];   // per token: the draft verified at its place, and whether it was kept
     ids.forEach((id, i) => {
       const entry = entries[i] || { token: "", logprob: null, top_logprobs: [] };
+      const drafted = drafts[i] || { draft: null, accepted: false };
       answer.generated.push({
         id, text: entry.token, bytes: entry.bytes, logprob: entry.logprob,
         top: (entry.top_logprobs || []).map((t) => ({ text: t.token, bytes: t.bytes, logprob: t.logprob })),
+        draft: drafted.draft, accepted: drafted.accepted,
       });
     });
     if (ids.length) {
@@ -266,6 +271,10 @@ function draw(answer) {
     parts.push(`${((n - 1) / ((answer.lastToken - answer.firstToken) / 1000)).toFixed(1)} tokens/s`);
   }
   parts.push(`${n} tokens`);
+  const drafted = answer.generated.filter((t) => t.draft !== null && t.draft !== undefined);
+  if (drafted.length) {   // speculative decoding: the drafts verified at a token's place, and those kept
+    parts.push(`${drafted.filter((t) => t.accepted).length} of ${drafted.length} drafts accepted`);
+  }
   if (answer.node.dataset.state === "stopped") parts.push("stopped");
   answer.stats.textContent = parts.join(" · ");
   answer.toggle.disabled = !n;
@@ -330,6 +339,12 @@ function drawTokens(answer) {
       const p = Math.exp(t.logprob);
       span.style.background = probabilityColor(p);
       span.title = `p = ${p.toFixed(4)}`;
+    }
+    if (t.draft !== null && t.draft !== undefined) {   // speculative decoding: a draft was verified here
+      span.classList.add(t.accepted ? "draft-accepted" : "draft-refused");
+      span.dataset.draft = t.draft;
+      span.title += (span.title ? " · " : "") + (t.accepted ? "drafted and accepted"
+        : `the draft (id ${t.draft}) was refused: the model's own token`);
     }
     if (isInspected(answer, i)) span.classList.add("selected");
     span.tabIndex = 0;
