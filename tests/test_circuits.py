@@ -11,7 +11,7 @@ import npqwen
 from npqwen import NpqwenError, circuits
 from npqwen.features import SAE
 
-from conftest import build_hf_checkpoint, hf_model, tiny_config
+from conftest import hf_model, tiny_config, write_npqwen_checkpoint
 
 torch = pytest.importorskip("torch")
 
@@ -22,7 +22,7 @@ TOL = 2e-5   # max |npqwen - torch| / max |torch| over the adjacency matrix (flo
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return build_hf_checkpoint(tmp_path_factory.mktemp("circuits"), tiny_config(), save_dtype="float32", std=0.08)
+    return write_npqwen_checkpoint(tmp_path_factory.mktemp("circuits"), tiny_config())   # float32, HF's names
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,15 @@ def frozen_hf(checkpoint, monkeypatch):
     return model
 
 
-def test_direct_effects_equal_torch_autograd(checkpoint, graph, transcoders, monkeypatch):
+@pytest.fixture
+def one_thread():   # ~150 tiny backward passes: torch's thread pool only spins on a shared machine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_direct_effects_equal_torch_autograd(checkpoint, graph, transcoders, monkeypatch, one_thread):
     model = frozen_hf(checkpoint, monkeypatch)
     seen = {"mlp_in": [], "mlp_out": []}
 

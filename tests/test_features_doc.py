@@ -8,10 +8,11 @@ from conftest import ROOT, doc_blocks, doc_samples, run_doc_line, run_doc_python
 
 def test_features_doc_samples_run(tmp_path):
     python, shell = doc_samples("features.md", shown=("", "json"), swap={"Qwen/Qwen3-0.6B": "tiny", "/tmp/npqwen-sae-demo":
-                                                     str(tmp_path / "sae")})
-    assert len(python) == 2 and len(shell) == 2
+                                                     str(tmp_path / "sae"), "/tmp/npqwen-graphs": str(tmp_path / "g")})
+    assert len(python) == 3 and len(shell) == 2
     result = run_doc_python(python, tmp_path / "features_doc.py")
-    assert "relative error per token" in result.stdout
+    assert "relative error per token" in result.stdout and "eiffel.json" in result.stdout
+    assert json.loads((tmp_path / "g" / "eiffel.json").read_text())["metadata"]["slug"] == "eiffel"
     out = run_doc_line(shell[0]).stdout
     print(out)
     assert "sae topk k=16" in out and "top features" in out
