@@ -65,7 +65,7 @@ def salient_logits(logits_last, max_n_logits: int = 10, desired_logit_prob: floa
 def inv_rms(x, eps: float) -> np.ndarray:
     """1 / sqrt(mean(x^2) + eps) per row (T,): an RMSNorm's scale, frozen in the replacement model."""
     x = x.astype(np.float64)
-    return 1.0 / np.sqrt((x * x).mean(-1) + eps)
+    return (1.0 / np.sqrt((x * x).mean(-1) + eps)).astype(np.float32)
 
 
 def attention_backward_frozen(g, probs, Wv, Wo, w_in, r_in, kv_heads: int):
@@ -99,9 +99,9 @@ def attribution_graph(llm, prompt, transcoders, max_n_logits: int = 10, desired_
     logits, cache = llm.run_with_cache(ids, names=lambda n: n.startswith("model.embed_tokens") or any(
         n == f"model.layers.{i}{s}" for i in range(L) for s in ("", ".attn_residual", ".self_attn.attn_probs",
                                                                 ".post_attention_layernorm", ".mlp.down_proj")))
-    W = {k: to_numpy(v).astype(np.float64) for k, v in model.weights.items()
+    W = {k: to_numpy(v).astype(np.float32, copy=False) for k, v in model.weights.items()   # views, on the host
          if k.endswith(("v_proj.weight", "o_proj.weight", "layernorm.weight")) or k == "model.norm.weight"}
-    unembed = to_numpy(model.lm_head_weight()).astype(np.float64)                  # (V, D)
+    unembed = to_numpy(model.lm_head_weight()).astype(np.float32, copy=False)      # (V, D)
     h_in = [cache["model.embed_tokens"]] + [cache[f"model.layers.{i}"] for i in range(L - 1)]   # each layer's input
 
     # 1. forward: each transcoder's active features and its error, the frozen scales and patterns
@@ -113,15 +113,15 @@ def attribution_graph(llm, prompt, transcoders, max_n_logits: int = 10, desired_
         pos, f = np.nonzero(acts)                                                  # by position, then feature
         feats.append(np.stack([np.full_like(pos, layer), pos, f], 1))
         values.append(acts[pos, f])
-        dec_vecs.append(acts[pos, f, None].astype(np.float64) * tc.W_dec[f])       # (n_l, D) a * W_dec[f]
-        enc_vecs.append(tc.W_enc[:, f].T.astype(np.float64))                       # (n_l, D) W_enc[:, f]
+        dec_vecs.append(acts[pos, f, None] * tc.W_dec[f])                          # (n_l, D) a * W_dec[f]
+        enc_vecs.append(tc.W_enc[:, f].T)                                          # (n_l, D) W_enc[:, f]
     active = np.concatenate(feats).astype(np.int64)                                # (n, 3)
     n = len(active)
     r_in = [inv_rms(h_in[i], eps) for i in range(L)]                               # (T,) each
     r_post = [inv_rms(cache[f"model.layers.{i}.attn_residual"], eps) for i in range(L)]
     r_final = inv_rms(cache[f"model.layers.{L - 1}"], eps)
     logit_ids, logit_probs = salient_logits(to_numpy(logits[-1]), max_n_logits, desired_logit_prob)
-    demeaned = unembed[logit_ids] - unembed.mean(0)                                # (n_logits, D)
+    demeaned = unembed[logit_ids] - unembed.mean(0, dtype=np.float64).astype(np.float32)   # (n_logits, D)
 
     # 2. targets: each active feature's encoder row at its layer's MLP input, then each logit at the last token
     err0, tok0 = n, n + L * T
@@ -132,13 +132,13 @@ def attribution_graph(llm, prompt, transcoders, max_n_logits: int = 10, desired_
     rows = list(range(n)) + list(range(logit0, N))
     adjacency = np.zeros((N, N), np.float32)
     starts = np.cumsum([0] + [len(v) for v in values])                             # each layer's first feature
-    embeds = cache["model.embed_tokens"].astype(np.float64)                        # (T, D)
+    embeds = cache["model.embed_tokens"].astype(np.float32)                        # (T, D)
 
     # 3. a linear backward per batch of targets, from the top layer down
     for b0 in range(0, len(targets), batch_size):
         batch, out = targets[b0:b0 + batch_size], rows[b0:b0 + batch_size]
         B = len(batch)
-        g = np.zeros((B, T, D))                                                    # d targets / d residual stream
+        g = np.zeros((B, T, D), np.float32)                                        # d targets / d residual stream
         for j, (kind, layer, pos, v) in enumerate(batch):   # logits read norm(h) at the top: frozen 1/rms
             if kind == "logit":
                 g[j, pos] += v * W["model.norm.weight"] * r_final[pos]
@@ -160,7 +160,7 @@ def attribution_graph(llm, prompt, transcoders, max_n_logits: int = 10, desired_
                     g[j, pos] += v * w * r[pos]
             # back through the frozen attention to the layer's input
             p = f"model.layers.{layer}"
-            g = g + attention_backward_frozen(g, cache[f"{p}.self_attn.attn_probs"].astype(np.float64),
+            g = g + attention_backward_frozen(g, cache[f"{p}.self_attn.attn_probs"].astype(np.float32),
                                               W[f"{p}.self_attn.v_proj.weight"], W[f"{p}.self_attn.o_proj.weight"],
                                               W[f"{p}.input_layernorm.weight"], r_in[layer], cfg.num_key_value_heads)
         adjacency[out, tok0:tok0 + T] = np.einsum("btd,td->bt", g, embeds)         # the tokens' embeddings

@@ -73,15 +73,21 @@ def one_thread():   # ~150 tiny backward passes: torch's thread pool only spins 
     torch.set_num_threads(threads)
 
 
-def test_direct_effects_equal_torch_autograd(checkpoint, graph, transcoders, monkeypatch, one_thread):
-    model = frozen_hf(checkpoint, monkeypatch)
+def torch_adjacency(model, graph, transcoders, logits_only=False):
+    """The adjacency matrix by torch autograd on HF (frozen_hf): one backward per target; rows of the feature
+    targets left at zero with logits_only."""
     seen = {"mlp_in": [], "mlp_out": []}
 
     def mlp_hook(module, args, out):   # the MLP's output becomes a leaf: its features are nodes, its error a constant
+        layer = len(seen["mlp_out"])
         seen["mlp_in"].append(args[0])
         leaf = out.detach().requires_grad_(True)
         seen["mlp_out"].append(leaf)
-        return leaf
+        W_skip = transcoders[layer].W_skip
+        if W_skip is None:
+            return leaf
+        skip = args[0] @ torch.tensor(W_skip).T                   # a skip transcoder's linear part carries gradient
+        return leaf + skip - skip.detach()
 
     def embed_hook(module, args, out):
         seen["embed"] = out.detach().requires_grad_(True)
@@ -99,14 +105,16 @@ def test_direct_effects_equal_torch_autograd(checkpoint, graph, transcoders, mon
         pre = x @ torch.tensor(tc.W_enc) + torch.tensor(tc.b_enc)
         acts = pre * (pre > torch.tensor(tc.threshold))
         recon = acts @ torch.tensor(tc.W_dec) + torch.tensor(tc.b_dec)
+        if tc.W_skip is not None:
+            recon = recon + x @ torch.tensor(tc.W_skip).T
         sources.append((acts, seen["mlp_out"][layer][0].detach() - recon))
     active = [[layer, p, f] for layer in range(L) for p, f in torch.nonzero(sources[layer][0]).tolist()]
     assert active == graph.active_features.tolist()
-    lm_head = model.lm_head.weight.detach()
-    targets = [seen["mlp_in"][layer][0, p] @ torch.tensor(transcoders[layer].W_enc[:, f]) for layer, p, f in active]
+    targets = [] if logits_only else [seen["mlp_in"][layer][0, p] @ torch.tensor(transcoders[layer].W_enc[:, f])
+                                      for layer, p, f in active]
     targets += [logits[-1, v] - logits[-1].mean() for v in graph.logit_tokens.tolist()]
     want = np.zeros_like(graph.adjacency)
-    rows = list(range(n)) + list(range(n + L * T + T, len(want)))
+    rows = ([] if logits_only else list(range(n))) + list(range(n + L * T + T, len(want)))
     writes = torch.stack([sources[layer][0][p, f] * torch.tensor(transcoders[layer].W_dec[f])
                           for layer, p, f in active])                                  # (n, D) a * W_dec[f]
     errors = torch.stack([e for _, e in sources])                                       # (L, T, D)
@@ -117,13 +125,32 @@ def test_direct_effects_equal_torch_autograd(checkpoint, graph, transcoders, mon
         want[row, :n] = (g[where[:, 0], where[:, 1]] * writes).sum(-1)
         want[row, n:n + L * T] = (g[:L] * errors).sum(-1).reshape(-1)
         want[row, n + L * T:n + L * T + T] = (g[L] * seen["embed"][0].detach()).sum(-1)
+    return want, torch.softmax(logits[-1].detach().double(), -1)[graph.logit_tokens].numpy()
+
+
+def test_direct_effects_equal_torch_autograd(checkpoint, graph, transcoders, monkeypatch, one_thread):
+    want, probs = torch_adjacency(frozen_hf(checkpoint, monkeypatch), graph, transcoders)
     err = np.abs(graph.adjacency - want).max() / np.abs(want).max()
-    print(f"{n} features, {len(graph.logit_tokens)} logits; max |npqwen - torch| / max |torch| = {err:.2e}; "
-          f"{(want != 0).sum()} nonzero effects")
+    print(f"{len(graph.active_features)} features, {len(graph.logit_tokens)} logits; max |npqwen - torch| / "
+          f"max |torch| = {err:.2e}; {(want != 0).sum()} nonzero effects")
     assert err <= TOL
-    probs = torch.softmax(logits[-1].detach().double(), -1)[graph.logit_tokens].numpy()
     assert np.allclose(graph.logit_probabilities, probs, rtol=1e-5) and (np.diff(graph.logit_probabilities) <= 0).all()
-    assert lm_head.shape[0] == 512
+
+
+def test_a_skip_transcoder_s_skip_carries_the_gradient(llm, checkpoint, transcoders, monkeypatch, one_thread):
+    """circuit-tracer's skip transcoders add x @ W_skip.T, linear in the MLP's input: the backward goes through it
+    (the logits' rows, against torch)."""
+    rng = np.random.default_rng(1)
+    tcs = list(transcoders)
+    tcs[1] = SAE(**{**tcs[1].__dict__, "W_skip": (0.3 * rng.standard_normal((64, 64))).astype(np.float32)})
+    graph = circuits.attribution_graph(llm, PROMPT, tcs)
+    want, _ = torch_adjacency(frozen_hf(checkpoint, monkeypatch), graph, tcs, logits_only=True)
+    rows = slice(len(want) - len(graph.logit_tokens), None)
+    err = np.abs(graph.adjacency[rows] - want[rows]).max() / np.abs(want[rows]).max()
+    plain = circuits.attribution_graph(llm, PROMPT, transcoders).adjacency[rows]
+    print(f"logit rows with a skip in layer 1: max |npqwen - torch| / max |torch| = {err:.2e}")
+    tokens = slice(len(want) - len(graph.logit_tokens) - len(PROMPT), len(want) - len(graph.logit_tokens))
+    assert err <= TOL and not np.allclose(graph.adjacency[rows, tokens], plain[:, tokens])   # the skip mattered
 
 
 # what circuit-tracer's viewer (frontend/graph_models.py Model) and Neuronpedia's graph upload require
