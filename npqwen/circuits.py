@@ -146,7 +146,8 @@ def attribution_graph(llm, prompt, transcoders, max_n_logits: int = 10, desired_
             # g is at layer `layer`'s output: read the direct effect on what its MLP wrote (features, errors)
             s, e = starts[layer], starts[layer + 1]
             pos_s = active[s:e, 1]
-            adjacency[out, s:e] = np.einsum("bnd,nd->bn", g[:, pos_s], dec_vecs[layer])
+            per_pos = g @ dec_vecs[layer].T                                        # (B, T, n_l) every position
+            adjacency[out, s:e] = per_pos[:, pos_s, np.arange(e - s)]                # each at its own position
             adjacency[out, err0 + layer * T:err0 + (layer + 1) * T] = np.einsum("btd,td->bt", g, errors[layer])
             # the MLP passes nothing back (its features are nodes, its error a constant); a skip transcoder's
             # linear skip does
