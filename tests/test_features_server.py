@@ -14,7 +14,7 @@ import npqwen  # noqa: E402
 from npqwen.checkpoint import save_safetensors  # noqa: E402
 
 from serving import LiveServer, http_json  # noqa: E402
-from test_web_page import ask, browser, click_token, console_errors, open_page, page_answer, wait  # noqa: E402,F401
+from test_web_page import ask, browser, click_token, console_errors, open_page, page_answer, wait  # noqa: E402,F401,F811
 
 PROMPT = "The cat sat on"
 F, K = 64, 4
