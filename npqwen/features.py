@@ -185,6 +185,8 @@ def check_feature_edits(edits, config, field: str = "feature_edits") -> tuple[Fe
         if len(modes) != 1:
             raise NpqwenError(f"{at} must have exactly one of clamp (a value), zero (true) or scale (a factor)")
         mode = modes[0]
+        if mode == "zero" and item["zero"] is not True:
+            raise NpqwenError(f"{at}.zero must be true (leave it out to keep the feature)")
         value = 0.0 if mode == "zero" else item[mode]
         if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
             raise NpqwenError(f"{at}.{mode} must be a finite number, got {value!r}")
@@ -219,6 +221,39 @@ def apply_feature_edits(x, edits: list):
         delta = (new - a)[:, None] * e.sae.W_dec[e.feature]                             # (n, D)
         x[first:first + n] += xp.asarray(delta, dtype=x.dtype)
     return x
+
+
+# ---- labels -------------------------------------------------------------------------------------
+
+def load_labels(path) -> dict[int, str]:
+    """Feature descriptions from a Neuronpedia export: a JSON array of explanations, or JSON lines (its bulk
+    export's batch files, gzipped or not), each {"modelId", "layer", "index": "123", "description": ...};
+    feature -> the first description given for it."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise NpqwenError(f"{path}: cannot read the labels file ({e.strerror or e})") from None
+    if raw[:2] == b"\x1f\x8b":   # a gzipped batch file
+        import gzip
+        raw = gzip.decompress(raw)
+    try:
+        text = raw.decode("utf-8").strip()
+        items = json.loads(text) if text.startswith("[") else [json.loads(line) for line in text.splitlines()
+                                                                 if line.strip()]
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise NpqwenError(f"{path}: not a Neuronpedia export (a JSON array of explanations, or one explanation "
+                          f"per line): {e}") from None
+    labels = {}
+    for j, item in enumerate(items):
+        if not (isinstance(item, dict) and "index" in item and isinstance(item.get("description"), str)):
+            raise NpqwenError(f"{path}: explanation {j} has no \"index\" and \"description\"; a Neuronpedia export's "
+                              f"items look like {{\"index\": \"123\", \"description\": \"...\"}}")
+        try:
+            labels.setdefault(int(item["index"]), item["description"].strip())
+        except (TypeError, ValueError):
+            raise NpqwenError(f"{path}: explanation {j}'s index {item['index']!r} is not a feature number") from None
+    return labels
 
 
 # ---- loading ------------------------------------------------------------------------------------

@@ -218,7 +218,7 @@ class LLM:
     @rank_0_leads
     def chat(self, messages, enable_thinking: bool = True, tools=None, stream_to=None,
              params: SamplingParams | None = None, steering=None, lora: str | None = None,
-             **sampling) -> ChatResult:
+             feature_edits=None, **sampling) -> ChatResult:
         """Answer the conversation; the <think> reasoning comes back apart from the final content.
 
         `params` (an npqwen.SamplingParams) or its fields as keyword arguments, as for generate.
@@ -235,7 +235,8 @@ class LLM:
             params = replace(params, thinking=enable_thinking)
         prompt = self.chat_prompt(messages, enable_thinking, tools)
         result = ChatResult("", [], "length")
-        for piece in self.stream(prompt, params, result=result, steering=steering, lora=lora):
+        for piece in self.stream(prompt, params, result=result, steering=steering, lora=lora,
+                                 feature_edits=feature_edits):
             if stream_to is not None:
                 stream_to(piece)
         result.reasoning, result.content = split_reasoning(result.text, enable_thinking, opens_reasoning(prompt))

@@ -9,7 +9,8 @@ from ..errors import NpqwenError
 from .common import (OutputError, checked_text, chosen_lora, command_line_params, constraint_options, load_model,
                      lora_options, model_options, print_stats, sampling_options, steering_options, stream_to_stdout,
                      system_messages, write_out)
-from .common import checked_command_line_steering, command_line_steering
+from .common import (checked_command_line_feature_edits, checked_command_line_steering, command_line_feature_edits,
+                     command_line_steering, feature_edit_options)
 from .parallel import add_option
 
 
@@ -23,7 +24,8 @@ TINY_NOTE = " (random weights: its text is meaningless, it is for stepping throu
 
 def add_parser(commands):
     p = commands.add_parser("chat", parents=[model_options(), lora_options(), sampling_options(),
-                                             constraint_options(), steering_options()],
+                                             constraint_options(), steering_options(),
+                                             feature_edit_options()],
                             help="interactive multi-turn chat",
                             description="Multi-turn chat. /help lists the commands; /reset clears the history; "
                                         "/exit, Ctrl-D or Ctrl-C at the prompt quits; Ctrl-C during an answer stops "
@@ -38,10 +40,11 @@ def add_parser(commands):
 def cmd_chat(args) -> int:
     params = command_line_params(args, thinking=not args.no_think)   # checked before the (slow) load
     system = system_messages(args)
-    steering = command_line_steering(args)
+    steering, edits = command_line_steering(args), command_line_feature_edits(args)
     lora = chosen_lora(args)
     llm, _ = load_model(args, chat_template=True)
     steering = checked_command_line_steering(steering, llm, args)
+    edits = checked_command_line_feature_edits(edits, llm, args)
     history = list(system)
     line_editing()
     from ..tiny import BUILTIN
@@ -80,7 +83,7 @@ def cmd_chat(args) -> int:
                 if not args.no_think and opens_reasoning(prompt):   # Qwen3.5's template opened it: show the tag
                     write_out(prompt[prompt.rindex(THINK_OPEN):])
                 result = stream_to_stdout(llm, ids, params, stop_requested=pressed, steering=steering,
-                                          lora=lora)
+                                          lora=lora, feature_edits=edits)
         except (OutputError, GroupFailed):   # stdout is gone, or a rank of the model: nothing more can be done
             raise
         except NpqwenError as e:   # e.g. the conversation outgrew the context: say so and keep going

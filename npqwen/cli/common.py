@@ -186,6 +186,56 @@ def checked_command_line_steering(steering, llm, args):
         raise NpqwenError(message) from None
 
 
+def feature_edit_options() -> argparse.ArgumentParser:
+    """--sae PATH with --clamp-feature F=V, --zero-feature F, --scale-feature F=S: a parent parser for generate
+    and chat (feature_edits, npqwen/features.py)."""
+    options = argparse.ArgumentParser(add_help=False)
+    group = options.add_argument_group("feature edits (see docs/features.md)")
+    group.add_argument("--sae", metavar="PATH", help="the SAE whose features the edits set: a Qwen-Scope "
+                                                     "layer{n}.sae.pt or a SAELens folder, on a block's output "
+                                                     "(default: none)")
+    group.add_argument("--clamp-feature", action="append", default=[], metavar="F=V",
+                       help="set feature F's activation to V at every position (repeatable; default: none)")
+    group.add_argument("--zero-feature", action="append", default=[], metavar="F", type=int,
+                       help="set feature F's activation to 0 (repeatable; default: none)")
+    group.add_argument("--scale-feature", action="append", default=[], metavar="F=S",
+                       help="multiply feature F's activation by S (repeatable; default: none)")
+    return options
+
+
+def command_line_feature_edits(args) -> list | None:
+    """The command line's edits as feature_edits items without their SAE (loaded with the model), or None;
+    checked for their form now, before the (slow) load."""
+    edits = [{"feature": f, "zero": True} for f in args.zero_feature]
+    for option, mode in (("clamp_feature", "clamp"), ("scale_feature", "scale")):
+        for text in getattr(args, option):
+            feature, _, value = text.partition("=")
+            try:
+                edits.append({"feature": int(feature), mode: float(value)})
+            except ValueError:
+                raise NpqwenError(f"--{option.replace('_', '-')} takes FEATURE=VALUE (an integer and a number), "
+                                  f"got {text!r}") from None
+    if edits and args.sae is None:
+        raise NpqwenError("--clamp-feature, --zero-feature and --scale-feature need --sae PATH (the SAE whose "
+                          "features they are)")
+    if args.sae is not None and not edits:
+        raise NpqwenError("--sae needs an edit: --clamp-feature F=V, --zero-feature F or --scale-feature F=S")
+    return edits or None
+
+
+def checked_command_line_feature_edits(edits, llm, args):
+    """The edits with their SAE, loaded and checked against the model; mistakes named by their options."""
+    from ..features import check_feature_edits, load_sae
+
+    if edits is None:
+        return None
+    sae = load_sae(args.sae, llm.config)
+    try:
+        return check_feature_edits([{"sae": sae, **e} for e in edits], llm.config)
+    except NpqwenError as e:
+        raise NpqwenError(re.sub(r"feature_edits\[\d+\]", "the feature edit", str(e))) from None
+
+
 def constraint_options() -> argparse.ArgumentParser:
     """--json-schema, --regex, --choice, --grammar (at most one): a parent parser for generate and chat."""
     options = argparse.ArgumentParser(add_help=False)
@@ -441,7 +491,8 @@ def prompt_ids(llm, args, prompt: str) -> list[int]:
     return ids
 
 
-def stream_to_stdout(llm, prompt, params, stop_requested=None, steering=None, lora: str | None = None):
+def stream_to_stdout(llm, prompt, params, stop_requested=None, steering=None, lora: str | None = None,
+                     feature_edits=None):
     """Generate, writing each text piece as it comes; the GenerationResult at the end.
 
     `stop_requested` (chat: Ctrl-C was pressed) is asked after every piece; when it says yes the
@@ -449,7 +500,8 @@ def stream_to_stdout(llm, prompt, params, stop_requested=None, steering=None, lo
     from ..generate import GenerationResult
 
     result = GenerationResult("", [], "length")
-    pieces = llm.stream(prompt, params, result=result, steering=steering, lora=lora)   # nothing runs until the first piece is asked for
+    pieces = llm.stream(prompt, params, result=result, steering=steering, lora=lora,
+                        feature_edits=feature_edits)   # nothing runs until the first piece is asked for
     stopped = stop_requested is not None and stop_requested()
     if not stopped:
         for piece in pieces:

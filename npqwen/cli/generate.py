@@ -13,14 +13,16 @@ from .common import (CONSTRAINT_FIELDS, ENGINE_SIZES, SAMPLING_FIELDS, add_engin
                      jsonl_objects, load_model, lora_options, model_options, peak_rss_bytes, print_stats,
                      read_input_file, sampling_options,
                      stream_to_stdout, system_messages, write_out)
-from .common import checked_command_line_steering, command_line_steering, steering_options
+from .common import (checked_command_line_feature_edits, checked_command_line_steering, command_line_feature_edits,
+                     command_line_steering, feature_edit_options, steering_options)
 from .parallel import add_option
 from .progress import Progress
 
 
 def add_parser(commands):
     p = commands.add_parser("generate", parents=[model_options(), lora_options(), sampling_options(),
-                                                 constraint_options(), steering_options()],
+                                                 constraint_options(), steering_options(),
+                                                 feature_edit_options()],
                             help="complete one prompt, streaming; or a file of prompts, batched")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", "-p", help="the prompt ('-' reads it from stdin)")
@@ -59,13 +61,15 @@ def cmd_generate(args) -> int:
     system = system_messages(args)
     # a bad value shows before the (slow) load; with thinking, a constraint applies after the free reasoning
     params = command_line_params(args, thinking=not args.raw and not args.no_think)
-    steering = command_line_steering(args)
+    steering, edits = command_line_steering(args), command_line_feature_edits(args)
     lora = chosen_lora(args)
     llm, load_seconds = load_model(args, chat_template=not args.raw)
     steering = checked_command_line_steering(steering, llm, args)
+    edits = checked_command_line_feature_edits(edits, llm, args)
     if not args.raw:
         prompt = llm.chat_prompt(system + [{"role": "user", "content": prompt}], enable_thinking=not args.no_think)
-    print_stats(stream_to_stdout(llm, prompt, params, steering=steering, lora=lora), load_seconds)
+    print_stats(stream_to_stdout(llm, prompt, params, steering=steering, lora=lora, feature_edits=edits),
+                load_seconds)
     return 0
 
 
@@ -132,7 +136,7 @@ def generate_file(args) -> int:
     # The command line's values alone first, so a bad one is not blamed on line 1; then the file's own
     # mistakes; all before the (slow) load.
     params = command_line_params(args, thinking=False)
-    steering = command_line_steering(args)
+    steering, edits = command_line_steering(args), command_line_feature_edits(args)
     system_messages(args)
     if args.output:
         check_writable(args.output, "--output")
@@ -140,13 +144,14 @@ def generate_file(args) -> int:
     lora = chosen_lora(args)
     llm, load_seconds = load_model(args, chat_template=not args.raw or any(p.messages for p in prompts))
     steering = checked_command_line_steering(steering, llm, args)
+    edits = checked_command_line_feature_edits(edits, llm, args)
     engine = Engine(llm, **engine_sizes(args))
     # Every request is made (and so checked) before the first step; one bad line stops them all.
     requests = []
     for p in prompts:
         try:
             requests.append(engine.new_request(file_prompt_text(llm, args, p), line_params(params, args, p),
-                                               steering=steering, lora=lora))
+                                               steering=steering, lora=lora, feature_edits=edits))
         except NpqwenError as e:
             raise NpqwenError(f"{name} line {p.line}: {e}") from None
     try:

@@ -3,6 +3,7 @@ import json
 import signal
 
 from ..errors import NpqwenError
+from ..features import load_labels, load_sae
 from .common import add_engine_sizes, add_thinking_budget, engine_sizes, load_model, lora_options, model_options
 from .parallel import add_option, check_group, watch_server
 
@@ -35,6 +36,13 @@ def add_parser(commands):
     p.add_argument("--default-chat-template-kwargs", metavar="JSON",
                    help="the chat template's variables when a request does not set them, as a JSON object: "
                         "'{\"enable_thinking\": false}' turns thinking off by default (default: none)")
+    p.add_argument("--sae", action="append", default=[], metavar="[NAME=]PATH",
+                   help="an SAE or transcoder (a Qwen-Scope layer{n}.sae.pt, a SAELens folder, a circuit-tracer "
+                        "layer_{n}.safetensors) that requests' feature_edits and the page's features view name by "
+                        "NAME (default NAME: the file or folder's name); repeatable (default: none)")
+    p.add_argument("--feature-labels", action="append", default=[], metavar="[NAME=]FILE",
+                   help="descriptions of the features of the --sae called NAME, from a Neuronpedia export (default "
+                        "NAME: the only --sae); repeatable (default: none)")
     add_thinking_budget(p)
     p.add_argument("--allow-generation", action="store_true",
                    help="serve chat and completions on an embedding model too (default: refused with a 400)")
@@ -97,6 +105,7 @@ def check_server_options(args):
     if args.max_queue < 1:
         raise NpqwenError(f"--max-queue must be >= 1, got {args.max_queue}")
     template_kwargs_option(args.default_chat_template_kwargs)
+    sae_and_label_paths(args)
     if args.thinking_budget is not None and args.thinking_budget < 0:
         raise NpqwenError(f"--thinking-budget must be >= 0 (reasoning tokens), got {args.thinking_budget}")
 
@@ -108,7 +117,10 @@ def server_app(args, on_ready=None):
     from ..engine import Engine
     from ..server.api_server import create_app
 
+    sae_paths, label_paths = sae_and_label_paths(args)
+    labels = {name: load_labels(path) for name, path in label_paths.items()}
     llm, seconds = load_model(args, chat_template=True)
+    saes = {name: load_sae(path, llm.config) for name, path in sae_paths.items()}
     engine = Engine(llm, **engine_sizes(args))
     name = args.served_model_name or args.model
     origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
@@ -116,9 +128,42 @@ def server_app(args, on_ready=None):
                      on_ready=None if on_ready is None else lambda: on_ready(app), allowed_origins=origins or None,
                      template_kwargs=template_kwargs_option(args.default_chat_template_kwargs),
                      thinking_budget=args.thinking_budget, allow_generation=args.allow_generation,
-                     allow_runtime_lora=args.allow_runtime_lora)
+                     allow_runtime_lora=args.allow_runtime_lora, saes=saes, labels=labels)
     app.state.model_name, app.state.kv_positions = name, engine.pool.num_pages * engine.page_size
     return app, seconds
+
+
+def sae_and_label_paths(args) -> tuple[dict, dict]:
+    """--sae and --feature-labels as {name: path} each, every label file paired with an SAE."""
+    sae_paths, label_paths = named_paths(args.sae, "--sae"), named_paths(args.feature_labels, "--feature-labels")
+    if label_paths and not sae_paths:
+        raise NpqwenError("--feature-labels goes with --sae: the labels describe an SAE's features")
+    if None in label_paths:   # no NAME: the only SAE's
+        if len(sae_paths) != 1:
+            raise NpqwenError("--feature-labels FILE without NAME= needs exactly one --sae; write NAME=FILE")
+        label_paths[next(iter(sae_paths))] = label_paths.pop(None)
+    for name in label_paths:
+        if name not in sae_paths:
+            raise NpqwenError(f"--feature-labels {name}=...: no --sae is called {name!r}; they are "
+                              f"{', '.join(sae_paths)}")
+    return sae_paths, label_paths
+
+
+def named_paths(values: list[str], option: str) -> dict:
+    """[NAME=]PATH options as {name: path}; without NAME=, --sae is named by its file or folder and
+    --feature-labels by None (the only SAE's)."""
+    from pathlib import Path
+
+    named = {}
+    for value in values:
+        name, sep, path = value.rpartition("=")
+        if not sep:
+            name = Path(path).name if option == "--sae" else None
+        if name in named:
+            raise NpqwenError(f"{option}: {name or 'an unnamed file'} is given twice; write NAME=PATH to tell "
+                              f"them apart")
+        named[name] = path
+    return named
 
 
 def template_kwargs_option(text: str | None) -> dict:

@@ -13,6 +13,7 @@
     POST /v1/npqwen/experts         the experts one token went to in each layer (Qwen3-MoE; for the page)
     POST /v1/npqwen/layers          one token's probability and rank under each layer's logit lens (the page)
     POST /v1/npqwen/saliency        gradient x input of one token's log-probability per token before it (the page)
+    POST /v1/npqwen/features        an SAE's features on each token (--sae; the page's features view)
     POST /tokenize, /detokenize     the model's tokenizer (vLLM's shapes); GET /tokenizer_info
     GET  /health                    200 while the engine thread is alive
     (HEAD on every GET route: as GET, without the body)
@@ -44,7 +45,8 @@ from .http import (DEFAULT_MAX_BODY_BYTES, APIKey, BodyLimit, HeadAsGet, JSONBod
                    page, page_file)
 from .metrics import Metrics
 from .protocol import (AttentionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                       EmbeddingRequest, ExpertsRequest, LoraAdapterRequest, RerankRequest, TokenizeRequest)
+                       EmbeddingRequest, ExpertsRequest, FeaturesRequest, LoraAdapterRequest, RerankRequest,
+                       TokenizeRequest)
 from .protocol_messages import CountTokensRequest, MessagesRequest
 from .protocol_responses import ResponsesRequest
 from .serving import PromptWorkers, Serving
@@ -73,19 +75,22 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready=None,
                allowed_origins: list[str] | None = None, template_kwargs: dict | None = None,
                thinking_budget: int | None = None, allow_generation: bool = False,
-               allow_runtime_lora: bool = False) -> FastAPI:
+               allow_runtime_lora: bool = False, saes: dict | None = None, labels: dict | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (over `llm`) as `model_name`; on_ready() runs once it is up.
     `allowed_origins`: web pages of these origins may call the API (CORS; "*" any); none by default.
     `template_kwargs`: the chat template's variables when a request does not set them (enable_thinking);
     `thinking_budget`: the reasoning tokens of a request that sets no budget (engine/thinking.py);
     `allow_generation`: chat and completions on an embedding model are served, not refused;
-    `allow_runtime_lora`: clients may load LoRA adapters from the server's disk (serving_lora.py)."""
+    `allow_runtime_lora`: clients may load LoRA adapters from the server's disk (serving_lora.py);
+    `saes`: name -> SAE, for requests' feature_edits and the page's features view; `labels`: name -> {feature:
+    description} (features.load_labels)."""
     metrics = Metrics(engine)
     loop = EngineLoop(engine, metrics)
     workers = PromptWorkers(llm.tokenizer)
     # one object per API, all over the same engine thread and prompt workers
     shared = dict(llm=llm, loop=loop, model_name=model_name, max_queue=max_queue, workers=workers,
-                  template_kwargs=template_kwargs, thinking_budget=thinking_budget, allow_generation=allow_generation)
+                  template_kwargs=template_kwargs, thinking_budget=thinking_budget, allow_generation=allow_generation,
+                  saes=saes, labels=labels)
     server, chat, completion = Serving(**shared), ServingChat(**shared), ServingCompletion(**shared)
     responder, pooling = ServingResponses(**shared), ServingPooling(**shared)
     probes, tokenization = ServingProbes(**shared), ServingTokenization(**shared)
@@ -192,6 +197,9 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     @app.post("/v1/npqwen/saliency")
     async def saliency(body: ExpertsRequest, http: HTTPRequest):   # the same fields: tokens, position
         return await probes.saliency(body, http)
+    @app.post("/v1/npqwen/features")
+    async def features(body: FeaturesRequest, http: HTTPRequest):
+        return await probes.features(body, http)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

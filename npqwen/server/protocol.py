@@ -158,6 +158,16 @@ class Steer(Strict):
     scale: float = 1.0
 
 
+class FeatureEditItem(Strict):
+    """One feature edit: an SAE the server loaded (`npqwen serve --sae NAME=PATH`), a feature, and one of clamp
+    (set it to a value), zero (true) or scale (multiply it) (npqwen/features.py)."""
+    sae: str
+    feature: int
+    clamp: float | None = None
+    zero: bool | None = None
+    scale: float | None = None
+
+
 class Speculative(Strict):
     """Speculative decoding for this request (npqwen/speculative.py), vLLM's speculative_config names; k is
     num_speculative_tokens."""
@@ -201,6 +211,7 @@ class Sampling(Strict):
     include_stop_str_in_output: bool = False              # the stop string that ended the text stays in it
     structured_outputs: StructuredOutputs | None = None   # vLLM's: json, regex, choice or grammar
     steering: list[Steer] | None = None                   # npqwen's: vectors added after blocks, this request only
+    feature_edits: list[FeatureEditItem] | None = None    # npqwen's: SAE features clamped, zeroed or scaled
     speculative: Speculative | None = None                # npqwen's: drafts verified a step at a time (same output)
 
     def sampling(self) -> dict:
@@ -338,6 +349,16 @@ class ExpertsRequest(Strict):
     model: str | None = None
     tokens: TokenIds                                     # 1 .. MAX_ATTENTION_TOKENS ids (checked by the server)
     position: Whole | None = None                         # default: the last token
+
+
+class FeaturesRequest(Strict):
+    """POST /v1/npqwen/features: the SAE features of every token of `tokens` (a forward pass over them all),
+    the strongest `top` of token `position`, and where in `tokens` each of those fires."""
+    model: str | None = None
+    tokens: TokenIds                                     # 1 .. MAX_ATTENTION_TOKENS ids (checked by the server)
+    position: Whole | None = None                         # default: the last token
+    sae: str | None = None                                # an --sae NAME (default: the first)
+    top: Whole = Field(8, ge=1, le=64)
 
 
 def template_messages(messages: list[Message]) -> list[dict]:

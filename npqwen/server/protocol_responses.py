@@ -4,7 +4,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .protocol import IGNORED, APIError, Steer, Strict, Whole
+from .protocol import IGNORED, APIError, FeatureEditItem, Steer, Strict, Whole
 
 RESPONSE_FIELDS_IGNORED = (*IGNORED, "store", "stream_options", "max_tool_calls")
 INCLUDES_ACCEPTED = ("reasoning.encrypted_content",)   # reasoning comes back in the clear, in the item itself
@@ -68,6 +68,7 @@ class ResponsesRequest(Strict):
     stream_options: dict | None = None
     max_tool_calls: Whole | None = Field(None, ge=1)
     steering: list[Steer] | None = None   # npqwen's, as in chat and completions
+    feature_edits: list[FeatureEditItem] | None = None   # npqwen's, as in chat and completions
     thinking_token_budget: Whole | None = Field(None, ge=0)   # vLLM's: reasoning tokens before "</think>" is forced
 
     def check_supported(self):

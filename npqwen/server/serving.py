@@ -22,6 +22,7 @@ from ..errors import NpqwenError
 from ..checks import check_token_ids
 from ..model import check_lm_head
 from ..sampling_params import SamplingParams
+from ..features import check_feature_edits
 from ..steering import check_steering
 from ..structured import ConstraintError
 from .engine_loop import EngineLoop, EngineStopped
@@ -70,13 +71,15 @@ class Serving:
 
     def __init__(self, llm, loop: EngineLoop, model_name: str, max_queue: int, workers: PromptWorkers,
                  template_kwargs: dict | None = None, thinking_budget: int | None = None,
-                 allow_generation: bool = False):
+                 allow_generation: bool = False, saes: dict | None = None, labels: dict | None = None):
         self.llm, self.engine, self.loop, self.workers = llm, loop.engine, loop, workers
         self.tokenizer, self.config = llm.tokenizer, llm.config
         self.model_name, self.max_queue = model_name, max_queue
         self.template_kwargs = template_kwargs or {}   # --default-chat-template-kwargs: under each request's
         self.thinking_budget = thinking_budget         # --thinking-budget: when a request sets none
         self.allow_generation = allow_generation       # --allow-generation: text from an embedding model too
+        self.saes = saes or {}                         # --sae NAME=PATH: name -> SAE, for feature_edits and the page
+        self.labels = labels or {}                     # --feature-labels NAME=FILE: name -> {feature: description}
         self.created = int(time.time())
         self.ignored: set[str] = set()   # OpenAI's service fields seen so far (note_ignored)
 
@@ -198,7 +201,7 @@ class Serving:
         if not ids:
             raise APIError(400, f"{param} is empty", param)
         max_tokens = self.check_room(len(ids), max_tokens, param)
-        steering = self.steering(body)
+        steering, edits = self.steering(body), self.feature_edits(body)
         constrain, constraint_param = constraint or ({}, None)
         params = self.refusing(body, "max_tokens", constraint_param, lambda: SamplingParams(
             max_new_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, thinking=thinking,
@@ -207,7 +210,7 @@ class Serving:
         for i in range(body.n):
             seed = None if body.seed is None else (body.seed + i) % 2 ** 64   # each choice its own draw
             choice = replace(params, seed=seed, prompt_logprobs=None if made else prompt_logprobs)
-            req = self.engine_request(ids, choice, "max_tokens", body, constraint_param, steering)
+            req = self.engine_request(ids, choice, "max_tokens", body, constraint_param, steering, edits)
             self.vllm_options(req, body, max_tokens)
             if made:
                 req.leader = made[0]
@@ -215,10 +218,11 @@ class Serving:
         return made
 
     def engine_request(self, ids: list[int], params: SamplingParams, param: str, body=None, constraint_param=None,
-                       steering=()):
+                       steering=(), feature_edits=()):
         """The one call of Engine.new_request; what the engine refuses is a 400 (see refusing)."""
         return self.refusing(body, param, constraint_param,
-                             lambda: self.engine.new_request(ids, params, steering=steering, lora=self.lora_of(body)))
+                             lambda: self.engine.new_request(ids, params, steering=steering, lora=self.lora_of(body),
+                                                             feature_edits=feature_edits))
 
     def steering(self, body) -> tuple:
         """The body's steering, checked against the model (a 400 naming `steering`)."""
@@ -226,6 +230,21 @@ class Serving:
             return check_steering([s.model_dump() for s in body.steering or []], self.llm.config)
         except NpqwenError as e:
             raise APIError(400, str(e), "steering") from None
+
+    def feature_edits(self, body) -> tuple:
+        """The body's feature edits, each naming an SAE the server loaded, checked against it (a 400 naming
+        `feature_edits`)."""
+        items = []
+        for j, item in enumerate(body.feature_edits or []):
+            if item.sae not in self.saes:
+                loaded = ", ".join(repr(n) for n in self.saes) or "none (start the server with --sae NAME=PATH)"
+                raise APIError(400, f"feature_edits[{j}].sae {item.sae!r} is not an SAE this server loaded; it has "
+                                    f"{loaded}", "feature_edits")
+            items.append({**item.model_dump(exclude_none=True), "sae": self.saes[item.sae]})
+        try:
+            return check_feature_edits(items, self.llm.config)
+        except NpqwenError as e:
+            raise APIError(400, str(e), "feature_edits") from None
 
     @staticmethod
     def refusing(body, param: str, constraint_param: str | None, make):

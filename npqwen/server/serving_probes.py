@@ -2,6 +2,7 @@
 layer), /v1/npqwen/experts (the experts one token went to in each layer of a Qwen3-MoE),
 /v1/npqwen/layers (the probability and rank each layer's logit lens gives one token) and
 /v1/npqwen/saliency (gradient x input of one token's log-probability for each token before it).
+/v1/npqwen/features (an SAE's features on each token of a conversation).
 
 A probe is an engine request like the others: it reads tokens[:position + 1] a chunk per step,
 and its last token then runs alone with a recorder that keeps the one array asked for
@@ -17,7 +18,8 @@ from ..backend import to_numpy
 from ..errors import NpqwenError
 from ..lens import token_lens
 from ..sampling_params import SamplingParams
-from .protocol import MAX_ATTENTION_TOKENS, MAX_SALIENCY_TOKENS, APIError, AttentionRequest, ExpertsRequest
+from .protocol import (MAX_ATTENTION_TOKENS, MAX_SALIENCY_TOKENS, APIError, AttentionRequest, ExpertsRequest,
+                       FeaturesRequest)
 from .serving import Serving
 
 
@@ -136,7 +138,30 @@ class ServingProbes(Serving):
                 "token_bytes": [list(self.tokenizer.token_bytes(t)) for t in ids[:p]],
                 "scores": s.per_token.tolist()}
 
-    def position(self, body: AttentionRequest | ExpertsRequest) -> int:
+    async def features(self, body: FeaturesRequest, http: HTTPRequest) -> dict:
+        """An SAE (--sae NAME) over every token of `tokens`: token `position`'s strongest features, and each of
+        those features' activation on every token (where it fires). Unlike the probes above it needs every
+        position's activation, so llm.run_with_saes runs whole on the engine thread, between two steps (one
+        forward pass of up to 2048 tokens: the streams wait that long). No SAE loaded: "saes" is empty."""
+        self.check_model(body.model, adapters=False)
+        answer = {"object": "npqwen.features", "model": self.model_name, "saes": list(self.saes)}
+        if not self.saes:
+            return answer
+        name = next(iter(self.saes)) if body.sae is None else body.sae
+        if name not in self.saes:
+            raise APIError(400, f"sae {name!r} is not one this server loaded; it has {', '.join(self.saes)}", "sae")
+        ids, sae, labels = body.tokens, self.saes[name], self.labels.get(name, {})
+        p = self.position(body)
+        _, (run,) = await self.loop.call(lambda: self.llm.run_with_saes(ids, [sae], top=body.top))
+        top = [(int(f), float(a)) for f, a in zip(run.indices[p], run.values[p]) if a > 0]   # strongest first
+        decode = self.tokenizer.decode
+        return {**answer, "sae": name, "kind": sae.kind, "reads": sae.reads, "num_features": sae.width,
+                "position": p, "tokens": [decode([t]) for t in ids],
+                "token_bytes": [list(self.tokenizer.token_bytes(t)) for t in ids],
+                "features": [{"feature": f, "activation": a, "label": labels.get(f),
+                              "activations": run.acts[:, f].astype("float64").tolist()} for f, a in top]}
+
+    def position(self, body: AttentionRequest | ExpertsRequest | FeaturesRequest) -> int:
         """The position a probe looks at (default: the last token), after checking the tokens it reruns."""
         ids = body.tokens
         limit = min(MAX_ATTENTION_TOKENS, self.config.max_position_embeddings)

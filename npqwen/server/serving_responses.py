@@ -122,7 +122,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     chat = {"model": body.model, "messages": to_messages(body)}
     if body.max_output_tokens is not None:
         chat["max_tokens"] = body.max_output_tokens
-    for name in ("temperature", "top_p", "parallel_tool_calls", "steering"):
+    for name in ("temperature", "top_p", "parallel_tool_calls", "steering", "feature_edits"):
         if getattr(body, name) is not None:
             chat[name] = getattr(body, name)
     if body.tools:

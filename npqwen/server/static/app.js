@@ -1,6 +1,7 @@
 // The npqwen page: a chat over /v1/chat/completions (streamed), and for any generated token the
 // alternatives the model had at that step (logprobs) and where it was looking (/v1/npqwen/attention);
-// for a Qwen3-MoE, also which experts the token itself went to in each layer (/v1/npqwen/experts).
+// for a Qwen3-MoE, also which experts the token itself went to in each layer (/v1/npqwen/experts);
+// with `npqwen serve --sae`, the token's strongest SAE features and where each fires (/v1/npqwen/features).
 //
 // Model text only ever reaches the page as textContent or through Markdown.render (markdown.js),
 // which builds DOM nodes from it: no innerHTML with anything the model or the server wrote.
@@ -19,6 +20,7 @@ const state = {
   attention: null,       // the last /v1/npqwen/attention response shown
   layers: null,          // the model's layer and head counts, once an attention call told them
   heads: null,
+  features: null,        // the last /v1/npqwen/features response shown
 };
 window.npqwen = state;
 
@@ -385,6 +387,7 @@ function inspect(answer, index) {
   loadSaliency();
   loadLayers();
   loadExperts();
+  loadFeatures();
 }
 
 // The inspector floats over the page, so opening it moves nothing under the pointer. Beside a
@@ -620,6 +623,79 @@ async function loadLayers() {
     "final norm and lm_head, at the position before it): its probability and rank. The last layer is the model's.";
 }
 
+// SAE features (npqwen serve --sae): the clicked token's strongest features with their activations and
+// labels; clicking one shades every token of the conversation by that feature's activation there.
+async function loadFeatures() {
+  const { answer, index } = state.inspected;
+  const ids = answer.promptIds.concat(answer.generated.map((t) => t.id));
+  const body = { tokens: ids, position: answer.promptIds.length + index };
+  if ($("sae").value) body.sae = $("sae").value;
+  let features;
+  try {
+    features = await api("v1/npqwen/features", body);
+  } catch (e) {
+    $("features-view").hidden = false;
+    $("features").replaceChildren();
+    $("features-note").textContent = "No features: " + e.message;
+    return;
+  }
+  if (!isInspected(answer, index)) return;   // another token was clicked meanwhile
+  $("features-view").hidden = features.saes.length === 0;
+  if (features.saes.length === 0) return;
+  if ($("sae").options.length === 0) {
+    $("sae").replaceChildren(...features.saes.map((name) => {
+      const o = document.createElement("option");
+      o.value = name;
+      o.textContent = name;
+      return o;
+    }));
+  }
+  state.features = features;
+  const rows = features.features.map((f) => {
+    const li = document.createElement("li");
+    li.dataset.feature = String(f.feature);
+    li.dataset.activation = String(f.activation);
+    const chip = document.createElement("button");
+    chip.type = "button";
+    chip.className = "feature";
+    chip.textContent = `#${f.feature} ${f.activation.toFixed(3)}`;
+    chip.addEventListener("click", () => drawFeatureTokens(f));
+    li.append(chip);
+    if (f.label) {
+      const label = document.createElement("span");
+      label.className = "label";
+      label.textContent = f.label;
+      li.append(label);
+    }
+    return li;
+  });
+  $("features").replaceChildren(...rows);
+  $("feature-tokens").replaceChildren();
+  $("feature-tokens-note").textContent = "";
+  $("features-note").textContent = rows.length === 0 ? "No feature fires on this token." :
+    `The strongest features of ${features.sae} (${features.kind}, ${features.num_features} features, reading ` +
+    `${features.reads}) on this token; click one to see where it fires.`;
+}
+
+function drawFeatureTokens(f) {   // each token of the conversation shaded by the feature's activation on it
+  const peak = Math.max(...f.activations);
+  const spans = state.features.tokens.map((text, p) => {
+    const span = document.createElement("span");
+    const a = f.activations[p];
+    span.className = "heat";
+    span.dataset.position = String(p);
+    span.dataset.activation = String(a);
+    span.textContent = shown(text, state.features.token_bytes[p]);
+    span.title = a.toFixed(4);
+    if (a > 0) span.style.background = `rgba(30, 120, 200, ${(a / peak).toFixed(3)})`;
+    return span;
+  });
+  $("feature-tokens").replaceChildren(...spans);
+  const fires = f.activations.filter((a) => a > 0).length;
+  $("feature-tokens-note").textContent = `Feature #${f.feature} fires on ${fires} of the ` +
+    `${f.activations.length} tokens (the darker, the stronger; hover for the activation).`;
+}
+
 function closeInspector() {
   state.inspected = null;
   state.attention = null;
@@ -649,6 +725,7 @@ function start() {
   $("api-key").addEventListener("change", loadModel);
   $("layer").addEventListener("change", () => { if (state.inspected) loadAttention(); });
   $("head").addEventListener("change", () => { if (state.attention) drawHeatmap(); });
+  $("sae").addEventListener("change", () => { if (state.inspected) loadFeatures(); });
   $("inspector-close").addEventListener("click", closeInspector);
   loadModel();
 }
