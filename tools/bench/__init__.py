@@ -73,6 +73,8 @@ Suites (--suites, comma-separated, or all; the default is prefill,decode):
               at the Qwen3-0.6B shape: batch-1 decode, a prefill, a batched decode step, as speed ratios; with
               --weights-memory each format's peak RSS after load and after a 1,024-token generation
               (random checkpoints written in each format, its own; run it alone: --suites weights).
+              With --engines npqwen,llama.cpp also npqwen's prefill and decode tokens/s over llama.cpp's
+              (node-llama-cpp's prebuilt) on the same GGUF files; skipped with the reason where absent.
 
     python -m tools.bench --suites batch1,serving,prefix    # the serving benchmark alone
     python -m tools.bench --suites moe                      # the mixture-of-experts steps
