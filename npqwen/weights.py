@@ -14,7 +14,7 @@ widening is paid once per block and shared by every row of x (a prefill of 512 t
     fp8        float8 e4m3 (uint8) + one scale per 128x128 block   a 256-entry table, times the block's scale
     int8       int8 + one float32 scale per row                    a cast; the scale multiplies the output
     Q8_0 ...   ggml blocks (npqwen/quants.py: llama.cpp's)         quants.dequantize_rows; for decoding,
-                                                                  products per sub-block (block_dot_linear)
+                                                                  products per sub-block (sub_block_linear)
 
 Every class has the same few members: `shape`, `nbytes`, `format`, `linear(x)`, `take(ids)` (an embedding
 lookup that widens only those rows), `rows(sel)` and `columns(sel)` (a tensor-parallel rank's part),
@@ -260,9 +260,9 @@ class Ggml(Compact):
         quants.dequantize_rows(self.format, self.storage[rows], out)
 
     def linear(self, x):
-        """x @ W^T: sub_block_linear, which widens the integers only and applies the scales to the products
-        (or once to the buffer, for many rows of x); Compact's widen-then-matmul (the reference: quants.py's
-        rule for each block) where there are no fields (F16, BF16, F32, or arrays on a GPU)."""
+        """x @ W^T. A few rows of x: sub_block_linear, which widens the integers only and applies the scales
+        to the products; more rows, or no fields (Q5_K, F16, BF16, F32, arrays on a GPU): Compact's
+        widen-then-matmul on quants.py's rule for each block, the reference."""
         few = 1 if self.format == "Q6_K" else BLOCK_DOT_ROWS   # Q6_K: see BLOCK_DOT_ROWS
         if x.shape[0] > few or not self.fields:
             return Compact.linear(self, x)
@@ -289,9 +289,8 @@ class Ggml(Compact):
 # share one widening: Compact.linear on quants.dequantize_rows, the formats' reference rule (measured: faster
 # there than widening the integers and scaling the buffer, 0.78x against 0.70x float32's speed at Q8_0, 512
 # rows). tests/test_weights.py checks the products against the reference at every format.
-# Up to this many rows of x: products per sub-block; more: Compact.linear. (Q6_K: one row only. Its 16-value
-# sub-blocks make twice the products, and at 32 rows widening once ran faster: 0.25x against 0.19x float32's.)
-BLOCK_DOT_ROWS = 64
+BLOCK_DOT_ROWS = 64   # Q6_K: one row only. Its 16-value sub-blocks make twice the products, and at 32 rows
+                      # widening once ran faster (0.25x against 0.19x float32's speed).
 
 
 def f16_column(raw, type_size: int, first: int):
