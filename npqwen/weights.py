@@ -338,11 +338,15 @@ def q4_0_ints(raw, out, scratch):
         np.copyto(halves[:, :, half], nibble.reshape(len(raw), -1, 18)[..., 2:], casting="unsafe")
 
 
+Q4_K_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]   # the sub-blocks as q4_k_ints lays them out: low nibbles, then high
+
+
 def q4_k_fields(raw):
     """block_q4_K: f16 d | f16 dmin | scales[12] | qs[128]: 8 sub-blocks of 32, w = d*sc_j * q - dmin*m_j;
-    the 6-bit sc and m unpacked (quants.k_scale_min) to one byte each."""
+    the 6-bit sc and m unpacked (quants.k_scale_min) to one byte each, in Q4_K_ORDER."""
     n = len(raw)
     sc, m = quants.k_scale_min(raw.reshape(n, -1, 144)[..., 4:16].reshape(-1, 12))   # (n*nb, 8) each
+    sc, m = sc[:, Q4_K_ORDER], m[:, Q4_K_ORDER]
     return (f16_column(raw, 144, 0), f16_column(raw, 144, 2), np.ascontiguousarray(sc.reshape(n, -1).T),
             np.ascontiguousarray(m.reshape(n, -1).T))                       # (nb, n) x 2, (nb*8, n) x 2
 
@@ -351,15 +355,18 @@ def q4_k_scales(d, dmin, sc, m):
     n = d.shape[1]
     scale = d[:, None] * sc.reshape(-1, 8, n)                               # (nb, 8, n)
     low = dmin[:, None] * m.reshape(-1, 8, n)
-    return scale.reshape(-1, n), low.reshape(-1, n)                         # (nb*8, n): sub-blocks in order
+    return scale.reshape(-1, n), low.reshape(-1, n)                         # (nb*8, n), in Q4_K_ORDER
 
 
 def q4_k_ints(raw, out, scratch):
-    """Each 32 bytes of qs hold two sub-blocks: the low nibbles sub-block 2j, the high nibbles 2j+1."""
-    qs = raw.reshape(len(raw), -1, 144)[..., 16:].reshape(len(raw), -1, 4, 32)   # (n, nb, 4, 32)
-    pairs = out.reshape(*qs.shape[:3], 2, 32)                                  # (n, nb, 4, low | high, 32)
-    np.copyto(pairs[..., 0, :], qs & 0x0F, casting="unsafe")                  # (measured: faster here than
-    np.copyto(pairs[..., 1, :], qs >> 4, casting="unsafe")                    # Q4_0's whole-row nibbles)
+    """Each 32 bytes j of qs hold two sub-blocks: the low nibbles sub-block 2j, the high nibbles 2j+1. Written
+    in Q4_K_ORDER, all 128 low nibbles of a block then the high ones, so that each pass runs 128 bytes at a
+    time and the cast once over the whole buffer; x, the scales and the lows are taken in the same order."""
+    qs = raw.reshape(len(raw), -1, 144)[..., 16:]                            # (n, nb, 128)
+    u = scratch.reshape(*qs.shape[:2], 2, 128)                                 # (n, nb, low | high, 128)
+    np.bitwise_and(qs, 0x0F, out=u[:, :, 0])
+    np.right_shift(qs, 4, out=u[:, :, 1])
+    np.copyto(out, scratch, casting="unsafe")
 
 
 def q6_k_fields(raw):
@@ -390,18 +397,24 @@ def q6_k_ints(raw, out, scratch):
     np.copyto(out, scratch, casting="unsafe")
 
 
-# qtype -> (S, fields, scales, ints)
-AFFINE = {"Q8_0": (32, q8_0_fields, q8_0_scales, q8_0_ints), "Q4_0": (32, q4_0_fields, q4_0_scales, q4_0_ints),
-          "Q4_K": (32, q4_k_fields, q4_k_scales, q4_k_ints), "Q6_K": (16, q6_k_fields, q6_k_scales, q6_k_ints)}
+# qtype -> (S, fields, scales, ints, the order of the sub-blocks of a block in the buffer)
+AFFINE = {"Q8_0": (32, q8_0_fields, q8_0_scales, q8_0_ints, None),
+          "Q4_0": (32, q4_0_fields, q4_0_scales, q4_0_ints, None),
+          "Q4_K": (32, q4_k_fields, q4_k_scales, q4_k_ints, Q4_K_ORDER),
+          "Q6_K": (16, q6_k_fields, q6_k_scales, q6_k_ints, None)}
 
 
 def sub_block_linear(x, w: "Ggml"):
     """x @ W^T for a few rows x (T, in) -> (T, out), from the integers and the sub-blocks' scales."""
     T, (n_out, n_in) = x.shape[0], w.shape
-    S, _, scales, ints = AFFINE[w.format]
+    S, _, scales, ints, order = AFFINE[w.format]
     ns = n_in // S                                                             # sub-blocks per row
-    sums = x.reshape(T, ns, S).sum(axis=2)                                     # (T, ns): sum(x_s)
-    xs = np.ascontiguousarray(x.reshape(T, ns, S).transpose(1, 2, 0))          # (ns, S, T)
+    xb = x.reshape(T, ns, S)                                                   # (T, ns, S)
+    if order is not None:                                                      # the buffer's order of sub-blocks
+        block = len(order)
+        xb = xb.reshape(T, -1, block, S)[:, :, order].reshape(T, ns, S)
+    sums = xb.sum(axis=2)                                                      # (T, ns): sum(x_s)
+    xs = np.ascontiguousarray(xb.transpose(1, 2, 0))                           # (ns, S, T)
     step = min(block_rows(n_in), n_out)
     buf = np.empty((step, ns, S), dtype=np.float32)                            # (rows, ns, S), reused
     scratch = np.empty((step, ns, S), dtype=np.uint8)                          # unpacked nibbles, reused
