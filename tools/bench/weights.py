@@ -175,7 +175,7 @@ def run(engine, args, rng) -> dict:
     reference = steps(base, args)
     out = {"weights_bytes_float32": total_bytes(base.model.weights)}
     for fmt in formats:
-        llm = npqwen.load(checkpoint(fmt, L))                  # as stored
+        llm = npqwen.load(checkpoint(fmt, L), weights="stored")   # as stored (a bfloat16 file loads as float32 by default)
         out[f"weights_bytes_{fmt}"] = total_bytes(llm.model.weights)
         for kind, ours, theirs in zip(("decode", "prefill", "batched"), steps(llm, args), reference):
             t32, t = side_by_side(theirs, ours, args.weights_steps)
