@@ -14,7 +14,7 @@ widening is paid once per block and shared by every row of x (a prefill of 512 t
     fp8        float8 e4m3 (uint8) + one scale per 128x128 block   a 256-entry table, times the block's scale
     int8       int8 + one float32 scale per row                    a cast; the scale multiplies the output
     Q8_0 ...   ggml blocks (npqwen/quants.py: llama.cpp's)         quants.dequantize_rows; for decoding,
-                                                                  products per sub-block (block_dot_linear)
+                                                                  products per sub-block (sub_block_linear)
 
 Every class has the same few members: `shape`, `nbytes`, `format`, `linear(x)`, `linear_backward(d_y)` (d_y @ W,
 the input's gradient through a frozen weight, by the same blocks: QLoRA), `take(ids)` (an embedding lookup that
@@ -258,8 +258,8 @@ class Ggml(Compact):
                               f"(blocks of {block} values in {size} bytes), got {raw.shape[1]}")
         self.format, self.storage = qtype, raw     # raw: (out, in/block * size) uint8
         self.shape = (raw.shape[0], n_in)
-        # the sub-blocks' scale fields, decoded once for decoding's products (block_dot_linear): 2-4 bytes per 32
-        self.fields = AFFINE[qtype][0](raw) if qtype in AFFINE and xp_of(raw) is np else ()
+        # the sub-blocks' scale fields, decoded once for the products per sub-block (sub_block_linear)
+        self.fields = AFFINE[qtype][1](raw) if qtype in AFFINE and xp_of(raw) is np else ()
 
     @classmethod
     def quantize(cls, qtype: str, w):
@@ -277,11 +277,13 @@ class Ggml(Compact):
         quants.dequantize_rows(self.format, self.storage[rows], out)
 
     def linear(self, x):
-        """x @ W^T. A few rows of x (decoding) and a format whose sub-blocks are affine (Q8_0, Q4_0, Q4_K):
-        block_dot_linear, which never scales the widened values; else Compact's widen-then-matmul."""
-        if x.shape[0] > BLOCK_DOT_ROWS or not self.fields:
+        """x @ W^T. A few rows of x: sub_block_linear, which widens the integers only and applies the scales
+        to the products; more rows, or no fields (Q5_K, F16, BF16, F32, arrays on a GPU): Compact's
+        widen-then-matmul on quants.py's rule for each block, the reference."""
+        few = 1 if self.format == "Q6_K" else BLOCK_DOT_ROWS   # Q6_K: see BLOCK_DOT_ROWS
+        if x.shape[0] > few or not self.fields:
             return Compact.linear(self, x)
-        return block_dot_linear(x, self)
+        return sub_block_linear(x, self)
 
     def rows(self, sel):
         return Ggml(self.format, self.storage[sel], self.shape[1])
@@ -293,28 +295,35 @@ class Ggml(Compact):
         return Ggml(self.format, xp_of(self.storage).ascontiguousarray(part), b - a)
 
 
-# ---------------------------------------------------------------- decoding from ggml blocks: products per sub-block
-# Q8_0, Q4_0 and Q4_K are affine in each sub-block b of S = 32 values: w = scale_b * q - min_b, q a small integer.
-# Widening a block then scaling it costs a NumPy pass with an inner loop of 32 values per sub-block, which
-# measured 5-10x the matmul itself. So for up to BLOCK_DOT_ROWS rows of x, the integers alone are widened, laid
-# out sub-block first, and one batched matmul gives each sub-block's dot product with x; then
-#     x . w_r = sum_b scale_rb * (q_rb . x_b) - sum_b min_rb * sum(x_b),
-# the scales applied to (sub-blocks, rows, T) products, S times fewer values than the weights.
-BLOCK_DOT_ROWS = 64
+# ---------------------------------------------------------------- ggml blocks: products per sub-block
+# Every ggml format npqwen reads is affine in each sub-block s of S values (S = 32; 16 for Q6_K):
+#     w = scale_s * q - low_s,   q a small integer packed in the block's bytes,
+# so  x . w_r = sum_s scale_rs * (q_rs . x_s) - sum_s low_rs * sum(x_s).
+# Scaling a widened buffer 32 values at a time costs NumPy a call per 32 values, several times the matmul
+# itself. So for a few rows of x (decoding, the engine's step: BLOCK_DOT_ROWS) only the integers q are widened
+# (`ints`, per format), one batched matmul over the buffer's sub-blocks gives every product (q_rs . x_s), and
+# the scales and lows are applied to those, S times fewer values than the weights. More rows (a prefill chunk)
+# share one widening: Compact.linear on quants.dequantize_rows, the formats' reference rule (measured: faster
+# there than widening the integers and scaling the buffer, 0.78x against 0.70x float32's speed at Q8_0, 512
+# rows). tests/test_weights.py checks the products against the reference at every format.
+BLOCK_DOT_ROWS = 64   # Q6_K: one row only. Its 16-value sub-blocks make twice the products, and at 32 rows
+                      # widening once ran faster (0.25x against 0.19x float32's speed).
 
 
 def f16_column(raw, type_size: int, first: int):
-    """The float16 at bytes first, first+1 of every block of rows raw (n, nb*type_size) -> (nb, n) float16,
-    sub-block first as the products read them."""
+    """The float16 at bytes first, first+1 of every block of rows raw (n, nb*type_size) -> (nb, n) float32, rows
+    last so that a sub-block's scales for a block of rows are one contiguous run (widened once: 4 bytes per
+    block instead of 2)."""
     halves = np.ascontiguousarray(raw).view(np.float16)                       # (n, nb*type_size/2)
-    return np.ascontiguousarray(halves[:, first // 2::type_size // 2].T)
+    return np.ascontiguousarray(halves[:, first // 2::type_size // 2].T, dtype=np.float32)
 
 
-# Each format in two parts: its sub-blocks' scale fields, decoded once when the weight is made (small: 2-4
-# bytes per 32 values, kept beside the blocks, as `Ggml.fields`; NumPy's cost per call makes them dear to
-# decode in small pieces at every product), turned into float32 scales and mins for a block of rows; and
-# its integers q, written for a block of rows into the buffer laid out (sub-block, row, 32). The rule is
-# quants.dequantize_q8_0 / _q4_0 / _q4_k's, which tests/test_weights.py checks them against.
+# Each format in three small functions: `fields`, its blocks' scale fields decoded once when the weight is made
+# (kept beside the blocks as Ggml.fields, 4-6 bytes per 32 values); `scales`, those fields -> float32 (ns, n)
+# scales and lows (or None) for a block of rows; `ints`, the integers q of a block of rows (n, row bytes)
+# written into float32 `out` (n, ns, S), through `scratch`, a reused uint8 (n, ns, S). The rules are
+# quants.dequantize_q8_0 / _q4_0 / _q4_k / _q6_k's; how each unpacks is what measured fastest (a NumPy pass
+# over whole rows beats one whose inner loop is 16 values, not always one of 32).
 
 def q8_0_fields(raw):
     """block_q8_0: f16 d | int8 q[32]; w = d * q."""
@@ -322,12 +331,11 @@ def q8_0_fields(raw):
 
 
 def q8_0_scales(d):
-    return d.astype(np.float32), None
+    return d, None
 
 
-def q8_0_ints(raw, out):
-    b = raw.reshape(raw.shape[0], -1, 34)
-    np.copyto(out, b[..., 2:].view(np.int8).transpose(1, 0, 2), casting="unsafe")
+def q8_0_ints(raw, out, scratch):
+    np.copyto(out, raw.reshape(len(raw), -1, 34)[..., 2:].view(np.int8), casting="unsafe")   # (n, nb, 32)
 
 
 def q4_0_fields(raw):
@@ -336,65 +344,108 @@ def q4_0_fields(raw):
 
 
 def q4_0_scales(d):
-    d = d.astype(np.float32)
     return d, 8 * d
 
 
-def q4_0_ints(raw, out):
-    qs = raw.reshape(raw.shape[0], -1, 18)[..., 2:].transpose(1, 0, 2)       # (nb, n, 16)
-    np.copyto(out[..., :16], qs & 0x0F, casting="unsafe")
-    np.copyto(out[..., 16:], qs >> 4, casting="unsafe")
+def q4_0_ints(raw, out, scratch):
+    halves = out.reshape(len(raw), -1, 2, 16)                                  # (n, nb, low | high, 16)
+    nibble = scratch.reshape(len(raw), -1)[:, :raw.shape[1]]                   # (n, nb*18): every byte's nibble
+    for half, unpack in enumerate((np.bitwise_and, np.right_shift)):
+        unpack(raw, (0x0F, 4)[half], out=nibble)                              # whole rows at once, scales and all
+        np.copyto(halves[:, :, half], nibble.reshape(len(raw), -1, 18)[..., 2:], casting="unsafe")
+
+
+Q4_K_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]   # the sub-blocks as q4_k_ints lays them out: low nibbles, then high
 
 
 def q4_k_fields(raw):
     """block_q4_K: f16 d | f16 dmin | scales[12] | qs[128]: 8 sub-blocks of 32, w = d*sc_j * q - dmin*m_j;
-    the 6-bit sc and m unpacked (quants.k_scale_min) to one byte each."""
-    n = raw.shape[0]
+    the 6-bit sc and m unpacked (quants.k_scale_min) to one byte each, in Q4_K_ORDER."""
+    n = len(raw)
     sc, m = quants.k_scale_min(raw.reshape(n, -1, 144)[..., 4:16].reshape(-1, 12))   # (n*nb, 8) each
+    sc, m = sc[:, Q4_K_ORDER], m[:, Q4_K_ORDER]
     return (f16_column(raw, 144, 0), f16_column(raw, 144, 2), np.ascontiguousarray(sc.reshape(n, -1).T),
-            np.ascontiguousarray(m.reshape(n, -1).T))                       # (nb, n), (nb, n), (nb*8, n) x 2
+            np.ascontiguousarray(m.reshape(n, -1).T))                       # (nb, n) x 2, (nb*8, n) x 2
 
 
 def q4_k_scales(d, dmin, sc, m):
     n = d.shape[1]
-    scale = d.astype(np.float32)[:, None] * sc.reshape(-1, 8, n)
-    low = dmin.astype(np.float32)[:, None] * m.reshape(-1, 8, n)
-    return scale.reshape(-1, n), low.reshape(-1, n)                         # (nb*8, n): sub-blocks in order
+    scale = d[:, None] * sc.reshape(-1, 8, n)                               # (nb, 8, n)
+    low = dmin[:, None] * m.reshape(-1, 8, n)
+    return scale.reshape(-1, n), low.reshape(-1, n)                         # (nb*8, n), in Q4_K_ORDER
 
 
-def q4_k_ints(raw, out):
-    """Each 32 bytes of qs hold two sub-blocks: the low nibbles sub-block 2j, the high nibbles 2j+1."""
-    n = raw.shape[0]
-    qs = raw.reshape(n, -1, 144)[..., 16:].reshape(n, -1, 4, 32).transpose(1, 2, 0, 3)   # (nb, 4, n, 32)
-    pairs = out.reshape(-1, 4, 2, n, 32)                                    # (nb, 4, low | high, n, 32)
-    np.copyto(pairs[:, :, 0], qs & 0x0F, casting="unsafe")
-    np.copyto(pairs[:, :, 1], qs >> 4, casting="unsafe")
+def q4_k_ints(raw, out, scratch):
+    """Each 32 bytes j of qs hold two sub-blocks: the low nibbles sub-block 2j, the high nibbles 2j+1. Written
+    in Q4_K_ORDER, all 128 low nibbles of a block then the high ones, so that each pass runs 128 bytes at a
+    time and the cast once over the whole buffer; x, the scales and the lows are taken in the same order."""
+    qs = raw.reshape(len(raw), -1, 144)[..., 16:]                            # (n, nb, 128)
+    u = scratch.reshape(*qs.shape[:2], 2, 128)                                 # (n, nb, low | high, 128)
+    np.bitwise_and(qs, 0x0F, out=u[:, :, 0])
+    np.right_shift(qs, 4, out=u[:, :, 1])
+    np.copyto(out, scratch, casting="unsafe")
 
 
-AFFINE = {"Q8_0": (q8_0_fields, q8_0_scales, q8_0_ints), "Q4_0": (q4_0_fields, q4_0_scales, q4_0_ints),
-          "Q4_K": (q4_k_fields, q4_k_scales, q4_k_ints)}
+def q6_k_fields(raw):
+    """block_q6_K: ql[128] | qh[64] | int8 scales[16] | f16 d: 16 sub-blocks of 16, w = d*sc_j * (q - 32)."""
+    n = len(raw)
+    sc = raw.reshape(n, -1, 210)[..., 192:208].view(np.int8).reshape(n, -1)   # (n, nb*16)
+    return f16_column(raw, 210, 208), np.ascontiguousarray(sc.T)              # (nb, n), (nb*16, n)
 
 
-def block_dot_linear(x, w: "Ggml"):
-    """x @ W^T for a few rows x (T, in), from each sub-block's dot products (above); (T, out)."""
-    xp = xp_of(x)
+def q6_k_scales(d, sc):
+    n = d.shape[1]
+    scale = (d[:, None] * sc.reshape(-1, 16, n)).reshape(-1, n)              # (nb*16, n)
+    return scale, 32 * scale
+
+
+def q6_k_ints(raw, out, scratch):
+    """Each half of 128 values takes 64 bytes of ql and 32 of qh: values v, v+32, v+64, v+96 (v < 32) take the
+    low nibble of ql[v], of ql[v+32], the high nibble of ql[v], of ql[v+32], and bits 0-1, 2-3, 4-5, 6-7 of
+    qh[v] as their top two bits."""
+    n = len(raw)
+    b = raw.reshape(n, -1, 210)
+    ql, qh = b[..., :128].reshape(n, -1, 2, 2, 32), b[..., 128:192].reshape(n, -1, 2, 1, 32)
+    u = scratch.reshape(*ql.shape[:3], 2, 2, 32)                               # (n, nb, half, low | high, 2, 32)
+    np.bitwise_and(ql, 0x0F, out=u[:, :, :, 0])
+    np.right_shift(ql, 4, out=u[:, :, :, 1])
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]                  # (4, 1)
+    scratch.reshape(n, -1, 2, 4, 32)[...] |= ((qh >> shifts) & 3) << 4        # (n, nb, 2, 4, 32): 0..63
+    np.copyto(out, scratch, casting="unsafe")
+
+
+# qtype -> (S, fields, scales, ints, the order of the sub-blocks of a block in the buffer)
+AFFINE = {"Q8_0": (32, q8_0_fields, q8_0_scales, q8_0_ints, None),
+          "Q4_0": (32, q4_0_fields, q4_0_scales, q4_0_ints, None),
+          "Q4_K": (32, q4_k_fields, q4_k_scales, q4_k_ints, Q4_K_ORDER),
+          "Q6_K": (16, q6_k_fields, q6_k_scales, q6_k_ints, None)}
+
+
+def sub_block_linear(x, w: "Ggml"):
+    """x @ W^T for a few rows x (T, in) -> (T, out), from the integers and the sub-blocks' scales."""
     T, (n_out, n_in) = x.shape[0], w.shape
-    nb = n_in // 32
-    _, scales, ints = AFFINE[w.format]
-    xb = xp.ascontiguousarray(x.T).reshape(nb, 32, T)                          # (sub-blocks, 32, T)
-    sums = xb.sum(axis=1)                                                      # (nb, T): sum(x_b)
+    S, _, scales, ints, order = AFFINE[w.format]
+    ns = n_in // S                                                             # sub-blocks per row
+    xb = x.reshape(T, ns, S)                                                   # (T, ns, S)
+    if order is not None:                                                      # the buffer's order of sub-blocks
+        block = len(order)
+        xb = xb.reshape(T, -1, block, S)[:, :, order].reshape(T, ns, S)
+    sums = xb.sum(axis=2)                                                      # (T, ns): sum(x_s)
+    xs = np.ascontiguousarray(xb.transpose(1, 2, 0))                           # (ns, S, T)
     step = min(block_rows(n_in), n_out)
-    buf = xp.empty((nb, step, 32), dtype=np.float32)                           # reused: sub-block first
-    y = xp.empty((n_out, T), dtype=np.float32)
+    buf = np.empty((step, ns, S), dtype=np.float32)                            # (rows, ns, S), reused
+    scratch = np.empty((step, ns, S), dtype=np.uint8)                          # unpacked nibbles, reused
+    y = np.empty((n_out, T), dtype=np.float32)
     for a in range(0, n_out, step):
         b = min(a + step, n_out)
-        scale, low = scales(*(f[:, a:b] for f in w.fields))                    # (nb, n) float32 each, low or None
-        ints(w.storage[a:b], buf[:, :b - a])                                   # (nb, n, 32) float32
-        dots = xp.matmul(buf[:, :b - a], xb)                                   # (nb, n, 32) @ (nb, 32, T)
-        y[a:b] = xp.einsum("bnt,bn->nt", dots, scale)                          # sum_b scale * (q . x_b)
+        q = buf[:b - a]                                                        # (n, ns, S)
+        ints(w.storage[a:b], q, scratch[:b - a])
+        scale, low = scales(*(f[:, a:b] for f in w.fields))                   # (ns, n) float32 each, low or None
+        dots = np.matmul(q.transpose(1, 0, 2), xs)                             # (ns, n, S) @ (ns, S, T) -> (ns, n, T)
+        y[a:b] = np.einsum("snt,sn->nt", dots, scale)                          # sum_s scale * (q . x_s)
         if low is not None:
-            y[a:b] -= low.T @ sums                                             # sum_b min * sum(x_b)
-    return xp.ascontiguousarray(y.T)
+            y[a:b] -= low.T @ sums.T                                           # (n, ns) @ (ns, T): sum_s low * sum(x_s)
+    return np.ascontiguousarray(y.T)
 
 
 def check_block_columns(weight, sel: slice, block: int) -> tuple[int, int]:
@@ -495,7 +546,7 @@ def bytes_per_value(fmt: str) -> float:
     """Stored bytes per weight value of a format (scales included), for sizes before anything is read."""
     if fmt in GGML:   # the blocks, and the scale fields decoded beside them for decoding (Ggml.fields)
         block, size = quants.BLOCKS[GGML[fmt]]
-        return (size + {"Q8_0": 2, "Q4_0": 2, "Q4_K": 20}.get(GGML[fmt], 0)) / block
+        return (size + {"Q8_0": 4, "Q4_0": 4, "Q4_K": 24}.get(GGML[fmt], 0)) / block
     return {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1 + 4 / FP8_BLOCK, "int8": 1}[fmt]
 
 

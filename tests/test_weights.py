@@ -279,12 +279,14 @@ def test_quantize_writes_a_checkpoint_npqwen_loads_as_stored(fmt, blocky_dir, tm
     assert "weights in memory by --weights format" in shown
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K"])
-def test_decoding_by_sub_block_products_equals_the_widened_product(qtype):
-    from npqwen.weights import BLOCK_DOT_ROWS, Compact
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+def test_products_per_sub_block_equal_the_widened_product(qtype):
+    from test_quants import random_blocks
 
-    w = Ggml.quantize(qtype, np.random.default_rng(5).standard_normal((300, 512)).astype(np.float32))
-    for T in (1, 5, BLOCK_DOT_ROWS):
+    from npqwen.weights import Compact
+
+    w = Ggml(qtype, random_blocks(qtype, np.random.default_rng(5), 300, 512), 512)
+    for T in (1, 5, 64):                                 # products per sub-block (Q6_K: at T=1)
         x = np.random.default_rng(T).standard_normal((T, 512)).astype(np.float32)
         want = Compact.linear(w, x)                      # widened by quants.dequantize_rows, then one matmul
         assert_close(w.linear(x), want, 1e-5, f"{qtype} T={T}")

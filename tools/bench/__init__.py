@@ -74,6 +74,8 @@ Suites (--suites, comma-separated, or all; the default is prefill,decode):
               at the Qwen3-0.6B shape: batch-1 decode, a prefill, a batched decode step, as speed ratios; with
               --weights-memory each format's peak RSS after load and after a 1,024-token generation
               (random checkpoints written in each format, its own; run it alone: --suites weights).
+              With --engines npqwen,llama.cpp also npqwen's prefill and decode tokens/s over llama.cpp's
+              (node-llama-cpp's prebuilt) on the same GGUF files; skipped with the reason where absent.
     scale_out npqwen on Ray Serve (npqwen/ray.py) on a two-node Ray cluster on this machine: conversations of
               several turns through one replica, two routed by prefix, two in round robin: the share of prompt
               tokens from the prefix caches and output tokens/s (target: two by prefix keep >= 80% of one's

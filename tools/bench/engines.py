@@ -7,8 +7,9 @@ import time
 from pathlib import Path
 
 ENGINES = ("npqwen", "hf-float32", "hf-bfloat16")       # the default set
-# Every engine --engines takes: hf-float16 too, HF's native dtype on a GPU (on a CPU torch has no fast float16).
-KNOWN_ENGINES = ENGINES + ("hf-float16",)
+# Every engine --engines takes: hf-float16 too, HF's native dtype on a GPU (on a CPU torch has no fast float16);
+# llama.cpp, node-llama-cpp's prebuilt library, for the weights suite alone (on GGUF files of its own).
+KNOWN_ENGINES = ENGINES + ("hf-float16", "llama.cpp")
 PEERS = ("hf-bfloat16", "hf-float32", "hf-float16")     # npqwen's figures are ratios over these, where they ran
 CACHE_DIR = Path(os.environ.get("NPQWEN_CACHE", Path.home() / ".cache" / "npqwen"))
 
@@ -72,6 +73,8 @@ def builtin_checkpoint(name: str) -> Path:
 
 def load_engine(args):
     """The engine this worker measures (args.worker names it), loaded once for all its suites."""
+    if args.worker == "llama.cpp":
+        raise SystemExit("the llama.cpp engine runs the weights suite only: --suites weights")
     return NpqwenEngine(args) if args.worker == "npqwen" else HFEngine(args)
 
 

@@ -6,7 +6,14 @@ Each figure is the format's speed over float32's (float32's time / the format's)
 the median of --weights-steps; a shared machine moves both alike. With --weights-memory, each format's peak
 RSS in a process of its own at the whole 0.6B shape: after loading, and after a context of --weights-generate
 positions (a prompt, then 16 tokens generated). Every checkpoint is random, written once in its own format
-(never through float32)."""
+(never through float32).
+
+With the engine `llama.cpp` (--engines npqwen,llama.cpp: node-llama-cpp's prebuilt CPU library, which
+tools/fetch_node_llama_cpp.sh installs) the same random 0.6B shape with --weights-layers layers is written once
+as GGUF files by llama.cpp's own converter and quantizer (tools/gguf_measure.py: Q8_0, Q4_0 and Q4_K_M, which
+keeps lm_head and some down_proj in Q6_K), and npqwen and llama.cpp each run every file: a --weights-prefill
+token prefill, then --weights-decode tokens decoded, --threads threads each; the figures are npqwen's tokens/s
+over llama.cpp's. Where node, the library or the tokenizer files are absent it is skipped, with the reason."""
 import json
 import math
 import statistics
@@ -19,6 +26,7 @@ NAME, WORKER, NEEDS = "weights", "single", ()
 OWN_MODEL = True      # its worker writes and loads checkpoints of its own, in each format
 FORMATS = ("bfloat16", "int8", "q8_0", "q4_0", "q4_k")
 DECODE_TARGETS = {"int8": 0.9, "q8_0": 0.9, "bfloat16": 0.6, "q4_0": 0.5, "q4_k": 0.5}
+GGUF_FILES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K_M"}   # --weights-formats -> llama.cpp's file of it
 TARGETS = [(f"weights_{kind}_{f}_vs_float32", ">=", DECODE_TARGETS[f] if kind == "decode" else 0.85,
             f"{kind}, {f}: speed vs float32") for kind in ("decode", "prefill", "batched") for f in FORMATS]
 
@@ -37,10 +45,11 @@ def add_arguments(p):
                    help="weights: also Qwen3-8B's real shape in Q4_K and Q8_0, written, measured, deleted, one at a time")
     p.add_argument("--weights-8b-context", type=int, default=80,
                    help="weights: the 8B shape's context (its last 4 positions generated)")
+    p.add_argument("--weights-decode", type=int, default=16, help="weights, engine llama.cpp: tokens decoded")
 
 
 def runs_on(engine, args) -> bool:
-    return engine == "npqwen"
+    return engine in ("npqwen", "llama.cpp")
 
 
 # ---------------------------------------------------------------------------- random checkpoints, each format
@@ -162,13 +171,15 @@ def run(engine, args, rng) -> dict:
     import npqwen
     from npqwen.weights import total_bytes
 
+    if engine == "llama.cpp":
+        return {"weights": against_llama_cpp(args)}
     formats = [f for f in args.weights_formats.split(",") if f]
     L = args.weights_layers
     base = npqwen.load(checkpoint("float32", L), weights="float32")
     reference = steps(base, args)
     out = {"weights_bytes_float32": total_bytes(base.model.weights)}
     for fmt in formats:
-        llm = npqwen.load(checkpoint(fmt, L))                  # as stored
+        llm = npqwen.load(checkpoint(fmt, L), weights="stored")   # as stored (a bfloat16 file loads as float32 by default)
         out[f"weights_bytes_{fmt}"] = total_bytes(llm.model.weights)
         for kind, ours, theirs in zip(("decode", "prefill", "batched"), steps(llm, args), reference):
             t32, t = side_by_side(theirs, ours, args.weights_steps)
@@ -185,6 +196,49 @@ def run(engine, args, rng) -> dict:
             got = memory_8b(fmt, args.weights_8b_context, CACHE_DIR, decode=4)
             out.update({f"weights_8b_rss_{k}_{fmt}": v for k, v in got.items()})
     return {"weights": out}
+
+
+# ---------------------------------------------------------------------------- llama.cpp on the same GGUF files
+
+def llama_cpp_missing() -> str:
+    """Why the llama.cpp engine cannot run here; empty where it can."""
+    import shutil
+
+    from tools import llama_cpp
+
+    if shutil.which("node") is None:
+        return "node is not installed"
+    if not (llama_cpp.BINS / "libllama.v0.4.0.so").is_file() or not (llama_cpp.SOURCE / "convert_hf_to_gguf.py").is_file():
+        return f"node-llama-cpp is not in {llama_cpp.NODE_LLAMA_CPP} (tools/fetch_node_llama_cpp.sh)"
+    if not (llama_cpp.ROOT / ".cache" / "qwen3-tokenizer" / "tokenizer.json").is_file():
+        return "the Qwen3 tokenizer files are not in .cache/qwen3-tokenizer (tools/fetch_qwen3_tokenizer.sh)"
+    return ""
+
+
+def against_llama_cpp(args) -> dict:
+    """npqwen's prefill and decode tokens/s over llama.cpp's, both on the same GGUF file of each ggml format."""
+    from threadpoolctl import threadpool_limits
+
+    import npqwen
+    from tools import gguf_measure
+
+    missing = llama_cpp_missing()
+    if missing:
+        return {"llama_cpp_skipped": missing}
+    threadpool_limits(args.threads)
+    paths = gguf_measure.files(args.weights_layers)          # written once: converted, then quantized by llama.cpp
+    out = {}
+    for fmt in [f for f in args.weights_formats.split(",") if f in GGUF_FILES]:
+        path = paths[GGUF_FILES[fmt]]
+        llm = npqwen.load(path)
+        ours = gguf_measure.npqwen_speed(llm, args.weights_prefill, args.weights_decode)
+        del llm
+        theirs = gguf_measure.llama_cpp_speed(path, args.threads, args.weights_prefill, args.weights_decode)
+        for kind in ("prefill", "decode"):
+            out[f"weights_npqwen_gguf_{kind}_{fmt}_tps"] = ours[f"{kind}_tps"]
+            out[f"weights_llama_cpp_{kind}_{fmt}_tps"] = theirs[f"{kind}_tps"]
+            out[f"weights_{kind}_{fmt}_vs_llama_cpp"] = ours[f"{kind}_tps"] / theirs[f"{kind}_tps"]
+    return out
 
 
 # ---------------------------------------------------------------------------- memory, a process per format
@@ -249,8 +303,11 @@ def vm_hwm() -> int:
 
 def figures(report) -> dict:
     ours = report["engines"].get("npqwen", {}).get("weights", {})
-    return {k: v for k, v in ours.items() if not k.endswith("_s") and not k.startswith(("weights_bytes",
-                                                                                        "weights_rss", "weights_8b"))}
+    theirs = report["engines"].get("llama.cpp", {}).get("weights", {})
+    return {**{k: v for k, v in ours.items() if not k.endswith("_s") and not k.startswith(("weights_bytes",
+                                                                                           "weights_rss",
+                                                                                           "weights_8b"))},
+            **{k: v for k, v in theirs.items() if k.endswith("_vs_llama_cpp")}}
 
 
 def rows(report) -> list:
@@ -259,8 +316,10 @@ def rows(report) -> list:
 
 def tables(report) -> list:
     ours = report["engines"].get("npqwen", {}).get("weights", {})
-    if not ours:
-        return []
+    return (float32_table(ours) if ours else []) + llama_cpp_table(report)
+
+
+def float32_table(ours) -> list:
     formats = ["float32"] + [k[len("weights_bytes_"):] for k in ours if k.startswith("weights_bytes_")][1:]
 
     def cell(key, fmt="{:.2f}"):
@@ -277,8 +336,23 @@ def tables(report) -> list:
     return [(formats, body)]
 
 
+def llama_cpp_table(report) -> list:
+    theirs = report["engines"].get("llama.cpp", {}).get("weights", {})
+    ggml = [f for f in GGUF_FILES if f"weights_decode_{f}_vs_llama_cpp" in theirs]
+
+    def against(kind, f):   # "0.25 (3.1 / 12.4)": the ratio, then npqwen's and llama.cpp's tokens/s
+        ratio, ours, them = (theirs[f"weights_{kind}_{f}_vs_llama_cpp"], theirs[f"weights_npqwen_gguf_{kind}_{f}_tps"],
+                             theirs[f"weights_llama_cpp_{kind}_{f}_tps"])
+        return f"{ratio:.2f} ({ours:.1f} / {them:.1f})"
+
+    body = [(f"{kind}, npqwen / llama.cpp tokens/s", [against(kind, f) for f in ggml]) for kind in ("decode", "prefill")]
+    return [(["the same GGUF file"] + [GGUF_FILES[f] for f in ggml], body)] if ggml else []
+
+
 def notes(report) -> list[str]:
     ours = report["engines"].get("npqwen", {}).get("weights", {})
-    return [f"Qwen3-8B's shape, 36 layers, {fmt}: peak RSS {ours[f'weights_8b_rss_load_{fmt}'] / 1e9:.2f} GB after "
-            f"loading, {ours[f'weights_8b_rss_generate_{fmt}'] / 1e9:.2f} GB after its context"
-            for fmt in ("q4_k", "q8_0") if f"weights_8b_rss_load_{fmt}" in ours]
+    lines = [f"Qwen3-8B's shape, 36 layers, {fmt}: peak RSS {ours[f'weights_8b_rss_load_{fmt}'] / 1e9:.2f} GB after "
+             f"loading, {ours[f'weights_8b_rss_generate_{fmt}'] / 1e9:.2f} GB after its context"
+             for fmt in ("q4_k", "q8_0") if f"weights_8b_rss_load_{fmt}" in ours]
+    skipped = report["engines"].get("llama.cpp", {}).get("weights", {}).get("llama_cpp_skipped")
+    return lines + ([f"weights: the llama.cpp engine was skipped: {skipped}"] if skipped else [])
