@@ -30,7 +30,7 @@ from .config import Qwen3Config
 from .errors import NpqwenError
 from .parallel import shard_shape
 from .weights import (FP8, BFloat16, Float16, Ggml, Int8, Rows, as_array, bf16_bits_to_float32, bytes_per_value,
-                      fits_format, float32_to_bf16_bits, join_rows, quantize, with_arrays)
+                      fits_format, float32_to_bf16_bits, is_compact, join_rows, quantize, with_arrays)
 
 # safetensors dtype -> (NumPy dtype of the stored bits, bytes per element): the ones npqwen reads
 STORED_DTYPES = {"BF16": (np.uint16, 2), "F16": (np.float16, 2), "F32": (np.float32, 4)}
@@ -653,11 +653,18 @@ def stored_weight(found: dict, name: str, part=None):
         w = mapped(info, np.float32)
     if part is None:
         return w
-    rows, columns = part[0], part[1] if len(part) > 1 else slice(None)
     if isinstance(w, np.ndarray):   # (an F32 matrix)
-        return w[rows][:, columns]
-    w = w.rows(rows)
-    return w if columns == slice(None) else w.columns(columns)
+        return w[part[0]][:, part[1] if len(part) > 1 else slice(None)]
+    return rank_part(w, part)
+
+
+def rank_part(w, part):
+    """A rank's part (parallel.shards' rows, columns) of a whole tensor: a compact matrix's rows, then its columns
+    on whole blocks; an array's by indexing."""
+    if not is_compact(w):
+        return w[part]
+    w = w.rows(part[0])
+    return w if len(part) < 2 or part[1] == slice(None) else w.columns(part[1])
 
 
 def read_small(info: TensorInfo) -> np.ndarray:
@@ -762,11 +769,18 @@ def to_device(w, xp):
     return xp.asarray(w) if isinstance(w, np.ndarray) else with_arrays(w, [xp.asarray(a) for a in w.arrays])
 
 
-def compact_weights(config: Qwen3Config, arrays: dict, fmt: str, xp) -> tuple[dict, dict]:
-    """Weights made in memory (the built-in tiny models) with their matrices converted to `fmt`."""
+def compact_weights(config: Qwen3Config, arrays: dict, fmt: str, xp, parts: dict | None = None) -> tuple[dict, dict]:
+    """Weights made in memory (the built-in tiny models) with their matrices converted to `fmt`. With `parts`
+    (tensor parallelism: HF name -> (rows, columns), see parallel.shards) the whole tensors are then cut to this
+    rank's part: a matrix is converted whole first, so a rank's columns (o_proj, down_proj, out_proj) keep one
+    process's int8 row scales and ggml blocks, not scales of their own."""
     from .backend import to_numpy
-    weights = {name: compact(to_numpy(a), fmt, xp) if is_matrix(name) else a for name, a in arrays.items()
-               if not (name == "lm_head.weight" and config.tie_word_embeddings)}
+    weights = {}
+    for name, a in arrays.items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        w = compact(to_numpy(a), fmt, xp) if is_matrix(name) else a
+        weights[name] = w if parts is None else rank_part(w, parts[name])
     return tie_lm_head(config, weights), stack_compact(config, weights)
 
 

@@ -132,16 +132,19 @@ def tiny_model(device: str = "cpu", dtype: str = "float32", name: str = "tiny", 
     rng = np.random.default_rng(SEED)
     for name, array in weights.items():   # checkpoint order, so the values never depend on the device
         array[...] = xp.asarray(random_value(name, rng.standard_normal(array.shape), config))
+    parts = None
     if comm is not None and comm.size > 1:   # made whole, then cut: it is tiny
         check_split(config, comm.size)
         shapes = expected_shapes(config)
         parts = shards(config, shapes, comm.size, comm.rank)
-        whole, (weights, fused) = weights, allocate_weights(
-            config, xp, np.dtype(dtype), {name: shard_shape(shape, parts[name]) for name, shape in shapes.items()})
-        take_shards(whole, parts, weights)
-    weights = tie_lm_head(config, weights)
     if weights_format(fmt, {}, {}, xp, dtype) not in ("float32", "stored"):   # "auto": float32, it is tiny
-        weights, fused = compact_weights(config, weights, fmt, xp)
+        weights, fused = compact_weights(config, weights, fmt, xp, parts)     # converted whole, then cut
+    else:
+        if parts is not None:
+            whole, (weights, fused) = weights, allocate_weights(
+                config, xp, np.dtype(dtype), {name: shard_shape(shape, parts[name]) for name, shape in shapes.items()})
+            take_shards(whole, parts, weights)
+        weights = tie_lm_head(config, weights)
     if config.qwen4_exp:   # its PLE tables, in memory (a checkpoint's stay on disk); its own model class
         from .checkpoint import ple_table_shapes
         from .qwen4_exp import Qwen4Exp

@@ -303,6 +303,20 @@ def test_two_ranks_keep_their_rows_compact_and_compute_what_one_process_does(npq
     assert shapes[1]["model.layers.0.self_attn.o_proj.weight"] == [64, 2 * 32]   # its 2 heads' columns only
 
 
+def test_two_ranks_of_the_built_in_qwen3_5_convert_whole_matrices_then_keep_their_rows_and_columns(tmp_path):
+    # tiny-qwen3.5 is made in memory: each rank must convert a matrix whole before it takes its part, or its
+    # columns of out_proj / o_proj / down_proj get int8 row scales of their own (logits 9e-3 off one process's)
+    pytest.importorskip("mpi4py")
+    from test_parallel import assert_same, probe
+
+    one = probe("tiny-qwen3.5", tmp_path / "one", 0, "--weights", "int8", "--lengths", "1,17")[0]
+    ranks = probe("tiny-qwen3.5", tmp_path / "tp", 2, "--weights", "int8", "--lengths", "1,17")
+    assert_same(one, ranks, npqwen.load("tiny-qwen3.5").config)
+    shapes = json.loads(str(ranks[1]["shapes"]))
+    assert shapes["model.layers.0.linear_attn.in_proj_qkv.weight"] == [2 * 16, 16]   # its q, k, v rows only
+    assert shapes["model.layers.0.linear_attn.out_proj.weight"] == [16, 16]          # its value heads' columns
+
+
 def test_a_split_off_the_block_boundaries_is_refused_with_what_to_do():
     w = Ggml.quantize("Q8_0", np.ones((4, 96), np.float32))
     assert w.columns(slice(32, 96)).shape == (4, 64)
