@@ -272,6 +272,7 @@ def test_10_mb_inputs_are_refused_by_their_size_at_once():
             message = answer["error"]["message"] if "error" in answer and isinstance(answer["error"], dict) else answer
             print(f"\n{path}, 10 MB: {status} in {seconds:.2f} s: {str(message)[:120]}")
             assert status == 400 and "so at least" in str(message), answer
+            assert str(message).startswith(("input has", "input[1] has", "messages[0].content has")), answer
             assert seconds < 1, seconds
         done.set()
         poller.join(10)
