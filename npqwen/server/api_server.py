@@ -41,8 +41,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..errors import NpqwenError
 from ..rerank import no_yes_ids
 from .engine_loop import EngineLoop
-from .http import (DEFAULT_MAX_BODY_BYTES, APIKey, BodyLimit, HeadAsGet, JSONBodies, add_error_handlers, openapi_schema,
-                   page, page_file)
+from .http import (DEFAULT_MAX_BODY_BYTES, APIKey, BigBodies, BodyLimit, HeadAsGet, JSONBodies, add_error_handlers,
+                   openapi_schema, page, page_file)
 from .metrics import Metrics
 from .protocol import (AttentionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        EmbeddingRequest, ExpertsRequest, FeaturesRequest, LoraAdapterRequest, RerankRequest,
@@ -112,6 +112,8 @@ def create_app(llm, engine, model_name: str, api_key: str | None = None, max_que
     app.state.pooling, app.state.probes, app.state.tokenization = pooling, probes, tokenization
     app.state.messages = messages
     app.add_middleware(HeadAsGet)   # innermost: the routes see a GET, the key check sees the request as sent
+    if workers.tokenizer_process is not None:   # inside BodyLimit: a body over the limit is a 413 first
+        app.add_middleware(BigBodies, process=workers.tokenizer_process, context=llm.config.max_position_embeddings)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(JSONBodies)
     if api_key:

@@ -1,6 +1,7 @@
 """The HTTP layer under the handlers: the web page's files, server-sent events, OpenAI's error
 shape for every error (FastAPI's own included; Anthropic's on /v1/messages), the /openapi.json
-schema, and three ASGI middlewares (a body-size limit, JSON bodies whatever their Content-Type, the API key).
+schema, and ASGI middlewares (HEAD as GET, a body-size limit, a big body checked in the tokenizer process,
+JSON bodies whatever their Content-Type, the API key).
 """
 import functools
 import json
@@ -19,6 +20,7 @@ from .protocol import APIError
 from .protocol_messages import ANTHROPIC_ERROR, anthropic_error
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # a bigger body is a 413
+BIG_BODY_BYTES = 256 * 1024                # a bigger body is first read in the tokenizer process (BigBodies)
 STATIC = Path(__file__).parent / "static"   # the web page: plain files, no build step
 PAGE_FILES = {"app.js": "text/javascript", "markdown.js": "text/javascript", "style.css": "text/css"}
 OPEN_PATHS = ("/health", "/version", "/metrics", "/", "/openapi.json", "/docs",   # answered without the API key
@@ -295,6 +297,42 @@ class BodyLimit:
 
     def too_large(self) -> APIError:
         return APIError(413, f"the request body is over {self.limit} bytes", None, "request_too_large")
+
+
+class BigBodies:
+    """ASGI middleware: a body over BIG_BODY_BYTES (by its Content-Length) is parsed first in the
+    tokenizer process, not here: json.loads of 10 MB holds the GIL and the event loop for ~40 ms
+    (400 ms on a busy machine), and every /health and stream waits that long. A string in it that
+    cannot fit the context (tokenizer_process.check_body) is refused there and then; a body that
+    might fit goes on to the routes, which parse it again."""
+
+    def __init__(self, app, process, context: int):
+        self.app, self.process, self.context = app, process, context   # process: a TokenizerProcess
+
+    async def __call__(self, scope, receive, send):
+        length = dict(scope.get("headers", ())).get(b"content-length", b"")
+        if scope["type"] != "http" or scope["method"] != "POST" or int(length or 0) <= BIG_BODY_BYTES:
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:   # kept as the chunks came: joining 10 MB here would be a stall of its own
+            message = await receive()
+            if message["type"] != "http.request":   # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        too_long = await self.process.too_long(list(chunks), self.context)
+        if too_long is not None:
+            param, chars, fewest = too_long
+            e = APIError(400, f"{param} has {chars} characters, so at least {fewest} tokens, but this model's "
+                              f"context is {self.context} tokens; shorten it", param, "context_length_exceeded")
+            return await error_response(e, scope["path"])(scope, receive, send)
+
+        async def replay():   # the body again, chunk by chunk, then whatever comes next (a disconnect)
+            if chunks:
+                body = chunks.pop(0)
+                return {"type": "http.request", "body": body, "more_body": bool(chunks)}
+            return await receive()
+        await self.app(scope, replay, send)
 
 
 class JSONBodies:

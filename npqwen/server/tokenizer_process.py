@@ -10,6 +10,8 @@ a long text is tokenized in one child process, which gives its memory back after
 tokenize in worker processes. The child is started on the first long text, by spawning a fresh
 interpreter (forking a process that runs threads is unsafe), and ends when the server's process ends.
 """
+import asyncio
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -32,20 +34,40 @@ class TokenizerProcess:
         self.pool: ProcessPoolExecutor | None = None
         self.lock = threading.Lock()
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def start(self) -> ProcessPoolExecutor:
+        """The child's pool, started on first use."""
         with self.lock:
             if self.pool is None:
                 self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
                                                 initializer=load, initargs=(self.tokenizer.backend.to_str(),))
-            pool = self.pool
+            return self.pool
+
+    def stopped(self, pool: ProcessPoolExecutor):
+        """The child died (killed for its memory?): the next long text starts another."""
+        with self.lock:
+            if self.pool is pool:
+                self.pool = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        pool = self.start()
         try:
             return pool.submit(encode, text, add_special_tokens).result()
-        except BrokenProcessPool:   # the child died (killed for its memory?): the next long text starts another
-            with self.lock:
-                if self.pool is pool:
-                    self.pool = None
+        except BrokenProcessPool:
+            self.stopped(pool)
             raise NpqwenError("the tokenizer process stopped while it read this prompt (out of memory?); "
                               "send a shorter prompt") from None
+
+    async def too_long(self, chunks: list[bytes], context: int) -> tuple | None:
+        """check_body in the child, awaited on the event loop (http.BigBodies); None if the child died."""
+        def submit():   # in a thread: a first submit starts the child, writing it the tokenizer (11 MB for
+            pool = self.start()   # Qwen3's) through a pipe it reads only once its interpreter is up
+            return pool, pool.submit(check_body, chunks, context)
+        pool, future = await asyncio.to_thread(submit)
+        try:
+            return await asyncio.wrap_future(future)
+        except BrokenProcessPool:
+            self.stopped(pool)
+            return None
 
     def close(self):
         if self.pool is not None:
@@ -64,6 +86,7 @@ def load(spec: str):
 
     threading.Thread(target=end_with_parent, daemon=True).start()
     _tokenizer = Tokenizer(Backend.from_str(spec))
+    _tokenizer.fewest_tokens("")   # it reads the whole vocabulary once: now, not in a request's time
 
 
 def end_with_parent():
@@ -79,3 +102,27 @@ def encode(text: str, add_special_tokens: bool) -> list[int]:
         return _tokenizer.encode(text, add_special_tokens)
     finally:
         release_freed_memory()
+
+
+def check_body(chunks: list[bytes], context: int) -> tuple | None:
+    """(path, characters, fewest tokens) of the first string in a JSON body that cannot fit a context
+    of `context` tokens whatever the route does with it (Tokenizer.fewest_tokens: its bytes over the
+    longest token's), or None: the body is not JSON, or every string might fit."""
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError):   # the server's own parser says what is wrong with it
+        return None
+    finally:
+        del chunks[:]
+    todo = [("", body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, dict):
+            todo += [(f"{path}.{k}" if path else k, v) for k, v in reversed(value.items())]
+        elif isinstance(value, list):
+            todo += [(f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value)))]
+        elif isinstance(value, str) and len(value) > LONG_TEXT_CHARS:
+            fewest = _tokenizer.fewest_tokens(value)
+            if fewest > context:
+                return path, len(value), fewest
+    return None
