@@ -71,6 +71,9 @@ class ScriptedModel:
             logits[row, self.next_token(tokens)] = 10.0
         return real._replace(logits=logits)
 
+    def __getattr__(self, name):   # the rest (forward, what the page's saliency runs) as the real model's
+        return getattr(self.real, name)
+
     def next_token(self, tokens: list[int]) -> int:
         a = len(self.assistant)
         start = max(i + a for i in range(len(tokens) - a + 1) if tokens[i:i + a] == self.assistant)
@@ -101,6 +104,9 @@ class SlowModel:
     def forward_batch(self, batch, kv, recorder=None):
         time.sleep(self.seconds)
         return self.real.forward_batch(batch, kv, recorder)
+
+    def __getattr__(self, name):   # the rest (forward, what the page's saliency and features run) as the real model's
+        return getattr(self.real, name)
 
 
 class LiveServer:

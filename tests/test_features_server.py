@@ -4,6 +4,7 @@ Neuronpedia export (`npqwen features --labels`, the server's --feature-labels); 
 (POST /v1/npqwen/features against llm.run_with_saes, and the DOM). On the built-in tiny model (D=16)."""
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -77,6 +78,7 @@ def test_completions_with_feature_edits_beside_a_plain_request(server, llm, edit
 
     def watched(batch, kv, recorder=None):   # which steps ran an edited and a plain request together
         seen.append((len(batch.lengths), bool(batch.feature_edits)))
+        time.sleep(0.03)   # steps long enough that the second request arrives while the first runs
         return forward(batch, kv, recorder)
     server.engine.model.forward_batch = watched
     answers = {}
