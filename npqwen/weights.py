@@ -23,6 +23,10 @@ whole matrix in float32: for tests and inspection, never on the forward path). `
 rows (q | k | v as qkv_proj, gate | up as gate_up_proj) without a copy. ops.linear, ops.linear_backward and
 ops.embed call `linear`, `linear_backward` and `take`; nothing else looks inside.
 """
+import ctypes
+import mmap
+import os
+
 import numpy as np
 
 from . import quants
@@ -97,7 +101,7 @@ class Compact:
 
     def take(self, ids):
         """The rows `ids` (T,) widened to float32 (T, in): an embedding lookup."""
-        out = xp_of(self.storage).empty((len(ids), self.shape[1]), dtype=np.float32)
+        out = xp_of(self.arrays[0]).empty((len(ids), self.shape[1]), dtype=np.float32)
         scale = self.widen(ids, out)
         if scale is not None:
             out *= scale[:, None]
@@ -105,7 +109,7 @@ class Compact:
 
     def dequantize(self):
         """The whole matrix in float32 (out, in): for tests and inspection only."""
-        return self.take(xp_of(self.storage).arange(self.shape[0]))
+        return self.take(xp_of(self.arrays[0]).arange(self.shape[0]))
 
     @property
     def nbytes(self) -> int:
@@ -249,50 +253,152 @@ class Int8(Compact):
 
 class Ggml(Compact):
     """llama.cpp's block formats (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, ...): each row is in/block_size blocks of
-    type_size bytes, widened by quants.dequantize_rows, which spells out each format's block (npqwen/quants.py)."""
+    type_size bytes, widened by quants.dequantize_rows, which spells out each format's block (npqwen/quants.py).
+    Q8_0 and Q4_0 are split once, when the weight is made, into their planes (PLANES): the integers of every
+    block side by side, (out, in) int8 or (out, in/2) packed nibbles, and the scales (in/32, out) float32: the
+    same integers and scales, but a block of rows widens by one contiguous cast, several times faster than a
+    cast through the 34- or 18-byte blocks (measured: docs/weights.md section 5). `storage` gives the file's
+    blocks back, interleaved again (for saving)."""
 
-    def __init__(self, qtype: str, raw, n_in: int):
+    def __init__(self, qtype: str, raw, n_in: int, planes=None):
         block, size = quants.BLOCKS[qtype]
-        if n_in % block or raw.shape[1] != n_in // block * size:
+        if planes is None and (n_in % block or raw.shape[1] != n_in // block * size):
             raise NpqwenError(f"a {qtype} matrix of {n_in} columns needs {n_in // block * size} bytes per row "
                               f"(blocks of {block} values in {size} bytes), got {raw.shape[1]}")
-        self.format, self.storage = qtype, raw     # raw: (out, in/block * size) uint8
-        self.shape = (raw.shape[0], n_in)
+        self.format = qtype
+        if planes is None and qtype in PLANES:
+            planes = PLANES[qtype][0](raw)
+            release(raw)
+        self.planes, self.raw = planes, (None if planes else raw)   # raw: (out, in/block * size) uint8
+        self.shape = (len(planes[0]) if planes else raw.shape[0], n_in)
         # the sub-blocks' scale fields, decoded once for the products per sub-block (sub_block_linear)
-        self.fields = AFFINE[qtype][1](raw) if qtype in AFFINE and xp_of(raw) is np else ()
+        if planes:
+            self.fields = planes[1:]
+        else:
+            self.fields = AFFINE[qtype][1](raw) if qtype in AFFINE and xp_of(raw) is np else ()
 
     @classmethod
     def quantize(cls, qtype: str, w):
         return cls(qtype, quants.quantize_rows(qtype, np.ascontiguousarray(w, dtype=np.float32)), w.shape[1])
 
     @property
+    def storage(self):
+        """The blocks as the file stores them (out, in/block * size) uint8 (Q8_0, Q4_0: rebuilt from the planes)."""
+        return self.raw if self.planes is None else PLANES[self.format][1](*self.planes)
+
+    @property
     def arrays(self):
-        return (self.storage,)
+        return self.planes or (self.raw,)
 
     @property
     def nbytes(self) -> int:
-        return int(self.storage.nbytes) + sum(int(f.nbytes) for f in self.fields)
+        return sum(int(a.nbytes) for a in self.arrays) + (0 if self.planes else sum(int(f.nbytes) for f in self.fields))
 
     def widen(self, rows, out):
-        quants.dequantize_rows(self.format, self.storage[rows], out)
+        if self.planes:
+            PLANES[self.format][2](*(self.planes[0][rows], self.planes[1][:, rows]), out)
+        else:
+            quants.dequantize_rows(self.format, self.raw[rows], out)
 
     def linear(self, x):
         """x @ W^T. A few rows of x: sub_block_linear, which widens the integers only and applies the scales
         to the products; more rows, or no fields (Q5_K, F16, BF16, F32, arrays on a GPU): Compact's
         widen-then-matmul on quants.py's rule for each block, the reference."""
         few = 1 if self.format == "Q6_K" else BLOCK_DOT_ROWS   # Q6_K: see BLOCK_DOT_ROWS
-        if x.shape[0] > few or not self.fields:
+        if x.shape[0] > few or not self.fields or xp_of(self.arrays[0]) is not np:
             return Compact.linear(self, x)
         return sub_block_linear(x, self)
 
     def rows(self, sel):
-        return Ggml(self.format, self.storage[sel], self.shape[1])
+        if self.planes:
+            return Ggml(self.format, None, self.shape[1], (self.planes[0][sel], self.planes[1][:, sel]))
+        return Ggml(self.format, self.raw[sel], self.shape[1])
 
     def columns(self, sel):
         block, size = quants.BLOCKS[self.format]
         a, b = check_block_columns(self, sel, block)
-        part = self.storage[:, a // block * size:b // block * size]
-        return Ggml(self.format, xp_of(self.storage).ascontiguousarray(part), b - a)
+        xp = xp_of(self.arrays[0])
+        if self.planes:
+            ints, d = self.planes
+            per = ints.shape[1] // (self.shape[1] // block)               # bytes of a block's integers: 32 or 16
+            return Ggml(self.format, None, b - a, (xp.ascontiguousarray(ints[:, a // block * per:b // block * per]),
+                                                   xp.ascontiguousarray(d[a // block:b // block])))
+        part = self.raw[:, a // block * size:b // block * size]
+        return Ggml(self.format, xp.ascontiguousarray(part), b - a)
+
+
+# ---------------------------------------------------------------- Q8_0 and Q4_0 as planes
+# block_q8_0 is f16 d | int8 q[32]; block_q4_0 is f16 d | uint8 qs[16] (value j the low nibble of qs[j], value
+# j + 16 the high one, each minus 8). Each format: `split` (the file's blocks -> the planes), `join` (back),
+# `widen` (a block of rows' planes -> float32 out (n, in): w = d * q). Under the array-module shim (CuPy too).
+
+def split_q8_0(raw):
+    """(n, nb*34) blocks -> q (n, nb*32) int8, d (nb, n) float32."""
+    xp, n = xp_of(raw), len(raw)
+    b = raw.reshape(n, -1, 34)                                                 # (n, nb, 34)
+    q = xp.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, -1)          # (n, nb*32)
+    d = xp.ascontiguousarray(b[..., :2]).view(np.float16).reshape(n, -1)       # (n, nb)
+    return q, xp.ascontiguousarray(d.T, dtype=np.float32)
+
+
+def join_q8_0(q, d):
+    xp, n = xp_of(q), len(q)
+    b = xp.empty((n, d.shape[0], 34), dtype=np.uint8)                          # (n, nb, 34)
+    b[..., :2] = d.T.astype(np.float16)[..., None].view(np.uint8)              # exact: d came from float16
+    b[..., 2:] = q.reshape(n, -1, 32).view(np.uint8)
+    return b.reshape(n, -1)
+
+
+def widen_q8_0(q, d, out):
+    xp, n = xp_of(out), len(out)
+    xp.multiply(q.reshape(n, -1, 32), d.T[..., None], out=out.reshape(n, -1, 32), casting="unsafe")
+
+
+def split_q4_0(raw):
+    """(n, nb*18) blocks -> qs (n, nb*16) uint8, d (nb, n) float32."""
+    xp, n = xp_of(raw), len(raw)
+    b = raw.reshape(n, -1, 18)
+    qs = xp.ascontiguousarray(b[..., 2:]).reshape(n, -1)                      # (n, nb*16)
+    d = xp.ascontiguousarray(b[..., :2]).view(np.float16).reshape(n, -1)
+    return qs, xp.ascontiguousarray(d.T, dtype=np.float32)
+
+
+def join_q4_0(qs, d):
+    xp, n = xp_of(qs), len(qs)
+    b = xp.empty((n, d.shape[0], 18), dtype=np.uint8)
+    b[..., :2] = d.T.astype(np.float16)[..., None].view(np.uint8)
+    b[..., 2:] = qs.reshape(n, -1, 16)
+    return b.reshape(n, -1)
+
+
+def widen_q4_0(qs, d, out):
+    xp, n = xp_of(out), len(out)
+    halves = out.reshape(n, -1, 2, 16)                                         # (n, nb, low | high, 16)
+    p = qs.reshape(n, -1, 16)
+    xp.copyto(halves[:, :, 0], p & 0x0F, casting="unsafe")
+    xp.copyto(halves[:, :, 1], p >> 4, casting="unsafe")
+    out3 = out.reshape(n, -1, 32)
+    out3 -= 8
+    out3 *= d.T[..., None]
+
+
+PLANES = {"Q8_0": (split_q8_0, join_q8_0, widen_q8_0), "Q4_0": (split_q4_0, join_q4_0, widen_q4_0)}
+
+
+def release(raw):
+    """Drop the pages of a memory-mapped `raw` from this process once it is split into planes: read once, they
+    would otherwise stay counted in the process's memory (RSS) beside the planes. The file's bytes stay in the
+    system's file cache and are read again if anything views them."""
+    base = raw
+    while base is not None and not isinstance(base, np.memmap):
+        base = getattr(base, "base", None)
+    if base is None or not hasattr(os, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = raw.__array_interface__["data"][0]
+    a, b = start // page * page, -(-(start + raw.nbytes) // page) * page   # the whole pages around raw
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), os.MADV_DONTNEED)
 
 
 # ---------------------------------------------------------------- ggml blocks: products per sub-block
@@ -325,34 +431,27 @@ def f16_column(raw, type_size: int, first: int):
 # quants.dequantize_q8_0 / _q4_0 / _q4_k / _q6_k's; how each unpacks is what measured fastest (a NumPy pass
 # over whole rows beats one whose inner loop is 16 values, not always one of 32).
 
-def q8_0_fields(raw):
-    """block_q8_0: f16 d | int8 q[32]; w = d * q."""
-    return (f16_column(raw, 34, 0),)
-
+# Q8_0 and Q4_0 are kept as planes (PLANES): their fields are the scale plane d (nb, out), and `ints` takes the
+# integer plane's rows, one contiguous run each.
 
 def q8_0_scales(d):
     return d, None
 
 
-def q8_0_ints(raw, out, scratch):
-    np.copyto(out, raw.reshape(len(raw), -1, 34)[..., 2:].view(np.int8), casting="unsafe")   # (n, nb, 32)
-
-
-def q4_0_fields(raw):
-    """block_q4_0: f16 d | uint8 qs[16]; w[j] = d * (lo(qs[j]) - 8), w[j + 16] = d * (hi(qs[j]) - 8)."""
-    return (f16_column(raw, 18, 0),)
+def q8_0_ints(q, out, scratch):
+    np.copyto(out, q.reshape(out.shape), casting="unsafe")                    # (n, nb*32) int8 -> (n, nb, 32)
 
 
 def q4_0_scales(d):
     return d, 8 * d
 
 
-def q4_0_ints(raw, out, scratch):
-    halves = out.reshape(len(raw), -1, 2, 16)                                  # (n, nb, low | high, 16)
-    nibble = scratch.reshape(len(raw), -1)[:, :raw.shape[1]]                   # (n, nb*18): every byte's nibble
-    for half, unpack in enumerate((np.bitwise_and, np.right_shift)):
-        unpack(raw, (0x0F, 4)[half], out=nibble)                              # whole rows at once, scales and all
-        np.copyto(halves[:, :, half], nibble.reshape(len(raw), -1, 18)[..., 2:], casting="unsafe")
+def q4_0_ints(qs, out, scratch):
+    p = qs.reshape(len(qs), -1, 16)                                            # (n, nb, 16) packed nibbles
+    u = scratch.reshape(len(qs), -1, 2, 16)                                    # (n, nb, low | high, 16)
+    np.bitwise_and(p, 0x0F, out=u[:, :, 0])
+    np.right_shift(p, 4, out=u[:, :, 1])
+    np.copyto(out, scratch, casting="unsafe")
 
 
 Q4_K_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]   # the sub-blocks as q4_k_ints lays them out: low nibbles, then high
@@ -415,8 +514,8 @@ def q6_k_ints(raw, out, scratch):
 
 
 # qtype -> (S, fields, scales, ints, the order of the sub-blocks of a block in the buffer)
-AFFINE = {"Q8_0": (32, q8_0_fields, q8_0_scales, q8_0_ints, None),
-          "Q4_0": (32, q4_0_fields, q4_0_scales, q4_0_ints, None),
+AFFINE = {"Q8_0": (32, None, q8_0_scales, q8_0_ints, None),          # fields: the planes' d
+          "Q4_0": (32, None, q4_0_scales, q4_0_ints, None),
           "Q4_K": (32, q4_k_fields, q4_k_scales, q4_k_ints, Q4_K_ORDER),
           "Q6_K": (16, q6_k_fields, q6_k_scales, q6_k_ints, None)}
 
@@ -439,7 +538,7 @@ def sub_block_linear(x, w: "Ggml"):
     for a in range(0, n_out, step):
         b = min(a + step, n_out)
         q = buf[:b - a]                                                        # (n, ns, S)
-        ints(w.storage[a:b], q, scratch[:b - a])
+        ints(w.arrays[0][a:b], q, scratch[:b - a])
         scale, low = scales(*(f[:, a:b] for f in w.fields))                   # (ns, n) float32 each, low or None
         dots = np.matmul(q.transpose(1, 0, 2), xs)                             # (ns, n, S) @ (ns, S, T) -> (ns, n, T)
         y[a:b] = np.einsum("snt,sn->nt", dots, scale)                          # sum_s scale * (q . x_s)
@@ -478,7 +577,7 @@ class Rows:
         return sum(p.linear_backward(d_y[:, e - p.shape[0]:e]) for p, e in zip(self.parts, ends))
 
     def dequantize(self):
-        return xp_of(self.parts[0].storage).concatenate([p.dequantize() for p in self.parts])
+        return xp_of(self.parts[0].arrays[0]).concatenate([p.dequantize() for p in self.parts])
 
     @property
     def format(self) -> str:
@@ -533,20 +632,25 @@ def join_rows(pieces: list):
     """One compact matrix from pieces of consecutive rows in one format (quantized a chunk at a time)."""
     if len(pieces) == 1:
         return pieces[0]
-    xp = xp_of(pieces[0].storage)
+    xp = xp_of(pieces[0].arrays[0])
+    if isinstance(pieces[0], Ggml) and pieces[0].planes:   # the scale plane (nb, out) joins by its columns
+        return with_arrays(pieces[0], [xp.concatenate([p.planes[0] for p in pieces]),
+                                       xp.concatenate([p.planes[1] for p in pieces], axis=1)])
     return with_arrays(pieces[0], [xp.concatenate(a) for a in zip(*(p.arrays for p in pieces))])
 
 
 def with_arrays(w, arrays: list):
     """A compact matrix of w's format and columns holding `arrays` (other rows, or on another device)."""
-    return Ggml(w.format, arrays[0], w.shape[1]) if isinstance(w, Ggml) else type(w)(*arrays)
+    if isinstance(w, Ggml):
+        return Ggml(w.format, None, w.shape[1], tuple(arrays)) if w.planes else Ggml(w.format, arrays[0], w.shape[1])
+    return type(w)(*arrays)
 
 
 def bytes_per_value(fmt: str) -> float:
     """Stored bytes per weight value of a format (scales included), for sizes before anything is read."""
-    if fmt in GGML:   # the blocks, and the scale fields decoded beside them for decoding (Ggml.fields)
+    if fmt in GGML:   # Q8_0, Q4_0: the planes, integers and float32 scales; Q4_K: the blocks and its decoded fields
         block, size = quants.BLOCKS[GGML[fmt]]
-        return (size + {"Q8_0": 4, "Q4_0": 4, "Q4_K": 24}.get(GGML[fmt], 0)) / block
+        return {"Q8_0": 32 + 4, "Q4_0": 16 + 4, "Q4_K": size + 24}.get(GGML[fmt], size) / block
     return {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1 + 4 / FP8_BLOCK, "int8": 1}[fmt]
 
 
