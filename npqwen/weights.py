@@ -13,8 +13,9 @@ widening is paid once per block and shared by every row of x (a prefill of 512 t
     float16    float16                                             a cast
     fp8        float8 e4m3 (uint8) + one scale per 128x128 block   a 256-entry table, times the block's scale
     int8       int8 + one float32 scale per row                    a cast; the scale multiplies the output
-    Q8_0 ...   ggml blocks (npqwen/quants.py: llama.cpp's)         quants.dequantize_rows; for decoding,
-                                                                  products per sub-block (sub_block_linear)
+    Q8_0 ...   ggml blocks (npqwen/quants.py: llama.cpp's); Q8_0,  quants.dequantize_rows (planes: a cast, the
+               Q4_0, Q4_K split at load into planes: integers      scales per 32); for decoding, products per
+               (out, in) or nibbles (out, in/2), and scales         sub-block (sub_block_linear)
 
 Every class has the same few members: `shape`, `nbytes`, `format`, `linear(x)`, `linear_backward(d_y)` (d_y @ W,
 the input's gradient through a frozen weight, by the same blocks: QLoRA), `take(ids)` (an embedding lookup that
@@ -254,11 +255,11 @@ class Int8(Compact):
 class Ggml(Compact):
     """llama.cpp's block formats (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, ...): each row is in/block_size blocks of
     type_size bytes, widened by quants.dequantize_rows, which spells out each format's block (npqwen/quants.py).
-    Q8_0 and Q4_0 are split once, when the weight is made, into their planes (PLANES): the integers of every
-    block side by side, (out, in) int8 or (out, in/2) packed nibbles, and the scales (in/32, out) float32: the
-    same integers and scales, but a block of rows widens by one contiguous cast, several times faster than a
-    cast through the 34- or 18-byte blocks (measured: docs/weights.md section 5). `storage` gives the file's
-    blocks back, interleaved again (for saving)."""
+    Q8_0, Q4_0 and Q4_K are split once, when the weight is made, into their planes (PLANES): the integers of
+    every block side by side, (out, in) int8 or (out, in/2) packed nibbles, and the scales, (in/32, out) each:
+    the same integers and scales, but a block of rows widens by one contiguous cast, several times faster than
+    a cast through the 34-, 18- or 144-byte blocks (measured: docs/weights.md section 5), in fewer bytes (no
+    float16 scale kept beside its float32). `storage` gives the file's blocks back, bit for bit (for saving)."""
 
     def __init__(self, qtype: str, raw, n_in: int, planes=None):
         block, size = quants.BLOCKS[qtype]
@@ -296,7 +297,7 @@ class Ggml(Compact):
 
     def widen(self, rows, out):
         if self.planes:
-            PLANES[self.format][2](*(self.planes[0][rows], self.planes[1][:, rows]), out)
+            PLANES[self.format][2](self.planes[0][rows], *(f[:, rows] for f in self.planes[1:]), out)
         else:
             quants.dequantize_rows(self.format, self.raw[rows], out)
 
@@ -311,23 +312,24 @@ class Ggml(Compact):
 
     def rows(self, sel):
         if self.planes:
-            return Ggml(self.format, None, self.shape[1], (self.planes[0][sel], self.planes[1][:, sel]))
+            return Ggml(self.format, None, self.shape[1], (self.planes[0][sel], *(f[:, sel] for f in self.planes[1:])))
         return Ggml(self.format, self.raw[sel], self.shape[1])
 
     def columns(self, sel):
         block, size = quants.BLOCKS[self.format]
         a, b = check_block_columns(self, sel, block)
-        part = self.storage[:, a // block * size:b // block * size]   # the blocks (Q8_0, Q4_0: split again)
+        part = self.storage[:, a // block * size:b // block * size]   # the blocks (planes: split again)
         return Ggml(self.format, xp_of(part).ascontiguousarray(part), b - a)
 
 
-# ---------------------------------------------------------------- Q8_0 and Q4_0 as planes
+# ---------------------------------------------------------------- Q8_0, Q4_0 and Q4_K as planes
 # block_q8_0 is f16 d | int8 q[32]; block_q4_0 is f16 d | uint8 qs[16] (value j the low nibble of qs[j], value
 # j + 16 the high one, each minus 8). Each format: `split` (the file's blocks -> the planes), `join` (back),
 # `widen` (a block of rows' planes -> float32 out (n, in): w = d * q). Under the array-module shim (CuPy too).
 # Q4_0's nibbles are paired anew across the row, not the block: byte j of a row holds value j in its low nibble
 # and value j + in/2 in its high one, so that unpacking is two passes over whole rows, each writing one half of
-# the row in order (pairs within a 16-byte block made each pass run 16 values at a time: 3x slower).
+# the row in order (pairs within a 16-byte block made each pass run 16 values at a time: 3x slower). Q4_K's
+# nibbles likewise, its sub-blocks' 6-bit scales and mins a byte each.
 
 def split_q8_0(raw):
     """(n, nb*34) blocks -> q (n, nb*32) int8, d (nb, n) float32."""
@@ -391,7 +393,50 @@ def widen_q4_0(qs, d, out):
     out3 *= d.T[..., None]
 
 
-PLANES = {"Q8_0": (split_q8_0, join_q8_0, widen_q8_0), "Q4_0": (split_q4_0, join_q4_0, widen_q4_0)}
+def split_q4_k(raw):
+    """(n, nb*144) blocks -> qs (n, in/2) uint8 paired as Q4_0's, d, dmin (nb, n) float32, the 6-bit scales and
+    mins (quants.k_scale_min) sc, m (nb*8, n) uint8: w = d*sc_s * q - dmin*m_s in sub-block s of 32."""
+    xp, n = xp_of(raw), len(raw)
+    b = raw.reshape(n, -1, 144)
+    half = b.shape[1] * 128
+    qs = xp.empty((n, half), dtype=np.uint8)
+    for a in range(0, n, 4096):   # a few rows at a time: the unpacked values are a byte each
+        p = b[a:a + 4096, :, 16:].reshape(-1, b.shape[1], 4, 1, 32)           # (rows, nb, 4, 1, 32)
+        v = xp.concatenate([p & 0x0F, p >> 4], axis=3).reshape(len(p), -1)     # (rows, in): sub-blocks 2j, 2j+1
+        qs[a:a + 4096] = v[:, :half] | (v[:, half:] << 4)
+    sc, m = quants.k_scale_min(b[..., 4:16].reshape(-1, 12))                  # (n*nb, 8) each
+    d, dmin = (xp.ascontiguousarray(b[..., k:k + 2]).view(np.float16).reshape(n, -1) for k in (0, 2))
+    return (qs, *(xp.ascontiguousarray(f.T, dtype=np.float32) for f in (d, dmin)),
+            *(xp.ascontiguousarray(f.reshape(n, -1).T) for f in (sc, m)))
+
+
+def join_q4_k(qs, d, dmin, sc, m):
+    xp, n = xp_of(qs), len(qs)
+    v = xp.empty((n, 2 * qs.shape[1]), dtype=np.uint8)
+    unpack_q4_0(qs, v)
+    v = v.reshape(n, -1, 4, 2, 32)                                             # (n, nb, 4, low | high, 32)
+    sc, m = sc.T.reshape(n, -1, 8), m.T.reshape(n, -1, 8)                      # (n, nb, 8)
+    b = xp.empty((n, d.shape[0], 144), dtype=np.uint8)
+    b[..., 0:2] = d.T.astype(np.float16)[..., None].view(np.uint8)
+    b[..., 2:4] = dmin.T.astype(np.float16)[..., None].view(np.uint8)
+    b[..., 4:8] = sc[..., :4] | (sc[..., 4:] >> 4) << 6                       # quants.k_scale_min, undone
+    b[..., 8:12] = m[..., :4] | (m[..., 4:] >> 4) << 6
+    b[..., 12:16] = (sc[..., 4:] & 0x0F) | (m[..., 4:] & 0x0F) << 4
+    b[..., 16:] = (v[..., 0, :] | v[..., 1, :] << 4).reshape(n, -1, 128)
+    return b.reshape(n, -1)
+
+
+def widen_q4_k(qs, d, dmin, sc, m, out):
+    n = len(out)
+    unpack_q4_0(qs, out)
+    scale, low = q4_k_scales(d, dmin, sc, m)                                   # (nb*8, n) each
+    out3 = out.reshape(n, -1, 32)
+    out3 *= scale.T[..., None]
+    out3 -= low.T[..., None]
+
+
+PLANES = {"Q8_0": (split_q8_0, join_q8_0, widen_q8_0), "Q4_0": (split_q4_0, join_q4_0, widen_q4_0),
+          "Q4_K": (split_q4_k, join_q4_k, widen_q4_k)}
 
 
 def release(raw):
@@ -434,14 +479,15 @@ def f16_column(raw, type_size: int, first: int):
 
 
 # Each format in three small functions: `fields`, its blocks' scale fields decoded once when the weight is made
-# (kept beside the blocks as Ggml.fields, 4-6 bytes per 32 values); `scales`, those fields -> float32 (ns, n)
-# scales and lows (or None) for a block of rows; `ints`, the integers q of a block of rows (n, row bytes)
-# written into float32 `out` (n, ns, S), through `scratch`, a reused uint8 (n, ns, S). The rules are
+# (kept beside the blocks as Ggml.fields, 4-6 bytes per 32 values; for planes, the scale planes); `scales`, those
+# fields -> float32 (ns, n) scales and lows (or None) for a block of rows; `ints`, the integers q of a block of
+# rows (their blocks, or their integer plane's rows) written into float32 `out` (n, ns, S), through `scratch`,
+# a reused uint8 (n, ns, S). The rules are
 # quants.dequantize_q8_0 / _q4_0 / _q4_k / _q6_k's; how each unpacks is what measured fastest (a NumPy pass
 # over whole rows beats one whose inner loop is 16 values, not always one of 32).
 
-# Q8_0 and Q4_0 are kept as planes (PLANES): their fields are the scale plane d (nb, out), and `ints` takes the
-# integer plane's rows, one contiguous run each.
+# Q8_0, Q4_0 and Q4_K are kept as planes (PLANES): their fields are the scale planes (d; Q4_K's d, dmin, sc, m),
+# and `ints` takes the integer plane's rows, one contiguous run each (Q4_K's nibbles as Q4_0's).
 
 def q8_0_scales(d):
     return d, None
@@ -460,35 +506,11 @@ def q4_0_ints(qs, out, scratch):
     np.copyto(out, scratch, casting="unsafe")
 
 
-Q4_K_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]   # the sub-blocks as q4_k_ints lays them out: low nibbles, then high
-
-
-def q4_k_fields(raw):
-    """block_q4_K: f16 d | f16 dmin | scales[12] | qs[128]: 8 sub-blocks of 32, w = d*sc_j * q - dmin*m_j;
-    the 6-bit sc and m unpacked (quants.k_scale_min) to one byte each, in Q4_K_ORDER."""
-    n = len(raw)
-    sc, m = quants.k_scale_min(raw.reshape(n, -1, 144)[..., 4:16].reshape(-1, 12))   # (n*nb, 8) each
-    sc, m = sc[:, Q4_K_ORDER], m[:, Q4_K_ORDER]
-    return (f16_column(raw, 144, 0), f16_column(raw, 144, 2), np.ascontiguousarray(sc.reshape(n, -1).T),
-            np.ascontiguousarray(m.reshape(n, -1).T))                       # (nb, n) x 2, (nb*8, n) x 2
-
-
 def q4_k_scales(d, dmin, sc, m):
     n = d.shape[1]
     scale = d[:, None] * sc.reshape(-1, 8, n)                               # (nb, 8, n)
     low = dmin[:, None] * m.reshape(-1, 8, n)
-    return scale.reshape(-1, n), low.reshape(-1, n)                         # (nb*8, n), in Q4_K_ORDER
-
-
-def q4_k_ints(raw, out, scratch):
-    """Each 32 bytes j of qs hold two sub-blocks: the low nibbles sub-block 2j, the high nibbles 2j+1. Written
-    in Q4_K_ORDER, all 128 low nibbles of a block then the high ones, so that each pass runs 128 bytes at a
-    time and the cast once over the whole buffer; x, the scales and the lows are taken in the same order."""
-    qs = raw.reshape(len(raw), -1, 144)[..., 16:]                            # (n, nb, 128)
-    u = scratch.reshape(*qs.shape[:2], 2, 128)                                 # (n, nb, low | high, 128)
-    np.bitwise_and(qs, 0x0F, out=u[:, :, 0])
-    np.right_shift(qs, 4, out=u[:, :, 1])
-    np.copyto(out, scratch, casting="unsafe")
+    return scale.reshape(-1, n), low.reshape(-1, n)                         # (nb*8, n)
 
 
 def q6_k_fields(raw):
@@ -519,22 +541,19 @@ def q6_k_ints(raw, out, scratch):
     np.copyto(out, scratch, casting="unsafe")
 
 
-# qtype -> (S, fields, scales, ints, the order of the sub-blocks of a block in the buffer)
-AFFINE = {"Q8_0": (32, None, q8_0_scales, q8_0_ints, None),          # fields: the planes' d
-          "Q4_0": (32, None, q4_0_scales, q4_0_ints, None),
-          "Q4_K": (32, q4_k_fields, q4_k_scales, q4_k_ints, Q4_K_ORDER),
-          "Q6_K": (16, q6_k_fields, q6_k_scales, q6_k_ints, None)}
+# qtype -> (S, fields, scales, ints)
+AFFINE = {"Q8_0": (32, None, q8_0_scales, q8_0_ints),          # fields: the planes' scales (PLANES)
+          "Q4_0": (32, None, q4_0_scales, q4_0_ints),
+          "Q4_K": (32, None, q4_k_scales, q4_0_ints),
+          "Q6_K": (16, q6_k_fields, q6_k_scales, q6_k_ints)}
 
 
 def sub_block_linear(x, w: "Ggml"):
     """x @ W^T for a few rows x (T, in) -> (T, out), from the integers and the sub-blocks' scales."""
     T, (n_out, n_in) = x.shape[0], w.shape
-    S, _, scales, ints, order = AFFINE[w.format]
+    S, _, scales, ints = AFFINE[w.format]
     ns = n_in // S                                                             # sub-blocks per row
     xb = x.reshape(T, ns, S)                                                   # (T, ns, S)
-    if order is not None:                                                      # the buffer's order of sub-blocks
-        block = len(order)
-        xb = xb.reshape(T, -1, block, S)[:, :, order].reshape(T, ns, S)
     sums = xb.sum(axis=2)                                                      # (T, ns): sum(x_s)
     xs = np.ascontiguousarray(xb.transpose(1, 2, 0))                           # (ns, S, T)
     step = min(block_rows(n_in), n_out)
@@ -640,8 +659,7 @@ def join_rows(pieces: list):
         return pieces[0]
     xp = xp_of(pieces[0].arrays[0])
     if isinstance(pieces[0], Ggml) and pieces[0].planes:   # the scale plane (nb, out) joins by its columns
-        return with_arrays(pieces[0], [xp.concatenate([p.planes[0] for p in pieces]),
-                                       xp.concatenate([p.planes[1] for p in pieces], axis=1)])
+        return with_arrays(pieces[0], [xp.concatenate(a, axis=min(k, 1)) for k, a in enumerate(zip(*(p.planes for p in pieces)))])
     return with_arrays(pieces[0], [xp.concatenate(a) for a in zip(*(p.arrays for p in pieces))])
 
 
@@ -654,9 +672,9 @@ def with_arrays(w, arrays: list):
 
 def bytes_per_value(fmt: str) -> float:
     """Stored bytes per weight value of a format (scales included), for sizes before anything is read."""
-    if fmt in GGML:   # Q8_0, Q4_0: the planes, integers and float32 scales; Q4_K: the blocks and its decoded fields
+    if fmt in GGML:   # the planes (Ggml): integers, float32 scales (Q4_K: d, dmin, and a byte per 6-bit scale, min)
         block, size = quants.BLOCKS[GGML[fmt]]
-        return {"Q8_0": 32 + 4, "Q4_0": 16 + 4, "Q4_K": size + 24}.get(GGML[fmt], size) / block
+        return {"Q8_0": 32 + 4, "Q4_0": 16 + 4, "Q4_K": 128 + 24}.get(GGML[fmt], size) / block
     return {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1 + 4 / FP8_BLOCK, "int8": 1}[fmt]
 
 
