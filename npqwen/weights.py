@@ -26,7 +26,6 @@ ops.embed call `linear`, `linear_backward` and `take`; nothing else looks inside
 """
 import ctypes
 import mmap
-import os
 
 import numpy as np
 
@@ -446,13 +445,13 @@ def release(raw):
     base = raw
     while base is not None and not isinstance(base, np.memmap):
         base = getattr(base, "base", None)
-    if base is None or not hasattr(os, "MADV_DONTNEED"):
+    if base is None or not hasattr(mmap, "MADV_DONTNEED"):   # (Linux, macOS)
         return
     page = mmap.PAGESIZE
     start = raw.__array_interface__["data"][0]
     a, b = start // page * page, -(-(start + raw.nbytes) // page) * page   # the whole pages around raw
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), os.MADV_DONTNEED)
+    libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), mmap.MADV_DONTNEED)
 
 
 # ---------------------------------------------------------------- ggml blocks: products per sub-block
