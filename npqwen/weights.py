@@ -283,7 +283,7 @@ class Ggml(Compact):
 
     @property
     def storage(self):
-        """The blocks as the file stores them (out, in/block * size) uint8 (Q8_0, Q4_0: rebuilt from the planes)."""
+        """The blocks as the file stores them (out, in/block * size) uint8 (planes: interleaved again, a copy)."""
         return self.raw if self.planes is None else PLANES[self.format][1](*self.planes)
 
     @property
@@ -310,8 +310,10 @@ class Ggml(Compact):
         return sub_block_linear(x, self)
 
     def rows(self, sel):
-        if self.planes:
-            return Ggml(self.format, None, self.shape[1], (self.planes[0][sel], *(f[:, sel] for f in self.planes[1:])))
+        if self.planes:   # copies of those rows: a view would keep the whole matrix's planes (a TP rank's memory)
+            xp = xp_of(self.planes[0])
+            return Ggml(self.format, None, self.shape[1], (xp.ascontiguousarray(self.planes[0][sel]),
+                                                           *(xp.ascontiguousarray(f[:, sel]) for f in self.planes[1:])))
         return Ggml(self.format, self.raw[sel], self.shape[1])
 
     def columns(self, sel):
