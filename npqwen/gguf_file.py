@@ -379,8 +379,12 @@ class ReorderedHeads(Compact):
 
     def __init__(self, stored, rows=None, columns=None):
         self.stored, self.row_order, self.column_order = stored, rows, columns
-        self.shape, self.format, self.storage = stored.shape, stored.format, stored.storage
+        self.shape, self.format = stored.shape, stored.format
         self.column_gather = None if columns is None else np.argsort(columns)   # x's column at each file column
+
+    @property
+    def storage(self):
+        return self.stored.storage
 
     @property
     def arrays(self):

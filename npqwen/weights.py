@@ -13,8 +13,9 @@ widening is paid once per block and shared by every row of x (a prefill of 512 t
     float16    float16                                             a cast
     fp8        float8 e4m3 (uint8) + one scale per 128x128 block   a 256-entry table, times the block's scale
     int8       int8 + one float32 scale per row                    a cast; the scale multiplies the output
-    Q8_0 ...   ggml blocks (npqwen/quants.py: llama.cpp's)         quants.dequantize_rows; for decoding,
-                                                                  products per sub-block (sub_block_linear)
+    Q8_0 ...   ggml blocks (npqwen/quants.py: llama.cpp's); Q8_0,  quants.dequantize_rows (planes: a cast, the
+               Q4_0, Q4_K split at load into planes: integers      scales per 32); for decoding, products per
+               (out, in) or nibbles (out, in/2), and scales         sub-block (sub_block_linear)
 
 Every class has the same few members: `shape`, `nbytes`, `format`, `linear(x)`, `linear_backward(d_y)` (d_y @ W,
 the input's gradient through a frozen weight, by the same blocks: QLoRA), `take(ids)` (an embedding lookup that
@@ -23,6 +24,9 @@ whole matrix in float32: for tests and inspection, never on the forward path). `
 rows (q | k | v as qkv_proj, gate | up as gate_up_proj) without a copy. ops.linear, ops.linear_backward and
 ops.embed call `linear`, `linear_backward` and `take`; nothing else looks inside.
 """
+import ctypes
+import mmap
+
 import numpy as np
 
 from . import quants
@@ -97,7 +101,7 @@ class Compact:
 
     def take(self, ids):
         """The rows `ids` (T,) widened to float32 (T, in): an embedding lookup."""
-        out = xp_of(self.storage).empty((len(ids), self.shape[1]), dtype=np.float32)
+        out = xp_of(self.arrays[0]).empty((len(ids), self.shape[1]), dtype=np.float32)
         scale = self.widen(ids, out)
         if scale is not None:
             out *= scale[:, None]
@@ -105,7 +109,7 @@ class Compact:
 
     def dequantize(self):
         """The whole matrix in float32 (out, in): for tests and inspection only."""
-        return self.take(xp_of(self.storage).arange(self.shape[0]))
+        return self.take(xp_of(self.arrays[0]).arange(self.shape[0]))
 
     @property
     def nbytes(self) -> int:
@@ -249,50 +253,207 @@ class Int8(Compact):
 
 class Ggml(Compact):
     """llama.cpp's block formats (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, ...): each row is in/block_size blocks of
-    type_size bytes, widened by quants.dequantize_rows, which spells out each format's block (npqwen/quants.py)."""
+    type_size bytes, widened by quants.dequantize_rows, which spells out each format's block (npqwen/quants.py).
+    Q8_0, Q4_0 and Q4_K are split once, when the weight is made, into their planes (PLANES): the integers of
+    every block side by side, (out, in) int8 or (out, in/2) packed nibbles, and the scales, (in/32, out) each:
+    the same integers and scales, but a block of rows widens by one contiguous cast, several times faster than
+    a cast through the 34-, 18- or 144-byte blocks (measured: docs/weights.md section 5), in fewer bytes (no
+    float16 scale kept beside its float32). `storage` gives the file's blocks back, bit for bit (for saving)."""
 
-    def __init__(self, qtype: str, raw, n_in: int):
+    def __init__(self, qtype: str, raw, n_in: int, planes=None):
         block, size = quants.BLOCKS[qtype]
-        if n_in % block or raw.shape[1] != n_in // block * size:
+        if planes is None and (n_in % block or raw.shape[1] != n_in // block * size):
             raise NpqwenError(f"a {qtype} matrix of {n_in} columns needs {n_in // block * size} bytes per row "
                               f"(blocks of {block} values in {size} bytes), got {raw.shape[1]}")
-        self.format, self.storage = qtype, raw     # raw: (out, in/block * size) uint8
-        self.shape = (raw.shape[0], n_in)
+        self.format = qtype
+        if planes is None and qtype in PLANES:
+            planes = PLANES[qtype][0](raw)
+            release(raw)
+        self.planes, self.raw = planes, (None if planes else raw)   # raw: (out, in/block * size) uint8
+        self.shape = (len(planes[0]) if planes else raw.shape[0], n_in)
         # the sub-blocks' scale fields, decoded once for the products per sub-block (sub_block_linear)
-        self.fields = AFFINE[qtype][1](raw) if qtype in AFFINE and xp_of(raw) is np else ()
+        if planes:
+            self.fields = planes[1:]
+        else:
+            self.fields = AFFINE[qtype][1](raw) if qtype in AFFINE and xp_of(raw) is np else ()
 
     @classmethod
     def quantize(cls, qtype: str, w):
         return cls(qtype, quants.quantize_rows(qtype, np.ascontiguousarray(w, dtype=np.float32)), w.shape[1])
 
     @property
+    def storage(self):
+        """The blocks as the file stores them (out, in/block * size) uint8 (planes: interleaved again, a copy)."""
+        return self.raw if self.planes is None else PLANES[self.format][1](*self.planes)
+
+    @property
     def arrays(self):
-        return (self.storage,)
+        return self.planes or (self.raw,)
 
     @property
     def nbytes(self) -> int:
-        return int(self.storage.nbytes) + sum(int(f.nbytes) for f in self.fields)
+        return sum(int(a.nbytes) for a in self.arrays) + (0 if self.planes else sum(int(f.nbytes) for f in self.fields))
 
     def widen(self, rows, out):
-        quants.dequantize_rows(self.format, self.storage[rows], out)
+        if self.planes:
+            PLANES[self.format][2](self.planes[0][rows], *(f[:, rows] for f in self.planes[1:]), out)
+        else:
+            quants.dequantize_rows(self.format, self.raw[rows], out)
 
     def linear(self, x):
         """x @ W^T. A few rows of x: sub_block_linear, which widens the integers only and applies the scales
         to the products; more rows, or no fields (Q5_K, F16, BF16, F32, arrays on a GPU): Compact's
         widen-then-matmul on quants.py's rule for each block, the reference."""
         few = 1 if self.format == "Q6_K" else BLOCK_DOT_ROWS   # Q6_K: see BLOCK_DOT_ROWS
-        if x.shape[0] > few or not self.fields:
+        if x.shape[0] > few or not self.fields or xp_of(self.arrays[0]) is not np:
             return Compact.linear(self, x)
         return sub_block_linear(x, self)
 
     def rows(self, sel):
-        return Ggml(self.format, self.storage[sel], self.shape[1])
+        if self.planes:   # copies of those rows: a view would keep the whole matrix's planes (a TP rank's memory)
+            xp = xp_of(self.planes[0])
+            return Ggml(self.format, None, self.shape[1], (xp.ascontiguousarray(self.planes[0][sel]),
+                                                           *(xp.ascontiguousarray(f[:, sel]) for f in self.planes[1:])))
+        return Ggml(self.format, self.raw[sel], self.shape[1])
 
     def columns(self, sel):
         block, size = quants.BLOCKS[self.format]
         a, b = check_block_columns(self, sel, block)
-        part = self.storage[:, a // block * size:b // block * size]
-        return Ggml(self.format, xp_of(self.storage).ascontiguousarray(part), b - a)
+        part = self.storage[:, a // block * size:b // block * size]   # the blocks (planes: split again)
+        return Ggml(self.format, xp_of(part).ascontiguousarray(part), b - a)
+
+
+# ---------------------------------------------------------------- Q8_0, Q4_0 and Q4_K as planes
+# block_q8_0 is f16 d | int8 q[32]; block_q4_0 is f16 d | uint8 qs[16] (value j the low nibble of qs[j], value
+# j + 16 the high one, each minus 8). Each format: `split` (the file's blocks -> the planes), `join` (back),
+# `widen` (a block of rows' planes -> float32 out (n, in): w = d * q). Under the array-module shim (CuPy too).
+# Q4_0's nibbles are paired anew across the row, not the block: byte j of a row holds value j in its low nibble
+# and value j + in/2 in its high one, so that unpacking is two passes over whole rows, each writing one half of
+# the row in order (pairs within a 16-byte block made each pass run 16 values at a time: 3x slower). Q4_K's
+# nibbles likewise, its sub-blocks' 6-bit scales and mins a byte each.
+
+def split_q8_0(raw):
+    """(n, nb*34) blocks -> q (n, nb*32) int8, d (nb, n) float32."""
+    xp, n = xp_of(raw), len(raw)
+    b = raw.reshape(n, -1, 34)                                                 # (n, nb, 34)
+    q = xp.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, -1)          # (n, nb*32)
+    d = xp.ascontiguousarray(b[..., :2]).view(np.float16).reshape(n, -1)       # (n, nb)
+    return q, xp.ascontiguousarray(d.T, dtype=np.float32)
+
+
+def join_q8_0(q, d):
+    xp, n = xp_of(q), len(q)
+    b = xp.empty((n, d.shape[0], 34), dtype=np.uint8)                          # (n, nb, 34)
+    b[..., :2] = d.T.astype(np.float16)[..., None].view(np.uint8)              # exact: d came from float16
+    b[..., 2:] = q.reshape(n, -1, 32).view(np.uint8)
+    return b.reshape(n, -1)
+
+
+def widen_q8_0(q, d, out):
+    xp, n = xp_of(out), len(out)
+    xp.multiply(q.reshape(n, -1, 32), d.T[..., None], out=out.reshape(n, -1, 32), casting="unsafe")
+
+
+def split_q4_0(raw):
+    """(n, nb*18) blocks -> qs (n, in/2) uint8 (byte j: value j | value j + in/2 << 4), d (nb, n) float32."""
+    xp, n = xp_of(raw), len(raw)
+    b = raw.reshape(n, -1, 18)
+    half = b.shape[1] * 16
+    qs = xp.empty((n, half), dtype=np.uint8)
+    for a in range(0, n, 4096):   # a few rows at a time: the unpacked values are a byte each
+        p = b[a:a + 4096, :, 2:]                                               # (rows, nb, 16)
+        v = xp.concatenate([p & 0x0F, p >> 4], axis=2).reshape(len(p), -1)     # (rows, in): 0..15, in order
+        qs[a:a + 4096] = v[:, :half] | (v[:, half:] << 4)
+    d = xp.ascontiguousarray(b[..., :2]).view(np.float16).reshape(n, -1)
+    return qs, xp.ascontiguousarray(d.T, dtype=np.float32)
+
+
+def unpack_q4_0(qs, out):
+    """The values 0..15 of rows qs (n, in/2) into `out` (n, in), in order."""
+    half = qs.shape[1]
+    xp_of(out).bitwise_and(qs, 0x0F, out=out[:, :half], casting="unsafe")
+    xp_of(out).right_shift(qs, 4, out=out[:, half:], casting="unsafe")
+
+
+def join_q4_0(qs, d):
+    xp, n = xp_of(qs), len(qs)
+    v = xp.empty((n, 2 * qs.shape[1]), dtype=np.uint8)
+    unpack_q4_0(qs, v)
+    v = v.reshape(n, -1, 32)                                                   # (n, nb, 32)
+    b = xp.empty((n, d.shape[0], 18), dtype=np.uint8)
+    b[..., :2] = d.T.astype(np.float16)[..., None].view(np.uint8)
+    b[..., 2:] = v[..., :16] | (v[..., 16:] << 4)
+    return b.reshape(n, -1)
+
+
+def widen_q4_0(qs, d, out):
+    n = len(out)
+    unpack_q4_0(qs, out)
+    out3 = out.reshape(n, -1, 32)
+    out3 -= 8
+    out3 *= d.T[..., None]
+
+
+def split_q4_k(raw):
+    """(n, nb*144) blocks -> qs (n, in/2) uint8 paired as Q4_0's, d, dmin (nb, n) float32, the 6-bit scales and
+    mins (quants.k_scale_min) sc, m (nb*8, n) uint8: w = d*sc_s * q - dmin*m_s in sub-block s of 32."""
+    xp, n = xp_of(raw), len(raw)
+    b = raw.reshape(n, -1, 144)
+    half = b.shape[1] * 128
+    qs = xp.empty((n, half), dtype=np.uint8)
+    for a in range(0, n, 4096):   # a few rows at a time: the unpacked values are a byte each
+        p = b[a:a + 4096, :, 16:].reshape(-1, b.shape[1], 4, 1, 32)           # (rows, nb, 4, 1, 32)
+        v = xp.concatenate([p & 0x0F, p >> 4], axis=3).reshape(len(p), -1)     # (rows, in): sub-blocks 2j, 2j+1
+        qs[a:a + 4096] = v[:, :half] | (v[:, half:] << 4)
+    sc, m = quants.k_scale_min(b[..., 4:16].reshape(-1, 12))                  # (n*nb, 8) each
+    d, dmin = (xp.ascontiguousarray(b[..., k:k + 2]).view(np.float16).reshape(n, -1) for k in (0, 2))
+    return (qs, *(xp.ascontiguousarray(f.T, dtype=np.float32) for f in (d, dmin)),
+            *(xp.ascontiguousarray(f.reshape(n, -1).T) for f in (sc, m)))
+
+
+def join_q4_k(qs, d, dmin, sc, m):
+    xp, n = xp_of(qs), len(qs)
+    v = xp.empty((n, 2 * qs.shape[1]), dtype=np.uint8)
+    unpack_q4_0(qs, v)
+    v = v.reshape(n, -1, 4, 2, 32)                                             # (n, nb, 4, low | high, 32)
+    sc, m = sc.T.reshape(n, -1, 8), m.T.reshape(n, -1, 8)                      # (n, nb, 8)
+    b = xp.empty((n, d.shape[0], 144), dtype=np.uint8)
+    b[..., 0:2] = d.T.astype(np.float16)[..., None].view(np.uint8)
+    b[..., 2:4] = dmin.T.astype(np.float16)[..., None].view(np.uint8)
+    b[..., 4:8] = sc[..., :4] | (sc[..., 4:] >> 4) << 6                       # quants.k_scale_min, undone
+    b[..., 8:12] = m[..., :4] | (m[..., 4:] >> 4) << 6
+    b[..., 12:16] = (sc[..., 4:] & 0x0F) | (m[..., 4:] & 0x0F) << 4
+    b[..., 16:] = (v[..., 0, :] | v[..., 1, :] << 4).reshape(n, -1, 128)
+    return b.reshape(n, -1)
+
+
+def widen_q4_k(qs, d, dmin, sc, m, out):
+    n = len(out)
+    unpack_q4_0(qs, out)
+    scale, low = q4_k_scales(d, dmin, sc, m)                                   # (nb*8, n) each
+    out3 = out.reshape(n, -1, 32)
+    out3 *= scale.T[..., None]
+    out3 -= low.T[..., None]
+
+
+PLANES = {"Q8_0": (split_q8_0, join_q8_0, widen_q8_0), "Q4_0": (split_q4_0, join_q4_0, widen_q4_0),
+          "Q4_K": (split_q4_k, join_q4_k, widen_q4_k)}
+
+
+def release(raw):
+    """Drop the pages of a memory-mapped `raw` from this process once it is split into planes: read once, they
+    would otherwise stay counted in the process's memory (RSS) beside the planes. The file's bytes stay in the
+    system's file cache and are read again if anything views them."""
+    base = raw
+    while base is not None and not isinstance(base, np.memmap):
+        base = getattr(base, "base", None)
+    if base is None or not hasattr(mmap, "MADV_DONTNEED"):   # (Linux, macOS)
+        return
+    page = mmap.PAGESIZE
+    start = raw.__array_interface__["data"][0]
+    a, b = start // page * page, -(-(start + raw.nbytes) // page) * page   # the whole pages around raw
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), mmap.MADV_DONTNEED)
 
 
 # ---------------------------------------------------------------- ggml blocks: products per sub-block
@@ -319,71 +480,38 @@ def f16_column(raw, type_size: int, first: int):
 
 
 # Each format in three small functions: `fields`, its blocks' scale fields decoded once when the weight is made
-# (kept beside the blocks as Ggml.fields, 4-6 bytes per 32 values); `scales`, those fields -> float32 (ns, n)
-# scales and lows (or None) for a block of rows; `ints`, the integers q of a block of rows (n, row bytes)
-# written into float32 `out` (n, ns, S), through `scratch`, a reused uint8 (n, ns, S). The rules are
+# (kept beside the blocks as Ggml.fields, 4-6 bytes per 32 values; for planes, the scale planes); `scales`, those
+# fields -> float32 (ns, n) scales and lows (or None) for a block of rows; `ints`, the integers q of a block of
+# rows (their blocks, or their integer plane's rows) written into float32 `out` (n, ns, S), through `scratch`,
+# a reused uint8 (n, ns, S). The rules are
 # quants.dequantize_q8_0 / _q4_0 / _q4_k / _q6_k's; how each unpacks is what measured fastest (a NumPy pass
 # over whole rows beats one whose inner loop is 16 values, not always one of 32).
 
-def q8_0_fields(raw):
-    """block_q8_0: f16 d | int8 q[32]; w = d * q."""
-    return (f16_column(raw, 34, 0),)
-
+# Q8_0, Q4_0 and Q4_K are kept as planes (PLANES): their fields are the scale planes (d; Q4_K's d, dmin, sc, m),
+# and `ints` takes the integer plane's rows, one contiguous run each (Q4_K's nibbles as Q4_0's).
 
 def q8_0_scales(d):
     return d, None
 
 
-def q8_0_ints(raw, out, scratch):
-    np.copyto(out, raw.reshape(len(raw), -1, 34)[..., 2:].view(np.int8), casting="unsafe")   # (n, nb, 32)
-
-
-def q4_0_fields(raw):
-    """block_q4_0: f16 d | uint8 qs[16]; w[j] = d * (lo(qs[j]) - 8), w[j + 16] = d * (hi(qs[j]) - 8)."""
-    return (f16_column(raw, 18, 0),)
+def q8_0_ints(q, out, scratch):
+    np.copyto(out, q.reshape(out.shape), casting="unsafe")                    # (n, nb*32) int8 -> (n, nb, 32)
 
 
 def q4_0_scales(d):
     return d, 8 * d
 
 
-def q4_0_ints(raw, out, scratch):
-    halves = out.reshape(len(raw), -1, 2, 16)                                  # (n, nb, low | high, 16)
-    nibble = scratch.reshape(len(raw), -1)[:, :raw.shape[1]]                   # (n, nb*18): every byte's nibble
-    for half, unpack in enumerate((np.bitwise_and, np.right_shift)):
-        unpack(raw, (0x0F, 4)[half], out=nibble)                              # whole rows at once, scales and all
-        np.copyto(halves[:, :, half], nibble.reshape(len(raw), -1, 18)[..., 2:], casting="unsafe")
-
-
-Q4_K_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]   # the sub-blocks as q4_k_ints lays them out: low nibbles, then high
-
-
-def q4_k_fields(raw):
-    """block_q4_K: f16 d | f16 dmin | scales[12] | qs[128]: 8 sub-blocks of 32, w = d*sc_j * q - dmin*m_j;
-    the 6-bit sc and m unpacked (quants.k_scale_min) to one byte each, in Q4_K_ORDER."""
-    n = len(raw)
-    sc, m = quants.k_scale_min(raw.reshape(n, -1, 144)[..., 4:16].reshape(-1, 12))   # (n*nb, 8) each
-    sc, m = sc[:, Q4_K_ORDER], m[:, Q4_K_ORDER]
-    return (f16_column(raw, 144, 0), f16_column(raw, 144, 2), np.ascontiguousarray(sc.reshape(n, -1).T),
-            np.ascontiguousarray(m.reshape(n, -1).T))                       # (nb, n) x 2, (nb*8, n) x 2
+def q4_0_ints(qs, out, scratch):
+    unpack_q4_0(qs, scratch.reshape(len(qs), -1))                              # (n, in) uint8, in order
+    np.copyto(out, scratch, casting="unsafe")
 
 
 def q4_k_scales(d, dmin, sc, m):
     n = d.shape[1]
     scale = d[:, None] * sc.reshape(-1, 8, n)                               # (nb, 8, n)
     low = dmin[:, None] * m.reshape(-1, 8, n)
-    return scale.reshape(-1, n), low.reshape(-1, n)                         # (nb*8, n), in Q4_K_ORDER
-
-
-def q4_k_ints(raw, out, scratch):
-    """Each 32 bytes j of qs hold two sub-blocks: the low nibbles sub-block 2j, the high nibbles 2j+1. Written
-    in Q4_K_ORDER, all 128 low nibbles of a block then the high ones, so that each pass runs 128 bytes at a
-    time and the cast once over the whole buffer; x, the scales and the lows are taken in the same order."""
-    qs = raw.reshape(len(raw), -1, 144)[..., 16:]                            # (n, nb, 128)
-    u = scratch.reshape(*qs.shape[:2], 2, 128)                                 # (n, nb, low | high, 128)
-    np.bitwise_and(qs, 0x0F, out=u[:, :, 0])
-    np.right_shift(qs, 4, out=u[:, :, 1])
-    np.copyto(out, scratch, casting="unsafe")
+    return scale.reshape(-1, n), low.reshape(-1, n)                         # (nb*8, n)
 
 
 def q6_k_fields(raw):
@@ -414,22 +542,19 @@ def q6_k_ints(raw, out, scratch):
     np.copyto(out, scratch, casting="unsafe")
 
 
-# qtype -> (S, fields, scales, ints, the order of the sub-blocks of a block in the buffer)
-AFFINE = {"Q8_0": (32, q8_0_fields, q8_0_scales, q8_0_ints, None),
-          "Q4_0": (32, q4_0_fields, q4_0_scales, q4_0_ints, None),
-          "Q4_K": (32, q4_k_fields, q4_k_scales, q4_k_ints, Q4_K_ORDER),
-          "Q6_K": (16, q6_k_fields, q6_k_scales, q6_k_ints, None)}
+# qtype -> (S, fields, scales, ints)
+AFFINE = {"Q8_0": (32, None, q8_0_scales, q8_0_ints),          # fields: the planes' scales (PLANES)
+          "Q4_0": (32, None, q4_0_scales, q4_0_ints),
+          "Q4_K": (32, None, q4_k_scales, q4_0_ints),
+          "Q6_K": (16, q6_k_fields, q6_k_scales, q6_k_ints)}
 
 
 def sub_block_linear(x, w: "Ggml"):
     """x @ W^T for a few rows x (T, in) -> (T, out), from the integers and the sub-blocks' scales."""
     T, (n_out, n_in) = x.shape[0], w.shape
-    S, _, scales, ints, order = AFFINE[w.format]
+    S, _, scales, ints = AFFINE[w.format]
     ns = n_in // S                                                             # sub-blocks per row
     xb = x.reshape(T, ns, S)                                                   # (T, ns, S)
-    if order is not None:                                                      # the buffer's order of sub-blocks
-        block = len(order)
-        xb = xb.reshape(T, -1, block, S)[:, :, order].reshape(T, ns, S)
     sums = xb.sum(axis=2)                                                      # (T, ns): sum(x_s)
     xs = np.ascontiguousarray(xb.transpose(1, 2, 0))                           # (ns, S, T)
     step = min(block_rows(n_in), n_out)
@@ -439,7 +564,7 @@ def sub_block_linear(x, w: "Ggml"):
     for a in range(0, n_out, step):
         b = min(a + step, n_out)
         q = buf[:b - a]                                                        # (n, ns, S)
-        ints(w.storage[a:b], q, scratch[:b - a])
+        ints(w.arrays[0][a:b], q, scratch[:b - a])
         scale, low = scales(*(f[:, a:b] for f in w.fields))                   # (ns, n) float32 each, low or None
         dots = np.matmul(q.transpose(1, 0, 2), xs)                             # (ns, n, S) @ (ns, S, T) -> (ns, n, T)
         y[a:b] = np.einsum("snt,sn->nt", dots, scale)                          # sum_s scale * (q . x_s)
@@ -478,7 +603,7 @@ class Rows:
         return sum(p.linear_backward(d_y[:, e - p.shape[0]:e]) for p, e in zip(self.parts, ends))
 
     def dequantize(self):
-        return xp_of(self.parts[0].storage).concatenate([p.dequantize() for p in self.parts])
+        return xp_of(self.parts[0].arrays[0]).concatenate([p.dequantize() for p in self.parts])
 
     @property
     def format(self) -> str:
@@ -533,20 +658,24 @@ def join_rows(pieces: list):
     """One compact matrix from pieces of consecutive rows in one format (quantized a chunk at a time)."""
     if len(pieces) == 1:
         return pieces[0]
-    xp = xp_of(pieces[0].storage)
+    xp = xp_of(pieces[0].arrays[0])
+    if isinstance(pieces[0], Ggml) and pieces[0].planes:   # the scale plane (nb, out) joins by its columns
+        return with_arrays(pieces[0], [xp.concatenate(a, axis=min(k, 1)) for k, a in enumerate(zip(*(p.planes for p in pieces)))])
     return with_arrays(pieces[0], [xp.concatenate(a) for a in zip(*(p.arrays for p in pieces))])
 
 
 def with_arrays(w, arrays: list):
     """A compact matrix of w's format and columns holding `arrays` (other rows, or on another device)."""
-    return Ggml(w.format, arrays[0], w.shape[1]) if isinstance(w, Ggml) else type(w)(*arrays)
+    if isinstance(w, Ggml):
+        return Ggml(w.format, None, w.shape[1], tuple(arrays)) if w.planes else Ggml(w.format, arrays[0], w.shape[1])
+    return type(w)(*arrays)
 
 
 def bytes_per_value(fmt: str) -> float:
     """Stored bytes per weight value of a format (scales included), for sizes before anything is read."""
-    if fmt in GGML:   # the blocks, and the scale fields decoded beside them for decoding (Ggml.fields)
+    if fmt in GGML:   # the planes (Ggml): integers, float32 scales (Q4_K: d, dmin, and a byte per 6-bit scale, min)
         block, size = quants.BLOCKS[GGML[fmt]]
-        return (size + {"Q8_0": 4, "Q4_0": 4, "Q4_K": 24}.get(GGML[fmt], 0)) / block
+        return {"Q8_0": 32 + 4, "Q4_0": 16 + 4, "Q4_K": 128 + 24}.get(GGML[fmt], size) / block
     return {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1 + 4 / FP8_BLOCK, "int8": 1}[fmt]
 
 

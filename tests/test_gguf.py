@@ -62,7 +62,10 @@ def test_logits_equal_float32_on_the_dequantized_weights(qtype, tmp_path):
     path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype)
     llm = npqwen.load(path, weights="stored")
     q = llm.weights["model.layers.1.self_attn.q_proj.weight"]
-    if qtype != "F32":
+    if qtype in ("Q8_0", "Q4_0", "Q4_K"):   # split once into planes: the integers (out, in) or (out, in/2), scales
+        assert q.format == qtype and q.arrays[0].flags.c_contiguous and q.arrays[1].dtype == np.float32
+        assert q.arrays[0].shape == (q.shape[0], q.shape[1] // (1 if qtype == "Q8_0" else 2))
+    elif qtype != "F32":
         assert q.format == {"F16": "float16", "BF16": "bfloat16"}.get(qtype, qtype)
         assert isinstance(q.arrays[0].base, np.ndarray)   # a view of the file's bytes, not a copy
     ref = dequantized_reference(path)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import npqwen
+from npqwen import quants
 from npqwen.checkpoint import allocate_weights, index_checkpoint, tie_lm_head
 from npqwen.errors import NpqwenError
 from npqwen.model import Qwen3
@@ -64,7 +65,9 @@ def test_ggml_rows_dequantize_as_the_gguf_package_does(qtype):
     gguf = pytest.importorskip("gguf")
     w = np.random.default_rng(1).standard_normal((48, 512)).astype(np.float32)
     weight = Ggml.quantize(qtype, w)
-    want = gguf.quants.dequantize(np.asarray(weight.storage), gguf.GGMLQuantizationType[qtype])
+    blocks = quants.quantize_rows(qtype, w)
+    np.testing.assert_array_equal(weight.storage, blocks)   # Q8_0, Q4_0: split into planes and joined back, bit for bit
+    want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype])
     np.testing.assert_array_equal(weight.dequantize(), want)
     np.testing.assert_array_equal(weight.take(np.array([5, 0, 47])), want[[5, 0, 47]])
     np.testing.assert_array_equal(weight.columns(slice(256, 512)).dequantize(), want[:, 256:])
@@ -288,8 +291,9 @@ def test_products_per_sub_block_equal_the_widened_product(qtype):
     w = Ggml(qtype, random_blocks(qtype, np.random.default_rng(5), 300, 512), 512)
     for T in (1, 5, 64):                                 # products per sub-block (Q6_K: at T=1)
         x = np.random.default_rng(T).standard_normal((T, 512)).astype(np.float32)
-        want = Compact.linear(w, x)                      # widened by quants.dequantize_rows, then one matmul
+        want = x @ quants.dequantize_rows(qtype, w.storage, np.empty(w.shape, np.float32)).T   # the reference rule
         assert_close(w.linear(x), want, 1e-5, f"{qtype} T={T}")
+        assert_close(Compact.linear(w, x), want, 1e-5, f"{qtype} T={T}, widened")   # Q8_0, Q4_0: from the planes
 
 
 def test_two_ranks_keep_their_rows_compact_and_compute_what_one_process_does(npqwen_tiny_dir, tmp_path):
