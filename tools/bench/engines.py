@@ -17,11 +17,9 @@ CACHE_DIR = Path(os.environ.get("NPQWEN_CACHE", Path.home() / ".cache" / "npqwen
 def default_checkpoint(moe: bool = False, hybrid: bool = False) -> Path:
     """A random-weight bf16 checkpoint of the exact Qwen3-0.6B shape (with moe: of Qwen3-30B-A3B's layers,
     2 of them; with hybrid: of Qwen3.5-0.8B's text model), written once by npqwen's own writer."""
-    import numpy as np
-
-    from npqwen.checkpoint import expected_shapes, save_safetensors
+    from npqwen.checkpoint import save_safetensors
     from npqwen.config import (QWEN3_0_6B_CONFIG, QWEN3_0_6B_GENERATION_CONFIG, QWEN3_5_0_8B_TEXT_CONFIG,
-                               QWEN3_30B_A3B_CONFIG, Qwen3Config)
+                               QWEN3_30B_A3B_CONFIG)
 
     name, config = "qwen3-0.6b-random", QWEN3_0_6B_CONFIG
     if moe:
@@ -34,15 +32,24 @@ def default_checkpoint(moe: bool = False, hybrid: bool = False) -> Path:
         return path
     print(f"[bench] building a random {name} checkpoint in {path} (once)", file=sys.stderr)
     path.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    shapes = expected_shapes(Qwen3Config.from_dict(config))
-    tensors = {name: np.ones(shape, np.float32) if name.endswith("norm.weight")
-               else rng.standard_normal(shape, dtype=np.float32) * 0.02 for name, shape in shapes.items()}
-    save_safetensors(path / "model.safetensors.tmp", tensors, "BF16")
+    save_safetensors(path / "model.safetensors.tmp", random_weights(config), "BF16")
     (path / "model.safetensors.tmp").rename(path / "model.safetensors")
     (path / "generation_config.json").write_text(json.dumps(QWEN3_0_6B_GENERATION_CONFIG, indent=2))
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def random_weights(config: dict) -> dict:
+    """Every tensor of a checkpoint of `config`, float32, from a fixed seed: norms 1, the rest N(0, 0.02)."""
+    import numpy as np
+
+    from npqwen.checkpoint import expected_shapes
+    from npqwen.config import Qwen3Config
+
+    rng = np.random.default_rng(0)
+    return {name: np.ones(shape, np.float32) if name.endswith("norm.weight")
+            else rng.standard_normal(shape, dtype=np.float32) * 0.02
+            for name, shape in expected_shapes(Qwen3Config.from_dict(config)).items()}
 
 
 def builtin_checkpoint(name: str) -> Path:

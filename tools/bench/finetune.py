@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools.bench.engines import CACHE_DIR
+from tools.bench.engines import CACHE_DIR, random_weights
 
 NAME, WORKER, NEEDS = "finetune", "single", ()
 OWN_MODEL = True      # its workers load the checkpoint below, not --model
@@ -34,11 +34,9 @@ def runs_on(engine, args) -> bool:
 
 def checkpoint(layers: int):
     """A float32 Qwen3-0.6B-shaped checkpoint of `layers` layers and a fresh adapter on it, written once."""
-    import numpy as np
-
     import npqwen
-    from npqwen.checkpoint import expected_shapes, save_safetensors
-    from npqwen.config import QWEN3_0_6B_CONFIG, Qwen3Config
+    from npqwen.checkpoint import save_safetensors
+    from npqwen.config import QWEN3_0_6B_CONFIG
     from npqwen.finetune import new_adapter, save_adapter
 
     path = CACHE_DIR / f"qwen3-0.6b-{layers}-layers-f32"
@@ -47,11 +45,7 @@ def checkpoint(layers: int):
     print(f"[bench] building {path} (once)", file=sys.stderr)
     path.mkdir(parents=True, exist_ok=True)
     config = dict(QWEN3_0_6B_CONFIG, num_hidden_layers=layers, max_window_layers=layers)
-    rng = np.random.default_rng(0)
-    save_safetensors(path / "model.safetensors", {
-        name: np.ones(shape, np.float32) if name.endswith("norm.weight") else
-        rng.standard_normal(shape, dtype=np.float32) * 0.02
-        for name, shape in expected_shapes(Qwen3Config.from_dict(config)).items()}, "F32")
+    save_safetensors(path / "model.safetensors", random_weights(config), "F32")
     (path / "config.json").write_text(json.dumps(config, indent=2))
     save_adapter(new_adapter(npqwen.load(path).model, r=16, alpha=32), path / "adapter")
     return path

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tools.bench.engines import CACHE_DIR
+from tools.bench.engines import CACHE_DIR, random_weights
 
 NAME, WORKER, NEEDS = "scale_out", "single", ()
 OWN_MODEL = True
@@ -37,10 +37,8 @@ def runs_on(engine, args) -> bool:
 
 def checkpoint(layers: int) -> Path:
     """The Qwen3-0.6B shape with `layers` layers, float32, random, with the real Qwen3 tokenizer; written once."""
-    import numpy as np
-
-    from npqwen.checkpoint import expected_shapes, save_safetensors
-    from npqwen.config import QWEN3_0_6B_CONFIG, Qwen3Config
+    from npqwen.checkpoint import save_safetensors
+    from npqwen.config import QWEN3_0_6B_CONFIG
 
     path = CACHE_DIR / f"qwen3-0.6b-{layers}-layers-chat"
     if (path / "model.safetensors").is_file():
@@ -50,11 +48,7 @@ def checkpoint(layers: int) -> Path:
     print(f"[bench] building {path} (once)", file=sys.stderr)
     path.mkdir(parents=True, exist_ok=True)
     config = dict(QWEN3_0_6B_CONFIG, num_hidden_layers=layers, max_window_layers=layers)
-    rng = np.random.default_rng(0)
-    save_safetensors(path / "model.safetensors.tmp", {
-        name: np.ones(shape, np.float32) if name.endswith("norm.weight") else
-        rng.standard_normal(shape, dtype=np.float32) * 0.02
-        for name, shape in expected_shapes(Qwen3Config.from_dict(config)).items()}, "F32")
+    save_safetensors(path / "model.safetensors.tmp", random_weights(config), "F32")
     for f in TOKENIZER.iterdir():
         if f.is_file():
             shutil.copy(f, path / f.name)
