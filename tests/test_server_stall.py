@@ -44,24 +44,10 @@ def post(url: str, path: str, body: bytes, timeout: float = 120) -> tuple[int, d
     return status, answer
 
 
-def stalls_while(url: str, model: str, action) -> tuple[float, float, object]:
-    """(largest gap between two chunks of a chat stream, slowest /health answer, action's result),
-    over the time action() runs in this thread while the stream is open (5 chunks in already)."""
-    target = urlparse(url)
-    conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
-    conn.request("POST", "/v1/chat/completions", json.dumps(
-        {"model": model, "messages": [{"role": "user", "content": "Q-STREAM"}], "stream": True}),
-        {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    chunks, health, done = [], [], threading.Event()
-
-    def read():
-        while not done.is_set():
-            line = response.readline()
-            if not line:
-                return
-            if line.startswith(b"data: "):
-                chunks.append(time.monotonic())
+def health_poller(url: str, done: threading.Event, pause: float) -> tuple[threading.Thread, list]:
+    """A thread (not started) that times GET /health on a new connection every `pause` s until `done` is set,
+    and the list it fills: (when it started, seconds)."""
+    target, health = urlparse(url), []
 
     def poll():
         while not done.is_set():
@@ -71,9 +57,31 @@ def stalls_while(url: str, model: str, action) -> tuple[float, float, object]:
             c.getresponse().read()
             c.close()
             health.append((started, time.monotonic() - started))
-            time.sleep(0.02)
+            time.sleep(pause)
+    return threading.Thread(target=poll, daemon=True), health
 
-    threads = [threading.Thread(target=read, daemon=True), threading.Thread(target=poll, daemon=True)]
+
+def stalls_while(url: str, model: str, action) -> tuple[float, float, object]:
+    """(largest gap between two chunks of a chat stream, slowest /health answer, action's result),
+    over the time action() runs in this thread while the stream is open (5 chunks in already)."""
+    target = urlparse(url)
+    conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": "Q-STREAM"}], "stream": True}),
+        {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    chunks, done = [], threading.Event()
+
+    def read():
+        while not done.is_set():
+            line = response.readline()
+            if not line:
+                return
+            if line.startswith(b"data: "):
+                chunks.append(time.monotonic())
+
+    poller, health = health_poller(url, done, pause=0.02)
+    threads = [threading.Thread(target=read, daemon=True), poller]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
@@ -239,18 +247,8 @@ def test_10_mb_inputs_are_refused_by_their_size_at_once():
     server's process, 25-39 s and +1.7 GB; count_tokens 19-26 s; then, parsed on the event loop,
     /health up to 0.1 s on a quiet machine, 0.4 s on a busy one)."""
     proc, url = start("--model", "tiny-embedding", "--allow-generation", "--log-level", "warning")
-    target = urlparse(url)
-    health, done = [], threading.Event()
-
-    def poll():
-        while not done.is_set():
-            started = time.monotonic()
-            c = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
-            c.request("GET", "/health")
-            c.getresponse().read()
-            c.close()
-            health.append(time.monotonic() - started)
-            time.sleep(0.01)
+    done = threading.Event()
+    poller, health = health_poller(url, done, pause=0.01)
     try:
         text = "word " * 2_000_000                                                     # 10 MB
         for path, body in [("/v1/embeddings", {"input": "hi"}), ("/v1/messages/count_tokens", {
@@ -263,8 +261,7 @@ def test_10_mb_inputs_are_refused_by_their_size_at_once():
         bodies = [(path, json.dumps({"model": "tiny-embedding", **body}).encode()) for path, body in [
             ("/v1/embeddings", {"input": text}), ("/v1/embeddings", {"input": ["a", text]}),
             ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": text}]})]]
-        poller = threading.Thread(target=poll, daemon=True)   # after json.dumps: 10 MB of it would stall this
-        poller.start()                                        # process's own /health timer
+        poller.start()   # after json.dumps: 10 MB of it would stall this process's own /health timer
         for path, raw in bodies:
             started = time.monotonic()
             status, answer = post(url, path, raw)
@@ -278,9 +275,10 @@ def test_10_mb_inputs_are_refused_by_their_size_at_once():
         poller.join(10)
         time.sleep(0.3)
         after = tree_rss_mb(proc.pid)
-        print(f"RSS before {before:.0f} MB, after {after:.0f} MB; slowest /health {max(health) * 1000:.0f} ms "
+        slowest = max(seconds for _, seconds in health)
+        print(f"RSS before {before:.0f} MB, after {after:.0f} MB; slowest /health {slowest * 1000:.0f} ms "
               f"of {len(health)}")
-        assert after - before < 50 and max(health) < 0.05, (before, after, max(health))
+        assert after - before < 50 and slowest < 0.05, (before, after, slowest)
     finally:
         done.set()
         code, err = stop(proc)
