@@ -83,6 +83,20 @@ def hf_model(path: Path):
     return model_class.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def greedy_both(llm, ref, prompt: list[int], new_tokens: int) -> tuple[list[int], list[int]]:
+    """npqwen's and HF's greedy continuations of `prompt`, `new_tokens` each (eos ignored), printed with the
+    first position where they differ."""
+    import torch
+
+    got = llm.generate(prompt, max_new_tokens=new_tokens, temperature=0).token_ids
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                            min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    print(f"greedy: npqwen {got} HF {want}; first mismatch "
+          f"{next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)}")
+    return got, want
+
+
 def write_npqwen_checkpoint(path: Path, config: dict, dtype: str = "F32", seed: int = 0,
                             drop: tuple = (), reshape: dict | None = None) -> Path:
     """A random checkpoint written without torch (npqwen's own writer), optionally broken on purpose."""

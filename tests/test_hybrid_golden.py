@@ -8,6 +8,7 @@ import pytest
 
 import npqwen
 
+from conftest import greedy_both
 from hybrid_checkpoints import (QWEN3_5_0_8B_TEXT, QWEN3_5_35B_A3B_TEXT, build_hybrid_checkpoint, hf_hybrid_model,
                                 hybrid_config, hybrid_moe_config, qwen3_next_config)
 from npqwen.backend import free_memory_bytes
@@ -104,12 +105,7 @@ def test_greedy_generation_equals_hf(tmp_path):
     path = build_hybrid_checkpoint(tmp_path, hybrid_config(num_hidden_layers=5, layer_types=[L, F, L, L, F]), std=0.1)
     llm, ref = npqwen.load(path), hf_hybrid_model(path)
     prompt = np.random.default_rng(1).integers(0, 512, 90).tolist()
-    got = llm.generate(prompt, max_new_tokens=24, temperature=0).token_ids
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24,
-                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    print(f"greedy: npqwen {got[:8]}... HF {want[:8]}...; first mismatch "
-          f"{next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)}")
+    got, want = greedy_both(llm, ref, prompt, 24)
     assert got == want
 
 

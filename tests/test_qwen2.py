@@ -13,7 +13,7 @@ from npqwen import Engine
 from npqwen.backend import free_memory_bytes
 from npqwen.errors import NpqwenError
 
-from conftest import ROOT
+from conftest import ROOT, greedy_both
 from test_engine import alone, compare as compare_runs, prompts, run
 
 torch = pytest.importorskip("torch")
@@ -80,11 +80,7 @@ def test_greedy_equals_hf_and_a_saved_copy_reads_back_in_hf(tmp_path):
     path = build_qwen2(tmp_path / "hf", std=0.3, tie_word_embeddings=False)
     llm, ref = npqwen.load(path), hf_qwen2(path)
     prompt = np.random.default_rng(1).integers(0, 512, 40).tolist()
-    got = llm.generate(prompt, max_new_tokens=20, temperature=0).token_ids
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, min_new_tokens=20,
-                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    print(f"greedy: npqwen {got} HF {want}")
+    got, want = greedy_both(llm, ref, prompt, 20)
     assert got == want and len(set(got)) > 3
     saved = llm.save(tmp_path / "saved")   # npqwen's writer: config.json says Qwen2ForCausalLM, HF reads it
     assert json.loads((saved / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
@@ -102,11 +98,7 @@ def test_qwen2_5_0_5b_layer_shape(tmp_path):
     assert (llm.config.head_dim, llm.model.heads, llm.model.kv_heads) == (64, 14, 2)
     ids = np.random.default_rng(2).integers(0, 8192, 60).tolist()
     golden(llm, ref, ids, "Qwen2.5-0.5B shape, 2 layers")
-    got = llm.generate(ids, max_new_tokens=5, temperature=0).token_ids
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False, min_new_tokens=5,
-                            eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-    print(f"greedy: npqwen {got} HF {want}")
+    got, want = greedy_both(llm, ref, ids, 5)
     assert got == want
 
 

@@ -15,7 +15,7 @@ from npqwen import Engine
 from npqwen.backend import free_memory_bytes
 from npqwen.errors import NpqwenError
 
-from conftest import ROOT
+from conftest import ROOT, greedy_both
 from test_engine import alone, compare as compare_runs, prompts, run
 
 torch = pytest.importorskip("torch")
@@ -96,11 +96,7 @@ def test_greedy_equals_hf(tmp_path):
     path, ref = build_vl(tmp_path, moe=True, std=0.3)
     llm = npqwen.load(path)
     prompt = np.random.default_rng(1).integers(0, 512, 30).tolist()
-    got = llm.generate(prompt, max_new_tokens=16, temperature=0).token_ids
-    with torch.no_grad():
-        want = ref.generate(input_ids=torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16,
-                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    print(f"greedy: npqwen {got} HF {want}")
+    got, want = greedy_both(llm, ref, prompt, 16)
     assert got == want and len(set(got)) > 3
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import npqwen
+from conftest import greedy_both
 from npqwen import Engine
 from npqwen import hyper_connections as hc
 from npqwen import ple
@@ -240,11 +241,7 @@ def test_greedy_equals_hf(causal):
     path, ref = causal
     llm = npqwen.load(path)
     prompt = np.random.default_rng(1).integers(0, 300, 20).tolist()
-    got = llm.generate(prompt, max_new_tokens=12, temperature=0).token_ids
-    with torch.no_grad():
-        want = ref.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
-                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    print(f"greedy: npqwen {got} HF {want}")
+    got, want = greedy_both(llm, ref, prompt, 12)
     assert got == want and len(set(got)) > 3
 
 
