@@ -296,6 +296,26 @@ def test_products_per_sub_block_equal_the_widened_product(qtype):
         assert_close(Compact.linear(w, x), want, 1e-5, f"{qtype} T={T}, widened")   # Q8_0, Q4_0: from the planes
 
 
+def test_stacked_rows_of_mixed_formats_widen_across_their_parts(monkeypatch):
+    """Rows (qkv_proj, gate_up_proj) of parts in different formats, as a Q4_K_M file mixes them: a prefill's rows
+    widen blocks that span the parts (int8's row scales beside parts without), a decode's rows go part by part."""
+    from test_quants import random_blocks
+
+    from npqwen import weights
+
+    rng = np.random.default_rng(7)
+    parts = [weights.Int8.quantize(rng.standard_normal((40, 256)).astype(np.float32)),
+             Ggml("Q4_K", random_blocks("Q4_K", rng, 24, 256), 256),
+             weights.quantize(rng.standard_normal((8, 256)).astype(np.float32), "bfloat16"),
+             Ggml("Q6_K", random_blocks("Q6_K", rng, 16, 256), 256)]
+    want_w = np.concatenate([p.dequantize() for p in parts])
+    monkeypatch.setattr(weights, "PREFILL_BLOCKS", 1)
+    monkeypatch.setattr(weights, "BLOCK_VALUES", 16 * 256)   # blocks of 16 rows: 32..48 and 64..80 span two parts
+    for T in (3, 150):
+        x = rng.standard_normal((T, 256)).astype(np.float32)
+        assert_close(Rows(parts).linear(x), x @ want_w.T, 1e-5, f"mixed rows, T={T}")
+
+
 def test_two_ranks_keep_their_rows_compact_and_compute_what_one_process_does(npqwen_tiny_dir, tmp_path):
     pytest.importorskip("mpi4py")
     from test_parallel import assert_same, probe
