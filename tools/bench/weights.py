@@ -226,9 +226,10 @@ def against_llama_cpp(args) -> dict:
     if missing:
         return {"llama_cpp_skipped": missing}
     threadpool_limits(args.threads)
-    paths = gguf_measure.files(args.weights_layers)          # written once: converted, then quantized by llama.cpp
+    formats = [f for f in args.weights_formats.split(",") if f in GGUF_FILES]
+    paths = gguf_measure.files(args.weights_layers, [GGUF_FILES[f] for f in formats])   # written once: converted, then quantized by llama.cpp
     out = {}
-    for fmt in [f for f in args.weights_formats.split(",") if f in GGUF_FILES]:
+    for fmt in formats:
         path = paths[GGUF_FILES[fmt]]
         llm = npqwen.load(path)
         ours = gguf_measure.npqwen_speed(llm, args.weights_prefill, args.weights_decode)
