@@ -14,8 +14,8 @@ widening is paid once per block and shared by every row of x (a prefill of 512 t
     fp8        float8 e4m3 (uint8) + one scale per 128x128 block   a 256-entry table, times the block's scale
     int8       int8 + one float32 scale per row                    a cast; the scale multiplies the output
     Q8_0 ...   ggml blocks (npqwen/quants.py: llama.cpp's); Q8_0,  quants.dequantize_rows (planes: a cast, the
-               Q4_0, Q4_K split at load into planes: integers      scales per 32); for decoding, products per
-               (out, in) or nibbles (out, in/2), and scales         sub-block (sub_block_linear)
+               Q4_0, Q4_K, Q6_K split at load into planes:         scales per 32); for decoding, products per
+               integers (out, in), nibbles (out, in/2), and scales  sub-block (sub_block_linear)
 
 Every class has the same few members: `shape`, `nbytes`, `format`, `linear(x)`, `linear_backward(d_y)` (d_y @ W,
 the input's gradient through a frozen weight, by the same blocks: QLoRA), `take(ids)` (an embedding lookup that
@@ -256,8 +256,9 @@ class Int8(Compact):
 class Ggml(Compact):
     """llama.cpp's block formats (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, ...): each row is in/block_size blocks of
     type_size bytes, widened by quants.dequantize_rows, which spells out each format's block (npqwen/quants.py).
-    Q8_0, Q4_0 and Q4_K are split once, when the weight is made, into their planes (PLANES): the integers of
-    every block side by side, (out, in) int8 or (out, in/2) packed nibbles, and the scales, (in/32, out) each:
+    Q8_0, Q4_0, Q4_K and Q6_K are split once, when the weight is made, into their planes (PLANES): the integers
+    of every block side by side, (out, in) int8, (out, in/2) packed nibbles (Q6_K: (out, 3 in/4), the nibbles
+    then their top two bits), and the scales, (in/32, out) each (Q6_K's sub-blocks: in/16):
     the same integers and scales, but a block of rows widens by one contiguous cast, several times faster than
     a cast through the 34-, 18- or 144-byte blocks (measured: docs/weights.md section 5), in fewer bytes (no
     float16 scale kept beside its float32). `storage` gives the file's blocks back, bit for bit (for saving)."""
@@ -325,14 +326,15 @@ class Ggml(Compact):
         return Ggml(self.format, xp_of(part).ascontiguousarray(part), b - a)
 
 
-# ---------------------------------------------------------------- Q8_0, Q4_0 and Q4_K as planes
+# ---------------------------------------------------------------- Q8_0, Q4_0, Q4_K and Q6_K as planes
 # block_q8_0 is f16 d | int8 q[32]; block_q4_0 is f16 d | uint8 qs[16] (value j the low nibble of qs[j], value
 # j + 16 the high one, each minus 8). Each format: `split` (the file's blocks -> the planes), `join` (back),
 # `widen` (a block of rows' planes -> float32 out (n, in): w = d * q). Under the array-module shim (CuPy too).
 # Q4_0's nibbles are paired anew across the row, not the block: byte j of a row holds value j in its low nibble
 # and value j + in/2 in its high one, so that unpacking is two passes over whole rows, each writing one half of
 # the row in order (pairs within a 16-byte block made each pass run 16 values at a time: 3x slower). Q4_K's
-# nibbles likewise, its sub-blocks' 6-bit scales and mins a byte each.
+# nibbles likewise, its sub-blocks' 6-bit scales and mins a byte each; Q6_K's low nibbles likewise, their top two
+# bits four to a byte, paired across the row in quarters (split_q6_k).
 
 def split_q8_0(raw):
     """(n, nb*34) blocks -> q (n, nb*32) int8, d (nb, n) float32."""
@@ -438,8 +440,76 @@ def widen_q4_k(qs, d, dmin, sc, m, out):
     out3 -= low.T[..., None]
 
 
+def q6_k_values(raw):
+    """The 6-bit values 0..63 of Q6_K blocks raw (n, nb*210) in order, (n, in) uint8. block_q6_K is ql[128] |
+    qh[64] | int8 scales[16] | f16 d; each half of 128 values takes 64 bytes of ql and 32 of qh: values v, v+32,
+    v+64, v+96 (v < 32) take the low nibble of ql[v], of ql[v+32], the high nibble of ql[v], of ql[v+32], and bits
+    0-1, 2-3, 4-5, 6-7 of qh[v] as their top two bits."""
+    xp, n = xp_of(raw), len(raw)
+    b = raw.reshape(n, -1, 210)
+    ql, qh = b[..., :128].reshape(n, -1, 2, 2, 32), b[..., 128:192].reshape(n, -1, 2, 1, 32)
+    v = xp.concatenate([ql & 0x0F, ql >> 4], axis=3)                           # (n, nb, half, 4, 32): low, high
+    v |= ((qh >> xp.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3) << 4   # the top two bits: 0..63
+    return v.reshape(n, -1)
+
+
+def split_q6_k(raw):
+    """(n, nb*210) blocks -> qs (n, 3 in/4) uint8: the low nibbles paired as Q4_0's (in/2 bytes), then the top
+    two bits four to a byte (byte j of the in/4: values j, j + in/4, j + in/2, j + 3 in/4 in bits 0-1, 2-3, 4-5,
+    6-7); d (nb, n) float32 and sc (nb*16, n) int8: w = d*sc_j * (q - 32) in sub-block j of 16."""
+    xp, n = xp_of(raw), len(raw)
+    b = raw.reshape(n, -1, 210)
+    half, quarter = b.shape[1] * 128, b.shape[1] * 64
+    qs = xp.empty((n, 3 * quarter), dtype=np.uint8)
+    for a in range(0, n, 4096):   # a few rows at a time: the values are a byte each
+        v = q6_k_values(raw[a:a + 4096])                                       # (rows, in) 0..63
+        qs[a:a + 4096, :half] = (v[:, :half] & 0x0F) | (v[:, half:] & 0x0F) << 4
+        top = v >> 4                                                           # (rows, in) 0..3
+        qs[a:a + 4096, half:] = (top[:, :quarter] | top[:, quarter:half] << 2 | top[:, half:3 * quarter] << 4
+                                 | top[:, 3 * quarter:] << 6)
+    d = xp.ascontiguousarray(b[..., 208:210]).view(np.float16).reshape(n, -1)  # (n, nb)
+    sc = b[..., 192:208].view(np.int8).reshape(n, -1)                          # (n, nb*16)
+    return qs, xp.ascontiguousarray(d.T, dtype=np.float32), xp.ascontiguousarray(sc.T)
+
+
+def unpack_q6_k(qs, out):
+    """The values 0..63 of rows qs (n, 3 in/4) into uint8 `out` (n, in), in order. Shifted as 8-byte words (NumPy
+    shifts bytes one at a time but words 8 bytes at once); a mask per byte drops the bits a shift carries across
+    bytes (measured, a 256 x 1024 block: 157 us as bytes, 78 us as words)."""
+    xp, quarter = xp_of(out), qs.shape[1] // 3
+    low = xp.ascontiguousarray(qs[:, :2 * quarter]).view(np.uint64)           # (n, in/16): the nibbles, 8 bytes a word
+    top = xp.ascontiguousarray(qs[:, 2 * quarter:]).view(np.uint64)           # (n, in/32): the 2-bit fields
+    w, half = out.view(np.uint64), low.shape[1]                                # (n, in/8)
+    nibble, field = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0x3030303030303030)   # bits 0-3, bits 4-5 of each byte
+    xp.bitwise_and(low, nibble, out=w[:, :half])                               # values j < in/2: low nibbles
+    xp.bitwise_and(low >> np.uint64(4), nibble, out=w[:, half:])               # values j + in/2: high nibbles
+    for k in range(4):                                                         # quarter k: bits 2k, 2k+1 moved to 4, 5
+        moved = top << np.uint64(4 - 2 * k) if k < 2 else top >> np.uint64(2 * k - 4)
+        w[:, k * half // 2:(k + 1) * half // 2] |= xp.bitwise_and(moved, field, out=moved)
+    return out
+
+
+def join_q6_k(qs, d, sc):
+    xp, n = xp_of(qs), len(qs)
+    v = unpack_q6_k(qs, xp.empty((n, 4 * (qs.shape[1] // 3)), dtype=np.uint8)).reshape(n, -1, 2, 4, 32)
+    b = xp.empty((n, d.shape[0], 210), dtype=np.uint8)
+    b[..., :128] = ((v[..., :2, :] & 0x0F) | (v[..., 2:, :] & 0x0F) << 4).reshape(n, -1, 128)   # q6_k_values, undone
+    b[..., 128:192] = sum((v[..., k, :] >> 4) << 2 * k for k in range(4)).reshape(n, -1, 64)
+    b[..., 192:208] = sc.T.reshape(n, -1, 16).view(np.uint8)
+    b[..., 208:210] = d.T.astype(np.float16)[..., None].view(np.uint8)
+    return b.reshape(n, -1)
+
+
+def widen_q6_k(qs, d, sc, out):
+    xp, n = xp_of(out), len(out)
+    q = unpack_q6_k(qs, xp.empty(out.shape, dtype=np.uint8))
+    q -= 32                                                                    # as int8: q - 32
+    xp.copyto(out, q.view(np.int8), casting="unsafe")
+    out.reshape(n, -1, 16)[...] *= q6_k_scales(d, sc)[0].T[..., None]         # (n, nb*16, 16) * (n, nb*16, 1)
+
+
 PLANES = {"Q8_0": (split_q8_0, join_q8_0, widen_q8_0), "Q4_0": (split_q4_0, join_q4_0, widen_q4_0),
-          "Q4_K": (split_q4_k, join_q4_k, widen_q4_k)}
+          "Q4_K": (split_q4_k, join_q4_k, widen_q4_k), "Q6_K": (split_q6_k, join_q6_k, widen_q6_k)}
 
 
 def release(raw):
@@ -473,14 +543,6 @@ BLOCK_DOT_ROWS = 64   # Q6_K: one row only. Its 16-value sub-blocks make twice t
                       # widening once ran faster (0.25x against 0.19x float32's speed).
 
 
-def f16_column(raw, type_size: int, first: int):
-    """The float16 at bytes first, first+1 of every block of rows raw (n, nb*type_size) -> (nb, n) float32, rows
-    last so that a sub-block's scales for a block of rows are one contiguous run (widened once: 4 bytes per
-    block instead of 2)."""
-    halves = np.ascontiguousarray(raw).view(np.float16)                       # (n, nb*type_size/2)
-    return np.ascontiguousarray(halves[:, first // 2::type_size // 2].T, dtype=np.float32)
-
-
 # Each format in three small functions: `fields`, its blocks' scale fields decoded once when the weight is made
 # (kept beside the blocks as Ggml.fields, 4-6 bytes per 32 values; for planes, the scale planes); `scales`, those
 # fields -> float32 (ns, n) scales and lows (or None) for a block of rows; `ints`, the integers q of a block of
@@ -490,8 +552,8 @@ def f16_column(raw, type_size: int, first: int):
 # over whole rows beats one whose inner loop is 16 values, not always one of 32; Q4's nibbles unpacked straight
 # into float32 beat unpacking into uint8 then casting: decode 0.63x -> 0.70x float32's speed at Q4_0).
 
-# Q8_0, Q4_0 and Q4_K are kept as planes (PLANES): their fields are the scale planes (d; Q4_K's d, dmin, sc, m),
-# and `ints` takes the integer plane's rows, one contiguous run each (Q4_K's nibbles as Q4_0's).
+# Q8_0, Q4_0, Q4_K and Q6_K are kept as planes (PLANES): their fields are the scale planes (d; Q4_K's d, dmin, sc,
+# m; Q6_K's d, sc), and `ints` takes the integer plane's rows, one contiguous run each (Q4_K's nibbles as Q4_0's).
 
 def q8_0_scales(d):
     return d, None
@@ -516,31 +578,14 @@ def q4_k_scales(d, dmin, sc, m):
     return scale.reshape(-1, n), low.reshape(-1, n)                         # (nb*8, n)
 
 
-def q6_k_fields(raw):
-    """block_q6_K: ql[128] | qh[64] | int8 scales[16] | f16 d: 16 sub-blocks of 16, w = d*sc_j * (q - 32)."""
-    n = len(raw)
-    sc = raw.reshape(n, -1, 210)[..., 192:208].view(np.int8).reshape(n, -1)   # (n, nb*16)
-    return f16_column(raw, 210, 208), np.ascontiguousarray(sc.T)              # (nb, n), (nb*16, n)
-
-
 def q6_k_scales(d, sc):
     n = d.shape[1]
     scale = (d[:, None] * sc.reshape(-1, 16, n)).reshape(-1, n)              # (nb*16, n)
     return scale, 32 * scale
 
 
-def q6_k_ints(raw, out, scratch):
-    """Each half of 128 values takes 64 bytes of ql and 32 of qh: values v, v+32, v+64, v+96 (v < 32) take the
-    low nibble of ql[v], of ql[v+32], the high nibble of ql[v], of ql[v+32], and bits 0-1, 2-3, 4-5, 6-7 of
-    qh[v] as their top two bits."""
-    n = len(raw)
-    b = raw.reshape(n, -1, 210)
-    ql, qh = b[..., :128].reshape(n, -1, 2, 2, 32), b[..., 128:192].reshape(n, -1, 2, 1, 32)
-    u = scratch.reshape(*ql.shape[:3], 2, 2, 32)                               # (n, nb, half, low | high, 2, 32)
-    np.bitwise_and(ql, 0x0F, out=u[:, :, :, 0])
-    np.right_shift(ql, 4, out=u[:, :, :, 1])
-    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]                  # (4, 1)
-    scratch.reshape(n, -1, 2, 4, 32)[...] |= ((qh >> shifts) & 3) << 4        # (n, nb, 2, 4, 32): 0..63
+def q6_k_ints(qs, out, scratch):
+    unpack_q6_k(qs, scratch.reshape(len(qs), -1))                              # (n, in) uint8 0..63, in order
     np.copyto(out, scratch, casting="unsafe")
 
 
@@ -548,7 +593,7 @@ def q6_k_ints(raw, out, scratch):
 AFFINE = {"Q8_0": (32, None, q8_0_scales, q8_0_ints),          # fields: the planes' scales (PLANES)
           "Q4_0": (32, None, q4_0_scales, q4_0_ints),
           "Q4_K": (32, None, q4_k_scales, q4_0_ints),
-          "Q6_K": (16, q6_k_fields, q6_k_scales, q6_k_ints)}
+          "Q6_K": (16, None, q6_k_scales, q6_k_ints)}
 
 
 def sub_block_linear(x, w: "Ggml"):

@@ -288,7 +288,10 @@ def test_products_per_sub_block_equal_the_widened_product(qtype):
 
     from npqwen.weights import Compact
 
-    w = Ggml(qtype, random_blocks(qtype, np.random.default_rng(5), 300, 512), 512)
+    blocks = random_blocks(qtype, np.random.default_rng(5), 300, 512)
+    w = Ggml(qtype, blocks.copy(), 512)
+    np.testing.assert_array_equal(w.storage, blocks)     # split into planes and joined back, bit for bit
+    np.testing.assert_array_equal(w.dequantize(), quants.dequantize_rows(qtype, blocks, np.empty(w.shape, np.float32)))
     for T in (1, 5, 64):                                 # products per sub-block (Q6_K: at T=1)
         x = np.random.default_rng(T).standard_normal((T, 512)).astype(np.float32)
         want = x @ quants.dequantize_rows(qtype, w.storage, np.empty(w.shape, np.float32)).T   # the reference rule
