@@ -101,6 +101,15 @@ def rms_norm_backward(d_y, x, weight, eps: float, offset: float = 0.0):
     return d_x, d_weight
 
 
+def grouped_rms_norm(x, weight, group: int, eps: float):
+    """Qwen4-Exp's hc_norm and PLE's norms: each stream's D values normalised on their own, then scaled by 1 + weight (float32 inside, as HF;
+    float64 stays float64). (T, C*D), (C*D,) -> (T, C*D)."""
+    f32 = np.promote_types(x.dtype, np.float32)
+    h = x.astype(f32).reshape(x.shape[0], x.shape[1] // group, group)           # (T, C, D)
+    h = h / xp_of(x).sqrt(xp_of(x).mean(h * h, axis=-1, keepdims=True) + eps)   # (T, C, D)
+    return (h.reshape(x.shape) * (1.0 + weight.astype(f32))).astype(x.dtype)    # (T, C*D)
+
+
 def sigmoid(x):
     """1 / (1 + exp(-x)) = (1 + tanh(x/2)) / 2, which never overflows."""
     return (xp_of(x).tanh(x * 0.5) + 1.0) * 0.5

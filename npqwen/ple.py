@@ -20,7 +20,7 @@ import numpy as np
 
 from . import ops
 from .backend import xp_of
-from .hyper_connections import grouped_rms_norm
+from .ops import grouped_rms_norm
 
 MASK64 = (1 << 64) - 1
 SPLITMIX_GAMMA, SPLITMIX_M1, SPLITMIX_M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -148,14 +148,17 @@ def dilated_causal_conv(x, kernel, state, dilation: int):
     return out, inputs[T:]                                                   # the last L inputs
 
 
-def ple_layer(x, emb, W: dict, p: str, C: int, conv_state, dilation: int, eps: float):
+def ple_layer(x, emb, W: dict, p: str, C: int, conv_state, dilation: int, eps: float, projected=None):
     """What a PLE layer adds to the C streams (transformers' Qwen4ExpTextPLELayer.forward). x (T, C*D) the streams,
     emb (T, E) the tokens' n-gram embeddings -> (T, C*D), and the convolution's new state (L, C*D).
     Each stream c asks with its normalised values (a query) how much of the shared value to take: the gate is the
-    signed square root of its scaled dot product with the embedding's key for stream c."""
+    signed square root of its scaled dot product with the embedding's key for stream c. `projected`: key_proj(emb)
+    (T, C*D) and value_proj(emb) (T, D) when the caller made them (the model, adding a LoRA adapter's updates)."""
     T, D = x.shape[0], x.shape[1] // C
-    key = grouped_rms_norm(ops.linear(emb, W[f"{p}.key_proj.weight"]), W[f"{p}.norm_key.weight"], D, eps)  # (T, C*D)
-    value = ops.linear(emb, W[f"{p}.value_proj.weight"])                                                 # (T, D)
+    if projected is None:
+        projected = ops.linear(emb, W[f"{p}.key_proj.weight"]), ops.linear(emb, W[f"{p}.value_proj.weight"])
+    key, value = projected                                                                               # (T, C*D), (T, D)
+    key = grouped_rms_norm(key, W[f"{p}.norm_key.weight"], D, eps)                                       # (T, C*D)
     query = grouped_rms_norm(x, W[f"{p}.norm_query.weight"], D, eps)                                      # (T, C*D)
     gate = (key.reshape(T, C, D) * query.reshape(T, C, D)).sum(-1, keepdims=True) / math.sqrt(D)        # (T, C, 1)
     gate = xp_of(x).sqrt(xp_of(x).maximum(abs(gate), 1e-6)) * xp_of(x).sign(gate)   # signed sqrt, as HF's
