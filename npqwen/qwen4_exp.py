@@ -17,10 +17,12 @@ forward: x = embed, copied into C streams -> for each layer: [x += ple(x)]; a, w
 m, w = mix(x); x += w * moe(m) -> mix(x) -> lm_head.
 
 LoRA adapters (npqwen/lora.py) add to their rows after every projection, as in Qwen3's layers: attention's, the
-indexer's, the Gated DeltaNet's, the shared expert's, the hyper-connections' and PLE's.
+indexer's, the Gated DeltaNet's, the shared expert's, the hyper-connections' and PLE's. Under tensor parallelism
+(npqwen/parallel.py) the ranks meet where Qwen3.5-MoE's do (the embedding, o_proj / out_proj, the experts' sum and the
+shared expert's down_proj, the logits); the C streams, the mixing, PLE and the indexer are whole on every rank.
 
 Not here: the MTP head (transformers has no forward for Qwen4-Exp's to check against), steering and SAE feature
-edits (a (D,) vector added to a residual that is C streams) and tensor parallelism; each is refused by name.
+edits (a (D,) vector added to a residual that is C streams); each is refused by name.
 """
 import numpy as np
 
@@ -28,6 +30,7 @@ from . import hyper_connections as hc
 from . import lora, ops, ple, qsa
 from .errors import NpqwenError
 from .model import BatchOutput, Qwen3, as_hook, no_recorder
+from .parallel import share_batch
 
 
 class Qwen4Exp(Qwen3):
@@ -42,8 +45,12 @@ class Qwen4Exp(Qwen3):
             raise NpqwenError("Qwen4-Exp: steering vectors, SAE feature edits and MTP drafts add or feed a (D,) "
                               "vector to the residual, but Qwen4-Exp's residual is hc_count streams of D; npqwen "
                               "does not implement them for it")
-        # 1. embedding lookup, then C copies of it side by side: the C residual streams start equal
-        x = ops.embed(W["model.embed_tokens.weight"], xp.asarray(batch.token_ids))                # (T, D)
+        # 0. tensor parallel: every rank runs rank 0's batch (rank 0 sends it to the others)
+        batch = share_batch(self, batch, kv, recorder is not no_recorder)
+        # 1. embedding lookup (a token's row is on one rank, the others add zeros), then C copies of it side by side:
+        # the C residual streams start equal
+        x = ops.embed(W["model.embed_tokens.weight"], xp.asarray(batch.token_ids), self.vocab_start)   # (T, D)
+        x = self.comm.all_reduce(x)
         x = recorder("model.embed_tokens", x)
         x = xp.tile(x, (1, C))                                                                   # (T, C*D)
         # 2. RoPE tables for each token's own position (text: mRoPE's three positions are equal, plain RoPE)
@@ -68,15 +75,19 @@ class Qwen4Exp(Qwen3):
         x, _ = hc.mix_streams(x, W[f"{p}.hc_norm.weight"], W[f"{p}.input_mix_weight_down.weight"],
                               W[f"{p}.input_mix_weight_up.weight"], C, cfg.rms_norm_eps, out_loras, p)   # (B, D)
         x = recorder(p, x)
-        # 5. lm_head for the rows that sample; hidden states and scores as Qwen3's
+        # 5. lm_head for the rows that sample (under tensor parallelism every rank's V/N logits side by side);
+        # hidden states and scores as Qwen3's
         S, R = len(batch.sample_rows), len(batch.hidden_rows)
-        logits = ops.linear(x[:S], self.lm_head_weight()) if S else xp.zeros((0, cfg.vocab_size), x.dtype)  # (S, V)
+        if S:
+            logits = self.comm.all_gather(ops.linear(x[:S], self.lm_head_weight()))   # (S, D) @ (D, V) -> (S, V)
+        else:
+            logits = xp.zeros((0, cfg.vocab_size), x.dtype)
         logits = recorder("lm_head", logits)
         scores = None
-        if len(batch.score_rows):
+        if len(batch.score_rows):   # k rows of lm_head, looked up as the embedding is (the rank holding a row adds it)
             ids = xp.asarray(batch.score_ids)                                      # (Q, k)
-            heads = self.lm_head_weight()[ids.reshape(-1)].reshape(*ids.shape, -1)   # (Q, k, D)
-            scores = xp.einsum("qd,qkd->qk", x[S + R:], heads)                     # (Q, k)
+            heads = ops.embed(self.lm_head_weight(), ids.reshape(-1), self.vocab_start).reshape(*ids.shape, -1)
+            scores = self.comm.all_reduce(xp.einsum("qd,qkd->qk", x[S + R:], heads))   # (Q, k)
         return BatchOutput(logits, x[S:S + R], scores)
 
     def decoder_layer(self, i: int, x, cos, sin, batch, kv, slots, recorder=no_recorder, loras=(), previous=None):
@@ -130,7 +141,7 @@ class Qwen4Exp(Qwen3):
         T, H, K, Dh = x.shape[0], self.heads, self.kv_heads, cfg.head_dim
         Hi, di, c = cfg.indexer_n_heads, cfg.indexer_head_dim, cfg.cache_index(i)
         # the indexer's queries (T, Hi, di), normalised and rotated, and raw keys (T, di); the keys go to the pages with
-        # the rest
+        # the rest (under tensor parallelism every rank holds the whole indexer and makes the same selection)
         iq, ik = qsa.indexer_queries_keys(x, W[f"{p}.indexer.index_qk_proj.weight"],
                                           W[f"{p}.indexer.q_layernorm.weight"], Hi, di, cos, sin,
                                           cfg.rms_norm_eps, loras, f"{p}.indexer.index_qk_proj")
@@ -160,9 +171,12 @@ class Qwen4Exp(Qwen3):
             allowed = recorder(f"{p}.indexer", qsa.selection_mask(chosen, S))          # (n, S) bool
             out[r], probs = qsa.sparse_attention(q[r], qsa.gather_pages(kv.keys[c], table, S),
                                                  qsa.gather_pages(kv.values[c], table, S), allowed)
+        if recorder is not no_recorder:   # kept for a recorder: every rank's heads
+            probs = self.comm.all_gather(probs, axis=0)                         # (H, n, S)
         recorder(f"{p}.attn_probs", probs)   # the last sequence's (H, n, S): seen, not replaced
         out = recorder(f"{p}.attn_output", out)                                  # (T, H*Dh)
         out = out * ops.sigmoid(gate)                                            # the output gate
         o = ops.linear(out, W[f"{p}.o_proj.weight"])                             # (T, H*Dh) -> (T, D)
         o = lora.add(o, out, loras, f"{p}.o_proj")                               # + scale * B A x, each adapter's rows
+        o = self.comm.all_reduce(o)                                              # the sum of every rank's heads
         return recorder(f"{p}.o_proj", o)                                        # (T, D)

@@ -345,10 +345,10 @@ def test_trace_hooks_and_lens(causal):
 
 
 def test_refusals_name_what_they_refuse(causal):
-    """A QSA variant, a malformed mRoPE section, a sigmoid output gate; tensor parallelism, speculative decoding,
-    steering, compact weights and gradients on a Qwen4-Exp model (LoRA: tests/test_qwen4_exp_lora.py)."""
+    """A QSA variant, a malformed mRoPE section, a sigmoid output gate; speculative decoding, steering, compact
+    weights and gradients on a Qwen4-Exp model (LoRA: tests/test_qwen4_exp_lora.py; tensor parallelism:
+    tests/test_parallel.py)."""
     from npqwen.config import Qwen3Config
-    from npqwen.parallel import check_split
 
     raw = {"model_type": "qwen4_exp_text", **MODEL}
     for change, named in ((dict(indexer_kv_heads=2), "indexer_kv_heads 2: a QSA variant"),
@@ -363,8 +363,6 @@ def test_refusals_name_what_they_refuse(causal):
             Qwen3Config.from_dict({**raw, **change})
         print(error.value)
     llm = npqwen.load(causal[0])
-    with pytest.raises(NpqwenError, match="tensor parallelism does not split Qwen4-Exp"):
-        check_split(llm.config, 2)
     for kw in (dict(speculative={"method": "ngram", "k": 3}), dict(steering=[{"layer": 1, "vector": np.ones(32, np.float32), "scale": 1.0}])):
         with pytest.raises(NpqwenError, match="not implemented for it"):
             llm.generate([1, 2, 3], max_new_tokens=2, temperature=0, **kw)
