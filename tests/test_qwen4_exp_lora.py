@@ -1,7 +1,8 @@
 """LoRA adapters on Qwen4-Exp: PEFT's all-linear (every projection: attention, the QSA indexer, the Gated DeltaNet,
 the shared expert and its gate, each layer's two hyper-connections and the final mixing, PLE's key and value) and a
 few modules on some layers give PEFT's logits; requests through two adapters and none, batched and chunked in the
-engine, equal each alone; merge-lora equals PEFT's merge_and_unload; an adapter for another layout is refused."""
+engine, equal each alone; merge-lora equals PEFT's merge_and_unload; an adapter for another layout, or of the
+routed experts, is refused by name."""
 import json
 
 import numpy as np
@@ -140,3 +141,13 @@ def test_an_adapter_for_another_layout_is_refused_by_name(llm, adapters, tmp_pat
         llm.load_lora("bad", path)
     print(f"{case}: {e.value}")
     assert "bad" not in llm.loras
+
+
+def test_an_adapter_of_the_routed_experts_is_refused(base, tmp_path):
+    """PEFT reaches Qwen4-Exp's routed experts (stacked parameters, mlp.experts.gate_up_proj) only by
+    target_parameters, which npqwen refuses by name, as for the other MoE models."""
+    path = write_adapter(base, tmp_path / "experts", 3, load=hf_model, r=4, target_modules=["q_proj"],
+                         target_parameters=["mlp.experts.gate_up_proj"])
+    with pytest.raises(NpqwenError, match=r"target_parameters is set: it adapts parameters \(MoE experts") as e:
+        npqwen.load(base, lora={"experts": path})
+    print(e.value)
