@@ -22,8 +22,8 @@ A Qwen3.5 model splits its two kinds of layer by heads as well:
 and each rank's state slots hold only its own heads' states (kv_cache.LinearStates).
 A Qwen4-Exp model splits as Qwen3.5-MoE does (attention and linear-attention heads, every expert's and the shared
 expert's width, the vocabulary); its three new parts are whole on every rank, each computed alike everywhere from
-the streams every rank holds whole after the all-reduces (bitwise equal on every rank: MPICH's and Open MPI's
-all-reduce hand every rank the same sums, which QSA's discrete block selection relies on; the tests check every
+the streams every rank holds whole after the all-reduces (bitwise equal on every rank: the all-reduce hands
+every rank the same sums, as MPICH's does; QSA's discrete block selection relies on it, and the tests check every
 rank's logits equal rank 0's exactly):
     *_hyper_connection, hyper_connection_mixer   the C streams (T, C*D) and their mixing: a low-rank gate of
                              2*C*D*R + C*C*D weights per block (10M a layer in the real model, against 27M of
