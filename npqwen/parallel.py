@@ -33,7 +33,7 @@ rank's logits equal rank 0's exactly):
                              cache of one machine)
     self_attn.indexer        QSA's index_qk_proj and norms: a block's score sums relu(q . k) over all Hi indexer
                              heads against one key head before the top-k, so each rank computes the whole selection
-                             (4.5M weights a layer in the real model) and keeps the raw indexer keys in its pages,
+                             (4.5M weights a layer at D=2048 with 16 heads of 128) and keeps the raw indexer keys in its pages,
                              rather than all-reducing (T, blocks) scores per sequence and layer
 So a Qwen4-Exp layer costs the same two all-reduces of (T, D) as a Qwen3.5-MoE layer.
 So a decoder layer costs two all-reduces of (T, D); why the parts add up to the whole product is in
