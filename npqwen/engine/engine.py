@@ -175,8 +175,8 @@ class Engine:
                               "roll back); leave speculative unset, or run on one process")
         if self.config.qwen4_exp and params.speculative is not None and params.speculative.method == "mtp":
             raise NpqwenError("Qwen4-Exp: speculative method \"mtp\" is not implemented for it: its MTP head (mtp.* "
-                              "weights) is ignored by transformers (no forward to check one against) and dropped by "
-                              "llama.cpp's converter and vLLM; use method \"ngram\"")
+                              "weights) is ignored by transformers, so there is no reference forward to check one "
+                              "against; use method \"ngram\"")
         if params.speculative is not None and params.speculative.method == "mtp":
             self.mtp_head()   # a checkpoint without the head says so now
         tokenizer = self.llm.tokenizer
