@@ -87,7 +87,9 @@ def test_steering_equals_hf_with_a_hook(model, width):
     moved = np.abs(got - llm.forward(PROMPT)).max()
     print(f"steering ({width}): max |npqwen - HF with a hook| {np.abs(got - want).max():.2e}, moved {moved:.2f}")
     assert np.abs(got - want).max() < 1e-4 and moved > 1e-1
-    if width != "D":   # the engine and greedy tokens: the (D,) vector's case is enough
+    if width != "D":   # steering_vector reads model.layers.L: C*D values; the engine: the (D,) case is enough
+        made = npqwen.steering_vector(llm, [PROMPT], [OTHER], LAYER)
+        assert made.shape == (C * D,) and check_steering([{"layer": LAYER, "vector": made}], llm.config)
         return
     steered, plain = engine_tokens(llm, [(PROMPT, dict(steering=s)), (OTHER, {})])
     (alone,) = engine_tokens(llm, [(OTHER, {})])
