@@ -40,7 +40,7 @@ def test_engine_equals_cpu_on_the_stand_in(tmp_path):
     path = build_hybrid_checkpoint(tmp_path, hybrid_config(), std=0.1)
     prompts = [np.random.default_rng(s).integers(0, 512, n).tolist() for s, n in enumerate([3, 40, 90])]
     rounds = [prompts, [prompts[2][:80] + [5, 6, 7]]]
-    tokens, drafts = {}, {}
+    tokens = {}
     for device in ("cpu", "cuda"):
         engine = Engine(npqwen.load(path, device=device), kv_cache_tokens=512, page_size=16, max_batched_tokens=32)
         tokens[device] = []
