@@ -239,7 +239,7 @@ class LinearStates:
         # its state on, the delta rule's state after each of its n tokens (n, Hv, dk, dv)), until roll_back
         self.verified: dict[int, dict] = {}
         # ... and Qwen4-Exp's: slot -> {PLE layer j: its convolution's state after each of the n tokens (n, L, C*D),
-        # "ids": the n-gram history, its n-1 earlier tokens then the n verified ones (n-1 + n,)}
+        # "ids": the n-gram history, its ngram_size - 1 earlier tokens then the n verified ones (ngram_size - 1 + n,)}
         self.ple_verified: dict[int, dict] = {}
 
     def roll_back(self, slot: int, kept: int):
