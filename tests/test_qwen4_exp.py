@@ -345,8 +345,8 @@ def test_trace_hooks_and_lens(causal):
 
 
 def test_refusals_name_what_they_refuse(causal):
-    """A QSA variant, a malformed mRoPE section, a sigmoid output gate; LoRA, tensor parallelism, speculative
-    decoding, steering, compact weights and gradients on a Qwen4-Exp model."""
+    """A QSA variant, a malformed mRoPE section, a sigmoid output gate; LoRA, tensor parallelism, the MTP head,
+    compact weights and gradients on a Qwen4-Exp model."""
     from npqwen.config import Qwen3Config
     from npqwen.parallel import check_split
 
@@ -367,9 +367,8 @@ def test_refusals_name_what_they_refuse(causal):
         check_split(llm.config, 2)
     with pytest.raises(NpqwenError, match="LoRA adapters are not applied to Qwen4-Exp"):
         llm.load_lora("a", causal[0])
-    for kw in (dict(speculative={"method": "ngram", "k": 3}), dict(steering=[{"layer": 1, "vector": np.ones(32, np.float32), "scale": 1.0}])):
-        with pytest.raises(NpqwenError, match="not implemented for it"):
-            llm.generate([1, 2, 3], max_new_tokens=2, temperature=0, **kw)
+    with pytest.raises(NpqwenError, match='speculative method "mtp" is not implemented for it'):
+        llm.generate([1, 2, 3], max_new_tokens=2, temperature=0, speculative={"method": "mtp", "k": 3})
     with pytest.raises(NpqwenError, match="compact weights"):
         npqwen.load(causal[0], weights="int8")
     from npqwen import grad
