@@ -15,6 +15,7 @@ from npqwen.lora import LINEAR, layer_modules, model_modules
 from test_hybrid_lora import edited
 from test_lora import batched_and_alone, write_adapter
 from test_qwen4_exp import MODEL, build, qwen4
+from test_qwen4_exp_steer_spec import answers_known
 from tolerance import model_tolerance, relative_diff
 
 torch = pytest.importorskip("torch")
@@ -91,7 +92,7 @@ def test_logits_equal_peft(llm, base, adapters, plain, name):
 def test_two_adapters_and_none_batched_equal_each_alone(base, adapters):
     """Prompts through "all", "some" and no adapter share engine steps (chunked over small pages: PLE's convolution
     and QSA's selection continue across chunks, each request with its own adapter); each equals its run alone, token
-    for token (float64: only the order of sums differs)."""
+    for token (float64: only the order of sums differs); so does a request through an adapter with ngram drafts."""
     llm = npqwen.load(base, dtype="float64", lora=adapters)
     jobs = [(prompt(n, seed), lora) for seed, (n, lora) in enumerate([(5, "all"), (30, "some"), (12, None),
                                                                        (40, "all"), (3, "some")])]
@@ -103,6 +104,17 @@ def test_two_adapters_and_none_batched_equal_each_alone(base, adapters):
     assert mixed == 3
     base_tokens = [llm.generate(ids, max_new_tokens=8, temperature=0).token_ids for ids, lora in jobs if lora]
     assert all(want != plain for want, plain in zip([w for (_, lora), w in zip(jobs, alone) if lora], base_tokens))
+    ids = prompt(20, 9)   # drafts (4 in 5 right) verified token by token through PLE, with the adapter's updates
+    want = llm.generate(ids, max_new_tokens=12, temperature=0, lora="all").token_ids
+    engine = npqwen.Engine(llm, kv_cache_tokens=512, page_size=8)
+    engine.propose = answers_known([ids], [want], False, 0.2)
+    engine.add_request(ids, max_new_tokens=12, temperature=0, lora="all", speculative={"method": "ngram", "k": 3})
+    drafted = []
+    while engine.has_unfinished():
+        drafted += [t for o in engine.step() for t in o.token_ids]
+    kept, drafts = engine.stats["spec_decode_num_accepted_tokens"], engine.stats["spec_decode_num_draft_tokens"]
+    print(f"with drafts: {drafted} ({kept} of {drafts} drafts kept)")
+    assert drafted == want and 0 < kept < drafts
 
 
 def test_merge_lora_equals_peft_merge_and_unload(base, adapters, tmp_path):
