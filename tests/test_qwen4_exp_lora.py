@@ -81,10 +81,11 @@ def test_logits_equal_peft(llm, base, adapters, plain, name):
     with torch.no_grad():
         want = peft.PeftModel.from_pretrained(hf_model(base), adapters[name]).eval()(torch.tensor([ids])).logits[0]
     want, ours = want.numpy(), llm.forward(ids, lora=name)
-    diff, moved, tolerance = relative_diff(ours, want), relative_diff(want, plain), model_tolerance(llm.config, len(ids))
-    print(f"{name} ({len(llm.lora_adapter(name).modules)} modules): max |npqwen - PEFT| {np.abs(ours - want).max():.2e} "
-          f"(relative {diff:.2e}, tolerance {tolerance:.1e}); the adapter moves the logits by up to "
-          f"{np.abs(want - plain).max():.3f}")
+    diff, moved = relative_diff(ours, want), relative_diff(want, plain)
+    tolerance = model_tolerance(llm.config, len(ids))
+    print(f"{name} ({len(llm.lora_adapter(name).modules)} modules): max |npqwen - PEFT| "
+          f"{np.abs(ours - want).max():.2e} (relative {diff:.2e}, tolerance {tolerance:.1e}); the adapter moves the "
+          f"logits by up to {np.abs(want - plain).max():.3f}")
     assert diff <= tolerance and moved > 10 * tolerance
     assert (ours.argmax(-1) == want.argmax(-1)).all()
 
