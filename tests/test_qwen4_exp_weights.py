@@ -1,0 +1,112 @@
+"""Qwen4-Exp on compact weights (npqwen/weights.py): every matrix (attention, the QSA indexer, Gated DeltaNet, the
+experts, the shared expert, PLE's projections, the embedding, lm_head) kept in each format, the PLE tables left on
+disk as stored, the small vectors and the hyper-connection mixes float32. For each format npqwen's logits equal
+npqwen's float32 logits on the weights dequantized by the format's own rule (1e-5 relative), prefill, decode and
+the engine; a bfloat16 checkpoint read as stored equals HF transformers on it; `npqwen quantize` writes one."""
+import numpy as np
+import pytest
+
+import npqwen
+from npqwen import Engine
+from npqwen.checkpoint import is_matrix
+from npqwen.ple import NgramTable
+from npqwen.weights import is_compact
+
+torch = pytest.importorskip("torch")
+qwen4 = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
+
+from test_qwen4_exp import MODEL, golden  # noqa: E402
+from test_weights import assert_close, dequantized_twin  # noqa: E402
+
+# every matrix's rows are whole Q4_K super-blocks (256 values): no format falls back; rotary 16 of 128 (it must fit
+# the indexer's heads of 16); a Gated DeltaNet layer with PLE (llama.cpp's qwen4exp reads one PLE layer) and twice
+# as many value heads as key heads (which llama.cpp's converter reorders), then a QSA layer
+BLOCKY = dict(MODEL, num_hidden_layers=2, full_attention_interval=2, hidden_size=256, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=128,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+              moe_intermediate_size=256, shared_expert_intermediate_size=256, ple_embed_dim=256, ple_layer_ids=[1],
+              rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.125})
+FORMATS = ["stored", "bfloat16", "float16", "int8", "q8_0", "q4_0", "q4_k"]
+
+
+def build_blocky(path, save_dtype="bfloat16", text=None):
+    """A random Qwen4ExpForCausalLM saved by transformers, its matrices drawn at std 0.05 (at 0.3 the model is so
+    chaotic that float32 rounding alone moves its logits by 1e-5); HF's float32 model of the same files."""
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+
+    torch.manual_seed(0)
+    model = qwen4.Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**{**BLOCKY, **(text or {})}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            small = name.endswith("norm.weight") or "A_log" in name or "ngram_embedding" in name
+            p.normal_(0.0, 0.3 if small else 0.05)
+    model.to(getattr(torch, save_dtype)).save_pretrained(path)
+    return path, qwen4.Qwen4ExpForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def blocky(tmp_path_factory):
+    return build_blocky(tmp_path_factory.mktemp("qwen4_blocky"))
+
+
+def prompt(n=40, seed=0):
+    ids = np.random.default_rng(seed).integers(0, BLOCKY["vocab_size"], n)
+    ids[7] = ids[8] = BLOCKY["eos_token_id"]   # n-grams never reach back past an end of text
+    return ids
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_format_equals_float32_on_its_dequantized_weights(fmt, blocky):
+    llm = npqwen.load(blocky[0], weights=fmt)
+    kept = {n: w.format.lower() for n, w in llm.weights.items() if is_compact(w)}
+    matrices = {n for n in llm.weights if is_matrix(n)}
+    assert set(kept) == matrices and set(kept.values()) == {"bfloat16" if fmt == "stored" else fmt}, kept
+    floats = {n for n, w in llm.weights.items() if isinstance(w, np.ndarray) and w.ndim == 2}
+    assert all("hyper_connection" in n or n.endswith(("mlp.gate.weight", "shared_expert_gate.weight")) for n in floats)
+    table = llm.weights["model.layers.0.ple.ple_embedding.ngram_embedding.weight"]
+    assert isinstance(table, NgramTable) and all(isinstance(p.base, np.memmap) for p in table.parts)
+    assert isinstance(llm.model.fused["model.layers.1.mlp.experts.gate_up_proj"], list)   # the experts, compact
+    twin = dequantized_twin(llm)
+    ids = prompt()
+    assert_close(llm.forward(ids), twin.forward(ids), 1e-5, f"Qwen4-Exp {fmt} prefill")
+    cache, twin_cache = llm.new_cache(64), twin.new_cache(64)   # decode: up to 128 rows take the other product
+    llm.forward(ids[:30], cache), twin.forward(ids[:30], twin_cache)
+    assert_close(llm.forward(ids[30:31], cache), twin.forward(ids[30:31], twin_cache), 1e-5, f"Qwen4-Exp {fmt} decode")
+
+
+def test_bfloat16_as_stored_equals_transformers(blocky):
+    """The bfloat16 file read as stored (memory-mapped, widened a block of rows at a time) against HF's float32 model
+    of the same bfloat16 weights: tests/tolerance.py's bound, and HF's argmax at every position."""
+    llm = npqwen.load(blocky[0], weights="stored")
+    w = llm.weights["model.layers.1.self_attn.indexer.index_qk_proj.weight"]
+    assert w.format == "bfloat16" and isinstance(w.storage.base, np.memmap)
+    golden(llm, blocky[1], prompt(48, seed=1).tolist(), "Qwen4-Exp bfloat16 as stored vs transformers")
+
+
+def test_the_engine_on_q4_k(blocky):
+    """Batched with chunked prefill (three prompts, 32 tokens a step) equals each prompt alone on the dequantized
+    twin: the same greedy tokens, logits within 1e-5 relative."""
+    from test_engine import alone, compare, prompts, run
+
+    llm = npqwen.load(blocky[0], weights="q4_k")
+    twin = npqwen.LLM(dequantized_twin(llm), llm.tokenizer, llm.generation_defaults)
+    ps = prompts([3, 40, 70], seed=3, vocab=BLOCKY["vocab_size"])
+    engine = Engine(llm, kv_cache_tokens=16 * 16, page_size=16, max_batched_tokens=32)
+    for p, (tokens, logits, _) in zip(ps, run(engine, [(p, dict(max_new_tokens=4, temperature=0)) for p in ps],
+                                          spy=True)):
+        assert compare(f"q4_k engine: prompt {len(p)}", tokens, logits, *alone(twin, p, 4)) <= 1e-5
+
+
+def test_quantize_writes_a_qwen4_exp_checkpoint(blocky, tmp_path):
+    """`npqwen quantize --to q8_0`: the matrices as ggml blocks, the PLE table's shards copied as stored; read back
+    as stored it computes what loading with weights='q8_0' computes."""
+    from npqwen.checkpoint import index_checkpoint
+    from npqwen.cli import main
+
+    assert main(["quantize", str(blocky[0]), str(tmp_path / "q8"), "--to", "q8_0"]) == 0
+    stored = index_checkpoint(tmp_path / "q8")
+    assert stored["model.layers.0.ple.ple_embedding.ngram_embedding.shard_0.weight"].dtype == "BF16"
+    assert stored["model.layers.1.self_attn.indexer.index_qk_proj.weight"].qtype == "Q8_0"
+    llm, want = npqwen.load(tmp_path / "q8"), npqwen.load(blocky[0], weights="q8_0")
+    ids = prompt(20)
+    np.testing.assert_array_equal(llm.forward(ids), want.forward(ids))
