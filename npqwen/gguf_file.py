@@ -204,7 +204,10 @@ def qwen4exp_config(meta: dict, key, tensors: dict, config: dict, path) -> dict:
     The converter writes 0 there for transformers' checkpoints (whose layer type is "indexed_attention", not the
     "full_attention" it looks for), and llama.cpp then attends to every token: so does npqwen (blocks of one token,
     a budget of the whole context), with a warning, since transformers keeps only the indexer_budget tokens it picks.
-    The PLE hash is the file's own (its multipliers and head sizes), for its one PLE layer, as llama.cpp reads it;
+    Gated DeltaNet's output gate is a sigmoid, as llama.cpp's qwen4exp always computes it (transformers' default is
+    SiLU: a checkpoint whose config.json leaves output_gate_type unset converts to a file that llama.cpp, and npqwen
+    after it, runs with another gate). The PLE hash is the file's own (its multipliers and head sizes), for its one
+    PLE layer, as llama.cpp reads it;
     the multimodal RoPE sections are left out: for text all three positions are equal, which is plain RoPE."""
     L, arch = config["num_hidden_layers"], meta["general.architecture"]
     recurrent = meta.get(f"{arch}.attention.recurrent_layers")
@@ -233,7 +236,8 @@ def qwen4exp_config(meta: dict, key, tensors: dict, config: dict, path) -> dict:
                hc_count=key("hyper_connection.count"), hc_lowrank=key("hyper_connection.low_rank"),
                indexer_n_heads=key("attention.indexer.head_count"), indexer_kv_heads=1,
                indexer_head_dim=key("attention.indexer.key_length"), indexer_budget=budget,
-               indexer_compress_ratio=ratio, ple_layer_ids=[])
+               indexer_compress_ratio=ratio, ple_layer_ids=[],
+               output_gate_type="sigmoid")   # llama.cpp's qwen4exp gates Gated DeltaNet's output so (the file says not)
     out["rope_parameters"] = {k: v for k, v in config["rope_parameters"].items() if not k.startswith("mrope")}
     layers = [int(i) for i in np.atleast_1d(meta.get(f"{arch}.ple.layers", []))]
     if layers:

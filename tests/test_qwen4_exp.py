@@ -345,7 +345,7 @@ def test_trace_hooks_and_lens(causal):
 
 
 def test_refusals_name_what_they_refuse(causal):
-    """A QSA variant, a malformed mRoPE section, a sigmoid output gate; LoRA, tensor parallelism, speculative
+    """A QSA variant, a malformed mRoPE section, a GELU output gate; LoRA, tensor parallelism, speculative
     decoding, steering and gradients on a Qwen4-Exp model (compact weights: tests/test_qwen4_exp_weights.py)."""
     from npqwen.config import Qwen3Config
     from npqwen.parallel import check_split
@@ -357,7 +357,7 @@ def test_refusals_name_what_they_refuse(causal):
                           (dict(indexer_budget=10), "indexer_budget 10 is not a multiple"),
                           (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                  "mrope_section": [8, 8]}), r"mrope_section \[8, 8\]"),
-                          (dict(output_gate_type="sigmoid"), "output_gate_type 'sigmoid'"),
+                          (dict(output_gate_type="gelu"), "output_gate_type 'gelu'"),
                           (dict(ple_layer_ids=[4]), r"ple_layer_ids \[4\] are attention layers")):
         with pytest.raises(NpqwenError, match=named) as error:
             Qwen3Config.from_dict({**raw, **change})

@@ -26,7 +26,7 @@ BLOCKY = dict(MODEL, num_hidden_layers=2, full_attention_interval=2, hidden_size
               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
               moe_intermediate_size=256, shared_expert_intermediate_size=256, ple_embed_dim=256, ple_layer_ids=[1],
               rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.125})
-FORMATS = ["stored", "bfloat16", "float16", "int8", "q8_0", "q4_0", "q4_k"]
+FORMATS = ["stored", "float16", "int8", "q8_0", "q4_0", "q4_k"]   # ("bfloat16" of a bfloat16 file is "stored")
 
 
 def build_blocky(path, save_dtype="bfloat16", text=None):
@@ -110,3 +110,111 @@ def test_quantize_writes_a_qwen4_exp_checkpoint(blocky, tmp_path):
     llm, want = npqwen.load(tmp_path / "q8"), npqwen.load(blocky[0], weights="q8_0")
     ids = prompt(20)
     np.testing.assert_array_equal(llm.forward(ids), want.forward(ids))
+
+
+# -- llama.cpp's GGUF of Qwen4-Exp (its converter's qwen4exp, node-llama-cpp 3.21.1) --
+
+# Qwen3's tokenizer (llama.cpp's converter needs one), a sigmoid Gated DeltaNet output gate (llama.cpp's qwen4exp
+# computes no other; transformers' default is SiLU), one PLE layer (llama.cpp reads one), and a QSA budget above the
+# prompts' length: llama.cpp's converter writes compress_ratios 0 for transformers' "indexed_attention" layers, and
+# llama.cpp (npqwen after it) then attends to every token, which is what QSA keeps while a prompt fits its budget
+GGUF_SHAPE = dict(BLOCKY, vocab_size=151936, eos_token_id=151645, hidden_size=64, head_dim=32,
+                  linear_key_head_dim=16, linear_value_head_dim=16, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=32, ple_embed_dim=64, indexer_budget=64, output_gate_type="sigmoid",
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25})
+TEXT = "The quick brown fox jumps over the lazy dog. 日本語も少し。 def f(x):\n    return x ** 2"
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    """The HF checkpoint (float32) and llama.cpp's F32 and Q8_0 GGUF files of it (made once, kept in .cache)."""
+    import json
+
+    from conftest import add_qwen3_tokenizer, needs_qwen3_tokenizer
+    from gguf_helpers import convert_hf_to_gguf, llama_quantize, made_once, needs_llama_cpp
+
+    pytest.importorskip("gguf")
+    needs_llama_cpp()
+    needs_qwen3_tokenizer()
+
+    def make(work):
+        hf = add_qwen3_tokenizer(build_blocky(work / "hf", "float32", GGUF_SHAPE)[0])
+        config = json.loads((hf / "config.json").read_text())   # as the hub's config.json says it (transformers
+        config["full_attention_interval"] = 2                     # does not save it; the converter's default is 4)
+        (hf / "config.json").write_text(json.dumps(config, indent=2))
+        convert_hf_to_gguf(hf, work / "F32.gguf")
+        llama_quantize(work / "F32.gguf", work / "Q8_0.gguf", "Q8_0")
+
+    root = made_once({"qwen4exp": GGUF_SHAPE}, make, tmp_path_factory.mktemp("qwen4exp_gguf"))
+    return {"hf": root / "hf", "F32": root / "F32.gguf", "Q8_0": root / "Q8_0.gguf"}
+
+
+@pytest.fixture(scope="module")
+def loaded(gguf_files):
+    """Each file loaded once (a GGUF with Qwen3's 151,936-token vocabulary takes seconds to read)."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            if name == "hf":
+                cache[name] = npqwen.load(gguf_files[name])
+            else:
+                with pytest.warns(UserWarning, match="compress_ratios is 0"):   # read as llama.cpp reads it, said so
+                    cache[name] = npqwen.load(gguf_files[name])
+        return cache[name]
+    return get
+
+
+def test_gguf_f32_equals_transformers(gguf_files, loaded):
+    """F32: the config from the GGUF's metadata, the tokenizer from its lists, llama.cpp's names mapped back to HF's
+    (every weight equal to the checkpoint's, to the rounding of the norms' 1 + w), the same trace step names, and
+    transformers' float32 logits (tests/tolerance.py's bound) and argmax."""
+    from npqwen.hooks import step_names
+
+    gguf, ref = loaded("F32"), loaded("hf")
+    for key in ("hidden_size", "num_hidden_layers", "layer_types", "hc_count", "hc_lowrank", "ple_layer_ids",
+                "ple_embed_dim", "ngram_size", "heads_per_ngram", "indexer_n_heads", "indexer_head_dim", "num_experts",
+                "shared_expert_intermediate_size", "linear_num_value_heads", "rotary_dim", "output_gate_type"):
+        assert getattr(gguf.config, key) == getattr(ref.config, key), key
+    for name, w in ref.weights.items():
+        if name.endswith("ngram_embedding.weight"):
+            rows = np.arange(w.shape[0])
+            np.testing.assert_array_equal(gguf.weights[name][rows], w[rows], err_msg=name)
+        else:
+            np.testing.assert_allclose(np.asarray(gguf.weights[name]), w, rtol=0, atol=1e-6, err_msg=name)
+    ids = ref.tokenizer.encode(TEXT)
+    assert gguf.tokenizer.encode(TEXT) == ids and gguf.tokenizer.chat_template == ref.tokenizer.chat_template
+    assert step_names(gguf.config) == step_names(ref.config)
+    hf = qwen4.Qwen4ExpForCausalLM.from_pretrained(gguf_files["hf"], dtype=torch.float32).eval()
+    golden(gguf, hf, ids, "qwen4exp F32 GGUF vs transformers")
+
+
+def test_gguf_q8_0_equals_float32_on_the_gguf_package_dequantized_weights(loaded):
+    """Q8_0 (with llama.cpp's F16 and F32 fallbacks; its PLE table Q8_0 too): every matrix kept as the file stores
+    it widens as gguf.quants.dequantize widens those bytes; the model on them equals npqwen float32 on them (1e-5)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from npqwen.gguf_file import ReorderedHeads, TableRows
+
+    llm = loaded("Q8_0")
+    table = llm.weights["model.layers.0.ple.ple_embedding.ngram_embedding.weight"].parts[0]
+    stored = {**{n: w for n, w in llm.weights.items() if is_compact(w)}, "PLE table": table.w}
+    assert isinstance(table, TableRows) and {w.format for w in stored.values()} >= {"Q8_0"}
+    for name, w in stored.items():
+        for part in getattr(w, "parts", [w]):   # (the indexer's q and k rows are F32 in llama.cpp's files)
+            part = part.stored if isinstance(part, ReorderedHeads) else part
+            if part.format == "Q8_0":
+                want = dequantize(np.asarray(part.storage), GGMLQuantizationType.Q8_0).reshape(part.shape)
+                np.testing.assert_array_equal(part.dequantize(), want, err_msg=name)
+    ids = llm.tokenizer.encode(TEXT)
+    assert_close(llm.forward(ids), dequantized_twin(llm).forward(ids), 1e-5, "qwen4exp Q8_0 GGUF")
+
+
+def test_gguf_q8_0_agrees_with_llama_cpp(gguf_files, loaded, tmp_path):
+    """llama.cpp's own next-token probabilities on the same Q8_0 file: top-1 equal on >= 95% of positions, KL < 1e-3
+    (the F32 file agrees too: top-1 equal at every position, KL 4e-5 at most, measured when this was written)."""
+    from test_gguf_llama_cpp import assert_agrees_with_llama_cpp
+
+    llm = loaded("Q8_0")
+    assert_agrees_with_llama_cpp(llm, gguf_files["Q8_0"], llm.tokenizer.encode(TEXT), tmp_path, "qwen4exp Q8_0")
