@@ -110,6 +110,12 @@ def test_quantize_writes_a_qwen4_exp_checkpoint(blocky, tmp_path):
     llm, want = npqwen.load(tmp_path / "q8"), npqwen.load(blocky[0], weights="q8_0")
     ids = prompt(20)
     np.testing.assert_array_equal(llm.forward(ids), want.forward(ids))
+    from npqwen.describe import describe, format_bytes
+    text = describe(str(tmp_path / "q8"))   # inspect: the bytes of each format, the tables on disk as stored
+    sizes = format_bytes(llm.config)
+    print(text[text.index("weights in memory"):])
+    assert "the PLE tables stay on disk as stored" in text and "Q8_0" in text
+    assert sizes["q4_k"] < sizes["q8_0"] < sizes["bfloat16"] < sizes["float32"]
 
 
 # -- llama.cpp's GGUF of Qwen4-Exp (its converter's qwen4exp, node-llama-cpp 3.21.1) --
