@@ -19,13 +19,14 @@ from test_qwen4_exp import MODEL, golden  # noqa: E402
 from test_weights import assert_close, dequantized_twin  # noqa: E402
 
 # every matrix's rows are whole Q4_K super-blocks (256 values): no format falls back; rotary 16 of 128 (it must fit
-# the indexer's heads of 16); a Gated DeltaNet layer with PLE (llama.cpp's qwen4exp reads one PLE layer) and twice
-# as many value heads as key heads (which llama.cpp's converter reorders), then a QSA layer
+# the indexer's heads of 16); a Gated DeltaNet layer with PLE (llama.cpp's qwen4exp reads one PLE layer), twice as
+# many value heads as key heads (which llama.cpp's converter reorders) and a sigmoid output gate (transformers'
+# other choice, the one llama.cpp's qwen4exp computes), then a QSA layer
 BLOCKY = dict(MODEL, num_hidden_layers=2, full_attention_interval=2, hidden_size=256, num_attention_heads=2,
               num_key_value_heads=1, head_dim=128,
               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
               moe_intermediate_size=256, shared_expert_intermediate_size=256, ple_embed_dim=256, ple_layer_ids=[1],
-              rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.125})
+              output_gate_type="sigmoid", rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.125})
 FORMATS = ["stored", "float16", "int8", "q8_0", "q4_0", "q4_k"]   # ("bfloat16" of a bfloat16 file is "stored")
 
 
@@ -76,7 +77,7 @@ def test_each_format_equals_float32_on_its_dequantized_weights(fmt, blocky):
 
 def test_bfloat16_as_stored_equals_transformers(blocky):
     """The bfloat16 file read as stored (memory-mapped, widened a block of rows at a time) against HF's float32 model
-    of the same bfloat16 weights: tests/tolerance.py's bound, and HF's argmax at every position."""
+    of the same bfloat16 weights (with its sigmoid output gate): tests/tolerance.py's bound, HF's argmax."""
     llm = npqwen.load(blocky[0], weights="stored")
     w = llm.weights["model.layers.1.self_attn.indexer.index_qk_proj.weight"]
     assert w.format == "bfloat16" and isinstance(w.storage.base, np.memmap)
@@ -126,7 +127,7 @@ def test_quantize_writes_a_qwen4_exp_checkpoint(blocky, tmp_path):
 # llama.cpp (npqwen after it) then attends to every token, which is what QSA keeps while a prompt fits its budget
 GGUF_SHAPE = dict(BLOCKY, vocab_size=151936, eos_token_id=151645, hidden_size=64, head_dim=32,
                   linear_key_head_dim=16, linear_value_head_dim=16, moe_intermediate_size=32,
-                  shared_expert_intermediate_size=32, ple_embed_dim=64, indexer_budget=64, output_gate_type="sigmoid",
+                  shared_expert_intermediate_size=32, ple_embed_dim=64, indexer_budget=64,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25})
 TEXT = "The quick brown fox jumps over the lazy dog. 日本語も少し。 def f(x):\n    return x ** 2"
 
