@@ -583,7 +583,7 @@ def load_gguf_weights(config, tensors: dict[str, GGUFTensor], xp, dtype, path, w
         arrays, fused = allocate_weights(config, xp, dtype, shapes)
         for name, array in arrays.items():
             host = array if xp is np else np.empty(array.shape, np.float32)
-            if array.ndim == 1:
+            if array.ndim == 1 or not is_matrix(name) and part(name) is None:   # (a conv1d, a mix: maybe F16)
                 host[...] = small(name)
             elif name in joined:   # the indexer's q rows, then its k rows
                 q, k = (n for n, _ in joined[name])
