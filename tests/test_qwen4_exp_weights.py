@@ -2,7 +2,10 @@
 experts, the shared expert, PLE's projections, the embedding, lm_head) kept in each format, the PLE tables left on
 disk as stored, the small vectors and the hyper-connection mixes float32. For each format npqwen's logits equal
 npqwen's float32 logits on the weights dequantized by the format's own rule (1e-5 relative), prefill, decode and
-the engine; a bfloat16 checkpoint read as stored equals HF transformers on it; `npqwen quantize` writes one."""
+the engine; a bfloat16 checkpoint read as stored equals HF transformers on it; `npqwen quantize` writes one. Then
+llama.cpp's own GGUF files of a tiny Qwen4-Exp (arch qwen4exp): F32 equals transformers, Q8_0 equals npqwen float32
+on the weights gguf.quants.dequantize widens, and llama.cpp's probabilities on the Q8_0 file agree (skipped, saying
+why, without llama.cpp, node or Qwen3's tokenizer files)."""
 import numpy as np
 import pytest
 
