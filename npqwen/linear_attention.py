@@ -190,12 +190,13 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out.transpose(1, 2, 0, 3).reshape(N * chunk, -1, v.shape[-1])[:T], state
 
 
-def gated_rms_norm(x, z, weight, eps: float):
-    """RMSNorm of each head's output, times weight, times SiLU(z): x, z (..., dv), weight (dv,)."""
+def gated_rms_norm(x, z, weight, eps: float, gate=silu):
+    """RMSNorm of each head's output, times weight, times SiLU(z) (Qwen4-Exp's output_gate_type may say sigmoid):
+    x, z (..., dv), weight (dv,)."""
     xp, f32 = xp_of(x), np.promote_types(x.dtype, np.float32)
     xf = x.astype(f32, copy=False)
     y = xf / xp.sqrt((xf * xf).sum(-1, keepdims=True) / x.shape[-1] + eps)
-    return (weight * y.astype(x.dtype) * silu(z.astype(f32))).astype(x.dtype)
+    return (weight * y.astype(x.dtype) * gate(z.astype(f32))).astype(x.dtype)
 
 
 def gated_rms_norm_backward(d_y, x, z, weight, eps: float):

@@ -414,7 +414,7 @@ def load_gguf(path, xp, dtype: str, comm, weights: str) -> LLM:
     check_split(config, comm.size)
     parts = None if comm.size == 1 else shards(config, expected_shapes(config), comm.size, comm.rank)
     arrays, fused = load_gguf_weights(config, tensors, xp, np.dtype(dtype), path, weights, parts)
-    return LLM(Qwen3(config, arrays, fused, comm), tokenizer, {}, path)
+    return LLM((Qwen4Exp if config.qwen4_exp else Qwen3)(config, arrays, fused, comm), tokenizer, {}, path)
 
 
 def load_part(path, device: str, dtype: str, comm, weights: str = "auto") -> LLM:

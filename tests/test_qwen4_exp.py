@@ -345,8 +345,9 @@ def test_trace_hooks_and_lens(causal):
 
 
 def test_refusals_name_what_they_refuse(causal):
-    """A QSA variant, a malformed mRoPE section, a sigmoid output gate; the MTP head, compact weights and gradients
-    on a Qwen4-Exp model (LoRA: tests/test_qwen4_exp_lora.py; tensor parallelism: tests/test_parallel.py)."""
+    """A QSA variant, a malformed mRoPE section, a GELU output gate; the MTP head and gradients on a Qwen4-Exp
+    model (LoRA: tests/test_qwen4_exp_lora.py; tensor parallelism: tests/test_parallel.py; compact weights:
+    tests/test_qwen4_exp_weights.py)."""
     from npqwen.config import Qwen3Config
 
     raw = {"model_type": "qwen4_exp_text", **MODEL}
@@ -356,7 +357,7 @@ def test_refusals_name_what_they_refuse(causal):
                           (dict(indexer_budget=10), "indexer_budget 10 is not a multiple"),
                           (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                  "mrope_section": [8, 8]}), r"mrope_section \[8, 8\]"),
-                          (dict(output_gate_type="sigmoid"), "output_gate_type 'sigmoid'"),
+                          (dict(output_gate_type="gelu"), "output_gate_type 'gelu'"),
                           (dict(ple_layer_ids=[4]), r"ple_layer_ids \[4\] are attention layers")):
         with pytest.raises(NpqwenError, match=named) as error:
             Qwen3Config.from_dict({**raw, **change})
@@ -364,8 +365,6 @@ def test_refusals_name_what_they_refuse(causal):
     llm = npqwen.load(causal[0])
     with pytest.raises(NpqwenError, match='speculative method "mtp" is not implemented for it'):
         llm.generate([1, 2, 3], max_new_tokens=2, temperature=0, speculative={"method": "mtp", "k": 3})
-    with pytest.raises(NpqwenError, match="compact weights"):
-        npqwen.load(causal[0], weights="int8")
     from npqwen import grad
     with pytest.raises(NpqwenError, match="no backward for Qwen4-Exp"):
         grad.gradients(llm, [1, 2, 3], grad.log_prob(5))

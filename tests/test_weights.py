@@ -25,13 +25,16 @@ QWEN3_0_6B_WIDTH = {**QWEN3_0_6B, "num_hidden_layers": 1, "max_window_layers": 1
 
 
 def dequantized_twin(llm) -> Qwen3:
-    """The same model with every weight dequantized by its format's rule, run in plain float32."""
+    """The same model with every weight dequantized by its format's rule, run in plain float32 (Qwen4-Exp: by its
+    own class, its PLE tables the same mapped tables, which no format converts)."""
     model, config = llm.model, llm.config
+    tables = {n: w for n, w in model.weights.items() if n.endswith("ngram_embedding.weight")}
     arrays, fused = allocate_weights(config, np, np.float32, {n: tuple(w.shape) for n, w in model.weights.items()
-                                                              if n != "lm_head.weight" or not config.tie_word_embeddings})
+                                                              if n not in tables and (n != "lm_head.weight" or
+                                                                                      not config.tie_word_embeddings)})
     for name, array in arrays.items():
         array[...] = as_array(model.weights[name])
-    return Qwen3(config, tie_lm_head(config, arrays), fused)
+    return type(model)(config, {**tie_lm_head(config, arrays), **tables}, fused)
 
 
 def assert_close(got, want, rtol: float, what: str):
