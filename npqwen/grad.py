@@ -205,9 +205,9 @@ def backward(model, tape: Tape, ids, d_logits, grads: Gradients, recompute=None)
     grads.add(final, d_norm)
     if cfg.qwen4_exp:
         p = "model.hyper_connection_mixer"
-        d_x, *d_ws = hc.mix_streams_backward(d_norm, tape[f"model.layers.{L - 1}"], W[f"{p}.hc_norm.weight"],
-                                             W[f"{p}.input_mix_weight_down.weight"], W[f"{p}.input_mix_weight_up.weight"],
-                                             cfg.hc_count, eps, weights=weights)
+        d_x, *d_ws = hc.mix_streams_backward(d_norm, tape[f"model.layers.{L - 1}"],
+                                             *[W[f"{p}.{name}"] for name in HC_WEIGHTS[:3]], cfg.hc_count, eps,
+                                             weights=weights)
         for name, d_w in zip(HC_WEIGHTS, d_ws):
             keep(f"{p}.{name}", d_w)
     else:
@@ -341,7 +341,8 @@ def qwen4_layer_backward(model, i: int, tape: Tape, ids, d_out, grads: Gradients
     return d_x + d_query
 
 
-HC_WEIGHTS = ("hc_norm.weight", "input_mix_weight_down.weight", "input_mix_weight_up.weight", "block_inject_weight.weight")
+HC_WEIGHTS = ("hc_norm.weight", "input_mix_weight_down.weight", "input_mix_weight_up.weight",
+              "block_inject_weight.weight")   # a gated residual's weights (the final mixer has the first three)
 
 
 def hyper_block_backward(model, i: int, tape: Tape, block: str, block_backward, out, streams, d_y, grads: Gradients,
