@@ -17,8 +17,12 @@ transformers' fused names `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`
 What is differentiated, from the value back: an objective (a token's log-probability, the loss over
 next tokens, a logit difference: each a function of the logits that returns the value and d value /
 d logits), lm_head, the final norm, each layer (MLP or sparse MLP, then attention or Gated DeltaNet,
-each behind its RMSNorm and its residual), the embedding. Not differentiated: the experts' choice and
-the positions (steps, not functions); cos/sin of RoPE. One sequence from position 0, one process (no
+each behind its RMSNorm and its residual), the embedding. Qwen4-Exp: its C residual streams, each block
+behind its hyper-connection (the mixing and the injection weights, npqwen/hyper_connections.py), QSA's
+attention over the selected positions (npqwen/qsa.py), the PLE layers (npqwen/ple.py), and the final mixing in
+the final norm's place. Not differentiated: the experts' choice, QSA's selection and the positions (steps, not
+functions; the indexer's weights get zeros, as transformers leaves their .grad None); cos/sin of RoPE; the PLE
+n-gram tables (frozen on disk: the looked-up rows' gradient is kept as `model.layers.i.ple.ple_embedding`). One sequence from position 0, one process (no
 tensor parallelism). With a LoRA adapter (lora=...), its A and B too (npqwen/finetune.py trains one).
 The logits are not kept on the tape (the forward returns them); with checkpoint=True only the residual
 stream is, and each layer runs again just before its backward.
