@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from . import ops
-from .backend import xp_of
+from .backend import to_numpy, xp_of
 
 
 def indexer_queries_keys(x, index_qk_proj, q_norm, Hi: int, di: int, cos, sin, eps: float):
@@ -55,7 +55,7 @@ def select_tokens(q, keys, visible, k_norm, cos_all, sin_all, budget: int, r: in
         blocks = seen[:B * r].reshape(B, r)                                     # (B, r) positions
         picked = np.zeros(0, dtype=np.int64)
         if B:
-            scores = block_scores(q[t], keys, blocks, k_norm, cos_all, sin_all, eps)   # (B,)
+            scores = to_numpy(block_scores(q[t], keys, blocks, k_norm, cos_all, sin_all, eps))   # (B,) on the host
             best = np.argsort(-scores, kind="stable")[:min(budget // r, B)]     # the highest scores
             picked = blocks[best].reshape(-1)
         chosen.append(np.concatenate([picked, seen[B * r:]]))                  # + the tail that fills no block
