@@ -173,9 +173,6 @@ def gradients(llm, prompt, objective: Objective, hooks=None, weights: bool = Tru
     from .hooks import Hooks, both
 
     model = model_of(llm)
-    if lora is not None and model.config.qwen4_exp:
-        raise NpqwenError("LoRA adapters are not applied to Qwen4-Exp yet (its forward has no adapter path), so there "
-                          "is no adapter gradient to take or finetune with; gradients without lora= run on it")
     ids = np.asarray(llm.prompt_ids(prompt) if hasattr(llm, "prompt_ids") else prompt, dtype=np.int64)
     tape = Tape(residual_stream if checkpoint else None)
     hooked = None if hooks is None else Hooks(hooks, model.config)
@@ -211,7 +208,7 @@ def backward(model, tape: Tape, ids, d_logits, grads: Gradients, recompute=None)
         p = "model.hyper_connection_mixer"
         d_x, *d_ws = hc.mix_streams_backward(d_norm, tape[f"model.layers.{L - 1}"],
                                              *[W[f"{p}.{name}"] for name in HC_WEIGHTS[:3]], cfg.hc_count, eps,
-                                             weights=weights)
+                                             None, adapter_rows(grads), p, projection_backward(grads))
         for name, d_w in zip(HC_WEIGHTS, d_ws):
             keep(f"{p}.{name}", d_w)
     else:
@@ -241,6 +238,16 @@ def backward(model, tape: Tape, ids, d_logits, grads: Gradients, recompute=None)
             keep("lm_head.weight", d_embed)
         keep("model.embed_tokens.weight", d_embed)
     return grads
+
+
+def adapter_rows(grads: Gradients) -> list:
+    """The adapter being trained and its rows (all of them: one sequence), as a forward's `loras` groups."""
+    return [] if grads.lora is None else [(grads.lora, slice(None))]
+
+
+def projection_backward(grads: Gradients):
+    """linear_backward as the Qwen4-Exp parts' backwards take it: (d_y, x, weight, name) -> (d_x, d_weight)."""
+    return lambda d_y, x, weight, name: linear_backward(grads, name, d_y, x, weight)
 
 
 def linear_backward(grads: Gradients, matrix: str, d_y, x, weight):
@@ -336,9 +343,11 @@ def qwen4_layer_backward(model, i: int, tape: Tape, ids, d_out, grads: Gradients
         return d_x
     # Per-Layer Embeddings: x + ple(x); the n-gram tables frozen (the looked-up rows' gradient kept, not scattered)
     grads.add(f"{p}.ple", d_x)
-    d_query, d_emb, ple_grads = ple.ple_layer_backward(d_x, x, ple_embedding(model, i, ids), model.weights, f"{p}.ple",
-                                                       cfg.hc_count, cfg.ngram_size, cfg.rms_norm_eps,
-                                                       grads.want_weights)
+    emb, W, loras = ple_embedding(model, i, ids), model.weights, adapter_rows(grads)   # (T, E)
+    projected = (lora.add(ops.linear(emb, W[f"{p}.ple.key_proj.weight"]), emb, loras, f"{p}.ple.key_proj"),
+                 lora.add(ops.linear(emb, W[f"{p}.ple.value_proj.weight"]), emb, loras, f"{p}.ple.value_proj"))
+    d_query, d_emb, ple_grads = ple.ple_layer_backward(d_x, x, emb, W, f"{p}.ple", cfg.hc_count, cfg.ngram_size,
+                                                       cfg.rms_norm_eps, projected, projection_backward(grads))
     grads.add(f"{p}.ple.ple_embedding", d_emb)
     for name, d_weight in ple_grads.items():
         keep(name, d_weight)
@@ -355,12 +364,13 @@ def hyper_block_backward(model, i: int, tape: Tape, block: str, block_backward, 
     d_y (T, C*D) -> d_streams (T, C*D), through the identity, the injection weights and the block's input."""
     cfg, W, hp = model.config, model.weights, f"model.layers.{i}.{block}_hyper_connection"
     weights = [W[f"{hp}.{name}"] for name in HC_WEIGHTS]
-    _, _, w = hc.gated_residual(streams, *weights, cfg.hc_count, cfg.rms_norm_eps)     # (T, C)
+    loras = adapter_rows(grads)
+    _, _, w = hc.gated_residual(streams, *weights, cfg.hc_count, cfg.rms_norm_eps, loras, hp)   # (T, C)
     d_streams, d_out, d_w = hc.inject_backward(d_y, out, w)                       # (T, C*D), (T, D), (T, C)
     d_in = block_backward(model, i, tape, d_out, grads, keep)                     # (T, D) the block's input
     grads.add(hp, d_in)
     d_mixed, *d_ws = hc.gated_residual_backward(d_in, d_w, streams, *weights, cfg.hc_count, cfg.rms_norm_eps,
-                                                grads.want_weights)
+                                                loras, hp, projection_backward(grads))
     for name, d_weight in zip(HC_WEIGHTS, d_ws):
         keep(f"{hp}.{name}", d_weight)
     return d_streams + d_mixed

@@ -101,6 +101,27 @@ def rms_norm_backward(d_y, x, weight, eps: float, offset: float = 0.0):
     return d_x, d_weight
 
 
+def grouped_rms_norm(x, weight, group: int, eps: float):
+    """Qwen4-Exp's hc_norm and PLE's norms: each stream's D values normalised on their own, then scaled by 1 + weight (float32 inside, as HF;
+    float64 stays float64). (T, C*D), (C*D,) -> (T, C*D)."""
+    f32 = np.promote_types(x.dtype, np.float32)
+    h = x.astype(f32).reshape(x.shape[0], x.shape[1] // group, group)           # (T, C, D)
+    h = h / xp_of(x).sqrt(xp_of(x).mean(h * h, axis=-1, keepdims=True) + eps)   # (T, C, D)
+    return (h.reshape(x.shape) * (1.0 + weight.astype(f32))).astype(x.dtype)    # (T, C*D)
+
+
+def grouped_rms_norm_backward(d_y, x, weight, group: int, eps: float):
+    """y = n * (1 + weight), n = each stream's x / rms: d_x = r * (d_n - n * mean(d_n * n)) per stream (rms_norm_
+    backward's rule), d_weight = sum over tokens of d_y * n. (T, C*D) -> d_x (T, C*D), d_weight (C*D,)."""
+    xp, (T, CD) = xp_of(x), x.shape
+    h = x.reshape(T, CD // group, group)                                         # (T, C, D)
+    inv_rms = 1.0 / xp.sqrt((h * h).mean(axis=-1, keepdims=True) + eps)         # (T, C, 1)
+    n = h * inv_rms                                                             # (T, C, D) normalised
+    d_n = (d_y * (1.0 + weight)).reshape(h.shape)                               # (T, C, D)
+    d_x = inv_rms * (d_n - n * (d_n * n).mean(axis=-1, keepdims=True))          # (T, C, D)
+    return d_x.reshape(T, CD), (d_y * n.reshape(T, CD)).sum(axis=0)
+
+
 def sigmoid(x):
     """1 / (1 + exp(-x)) = (1 + tanh(x/2)) / 2, which never overflows."""
     return (xp_of(x).tanh(x * 0.5) + 1.0) * 0.5

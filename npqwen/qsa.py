@@ -20,14 +20,15 @@ import math
 
 import numpy as np
 
-from . import ops
+from . import lora, ops
 from .backend import to_numpy, xp_of
 
 
-def indexer_queries_keys(x, index_qk_proj, q_norm, Hi: int, di: int, cos, sin, eps: float):
+def indexer_queries_keys(x, index_qk_proj, q_norm, Hi: int, di: int, cos, sin, eps: float, loras=(), p: str = ""):
     """The indexer's queries, normalised and rotated, and its raw (un-normalised, un-rotated) keys.
-    (T, D) -> q (T, Hi, di), keys (T, di)."""
+    (T, D) -> q (T, Hi, di), keys (T, di). `loras`: the batch's LoRA adapters (npqwen/lora.py), p the module's name."""
     qk = ops.linear(x, index_qk_proj)                                           # (T, (Hi + 1) * di)
+    qk = lora.add(qk, x, loras, p)                                              # + scale * B A x, each adapter's rows
     q, keys = qk[:, :Hi * di].reshape(-1, Hi, di), qk[:, Hi * di:]              # (T, Hi, di), (T, di)
     q = ops.rms_norm(q, q_norm, eps, 1.0)                                       # (T, Hi, di), 1 + weight
     return ops.apply_rope(q, cos, sin), keys

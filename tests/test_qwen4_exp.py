@@ -345,10 +345,10 @@ def test_trace_hooks_and_lens(causal):
 
 
 def test_refusals_name_what_they_refuse(causal):
-    """A QSA variant, a malformed mRoPE section, a sigmoid output gate; LoRA, tensor parallelism, speculative
-    decoding, steering, compact weights and LoRA finetuning (an adapter's gradients) on a Qwen4-Exp model."""
+    """A QSA variant, a malformed mRoPE section, a sigmoid output gate; speculative decoding, steering and compact
+    weights on a Qwen4-Exp model (LoRA: tests/test_qwen4_exp_lora.py; tensor parallelism: tests/test_parallel.py;
+    gradients and LoRA finetuning: tests/test_backward.py, tests/test_finetune.py)."""
     from npqwen.config import Qwen3Config
-    from npqwen.parallel import check_split
 
     raw = {"model_type": "qwen4_exp_text", **MODEL}
     for change, named in ((dict(indexer_kv_heads=2), "indexer_kv_heads 2: a QSA variant"),
@@ -363,18 +363,11 @@ def test_refusals_name_what_they_refuse(causal):
             Qwen3Config.from_dict({**raw, **change})
         print(error.value)
     llm = npqwen.load(causal[0])
-    with pytest.raises(NpqwenError, match="tensor parallelism does not split Qwen4-Exp"):
-        check_split(llm.config, 2)
-    with pytest.raises(NpqwenError, match="LoRA adapters are not applied to Qwen4-Exp"):
-        llm.load_lora("a", causal[0])
     for kw in (dict(speculative={"method": "ngram", "k": 3}), dict(steering=[{"layer": 1, "vector": np.ones(32, np.float32), "scale": 1.0}])):
         with pytest.raises(NpqwenError, match="not implemented for it"):
             llm.generate([1, 2, 3], max_new_tokens=2, temperature=0, **kw)
     with pytest.raises(NpqwenError, match="compact weights"):
         npqwen.load(causal[0], weights="int8")
-    from npqwen import finetune, grad
-    with pytest.raises(NpqwenError, match="LoRA adapters are not applied to Qwen4-Exp yet"):   # so no finetuning
-        grad.gradients(llm, [1, 2, 3], grad.log_prob(5), lora=finetune.new_adapter(llm.model))
 
 
 def test_inspect_prints_what_a_request_costs(causal):
