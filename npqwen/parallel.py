@@ -20,9 +20,17 @@ A Qwen3.5 model splits its two kinds of layer by heads as well:
     out_proj                 row-parallel: the columns of its value heads; one all-reduce
     in_proj_qkvz, in_proj_ba Qwen3-Next's, whose rows come grouped by key head: its key heads' groups
 and each rank's state slots hold only its own heads' states (kv_cache.LinearStates).
+So a decoder layer costs two all-reduces of (T, D); why the parts add up to the whole product is in
+docs/parallel.md. The rule goes by the name's ending and the tensor's own shape, so a Qwen3-MoE
+expert's gate_proj / up_proj / down_proj are split by their width in the same way (every rank
+holds a slice of every expert, the router whole; the MoE layer then needs its one all-reduce after
+the sum over its experts), which keeps every rank equally busy however the router picks experts.
+
 A Qwen4-Exp model splits as Qwen3.5-MoE does (attention and linear-attention heads, every expert's and the shared
 expert's width, the vocabulary); its three new parts are whole on every rank, each computed alike everywhere from
-the streams every rank holds whole after the all-reduces (bitwise equal on every rank: each rank gets the same sums):
+the streams every rank holds whole after the all-reduces (bitwise equal on every rank: the all-reduce hands
+every rank the same sums, as MPICH's does; QSA's discrete block selection relies on it, and the tests check every
+rank's logits equal rank 0's exactly):
     *_hyper_connection, hyper_connection_mixer   the C streams (T, C*D) and their mixing: a low-rank gate of
                              2*C*D*R + C*C*D weights per block (10M a layer in the real model, against 27M of
                              attention and 1.6B of experts); split, it would need an all-reduce of (T, C*D) each
@@ -31,14 +39,10 @@ the streams every rank holds whole after the all-reduces (bitwise equal on every
                              cache of one machine)
     self_attn.indexer        QSA's index_qk_proj and norms: a block's score sums relu(q . k) over all Hi indexer
                              heads against one key head before the top-k, so each rank computes the whole selection
-                             (4.5M weights a layer in the real model) and keeps the raw indexer keys in its pages,
-                             rather than all-reducing (T, blocks) scores per sequence and layer
-So a Qwen4-Exp layer costs the same two all-reduces of (T, D) as a Qwen3.5-MoE layer.
-So a decoder layer costs two all-reduces of (T, D); why the parts add up to the whole product is in
-docs/parallel.md. The rule goes by the name's ending and the tensor's own shape, so a Qwen3-MoE
-expert's gate_proj / up_proj / down_proj are split by their width in the same way (every rank
-holds a slice of every expert, the router whole; the MoE layer then needs its one all-reduce after
-the sum over its experts), which keeps every rank equally busy however the router picks experts.
+                             (4.5M weights a layer at D=2048 with 16 heads of 128) and keeps the raw indexer
+                             keys in its pages, rather than all-reducing (T, blocks) scores per sequence and layer
+So a Qwen4-Exp layer costs the all-reduces of (T, D) a Qwen3.5-MoE layer does (after o_proj or out_proj, the
+experts' sum and the shared expert's down_proj), and no more.
 
 When N does not divide the K key/value heads: if N is a multiple of K, each key/value head is kept
 by N/K ranks, which split its query heads (vLLM's replication); otherwise the split is refused

@@ -36,12 +36,13 @@ def indexer_queries_keys(x, index_qk_proj, q_norm, Hi: int, di: int, cos, sin, e
 
 def block_scores(q, keys, blocks, k_norm, cos_all, sin_all, eps: float):
     """One query's score of each complete block. q (Hi, di), keys (S, di) raw, blocks (B, r) positions -> (B,)."""
-    pooled = keys[blocks].astype(np.float32).mean(axis=1).astype(keys.dtype)   # (B, di) the mean raw key
+    xp = xp_of(keys)
+    pooled = keys[xp.asarray(blocks)].astype(np.float32).mean(axis=1).astype(keys.dtype)   # (B, di) the mean raw key
     pooled = ops.rms_norm(pooled, k_norm, eps, 1.0)                             # (B, di), 1 + weight
-    start = blocks[:, 0]                                                        # a block sits at its first token
+    start = xp.asarray(blocks[:, 0])                                            # a block sits at its first token
     block_keys = ops.apply_rope(pooled[:, None], cos_all[start], sin_all[start])[:, 0]   # (B, di)
-    scores = np.maximum(block_keys.astype(np.float32) @ q.astype(np.float32).T, 0)      # (B, Hi) relu(q . k)
-    return scores.sum(axis=1) / np.sqrt(q.shape[-1])                            # (B,) summed over the heads
+    scores = xp.maximum(block_keys.astype(np.float32) @ q.astype(np.float32).T, 0)      # (B, Hi) relu(q . k)
+    return scores.sum(axis=1) / math.sqrt(q.shape[-1])                          # (B,) summed over the heads
 
 
 def select_tokens(q, keys, visible, k_norm, cos_all, sin_all, budget: int, r: int, eps: float) -> list:

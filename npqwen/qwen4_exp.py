@@ -16,19 +16,23 @@ Shapes: T tokens, D hidden, C streams, S positions of one sequence; the rest as 
 forward: x = embed, copied into C streams -> for each layer: [x += ple(x)]; a, w = mix(x); x += w * attention(a);
 m, w = mix(x); x += w * moe(m) -> mix(x) -> lm_head.
 
+Steering and SAE feature edits act on a layer's output, the C streams (T, C*D) that hooks call model.layers.L: a
+(D,) steering vector goes to every stream (npqwen/steering.py), an SAE there reads all C*D values. Speculative
+verification ("ngram" drafts) keeps each PLE layer's convolution state after every token, and the n-gram history,
+to roll back to (kv_cache.LinearStates.roll_back); QSA keeps nothing per sequence beyond its pages.
 LoRA adapters (npqwen/lora.py) add to their rows after every projection, as in Qwen3's layers: attention's, the
 indexer's, the Gated DeltaNet's, the shared expert's, the hyper-connections' and PLE's. Under tensor parallelism
 (npqwen/parallel.py) the ranks meet where Qwen3.5-MoE's do (the embedding, o_proj / out_proj, the experts' sum and the
 shared expert's down_proj, the logits); the C streams, the mixing, PLE and the indexer are whole on every rank.
-
-Not here: the MTP head (transformers has no forward for Qwen4-Exp's to check against), steering and SAE feature
-edits (a (D,) vector added to a residual that is C streams); each is refused by name.
+Not here: the MTP head (transformers ignores its mtp.* weights: no forward to check one against); it is refused by
+name.
 """
 import numpy as np
 
 from . import hyper_connections as hc
 from . import lora, ops, ple, qsa
 from .errors import NpqwenError
+from .features import apply_feature_edits
 from .model import BatchOutput, Qwen3, as_hook, no_recorder
 from .parallel import share_batch
 
@@ -41,10 +45,10 @@ class Qwen4Exp(Qwen3):
         written; the logits of the rows that sample (and hidden states, scores) come back."""
         cfg, W, xp, C = self.config, self.weights, self.xp, self.config.hc_count
         recorder = as_hook(recorder)
-        if embeds is not None or batch.steering or batch.feature_edits:
-            raise NpqwenError("Qwen4-Exp: steering vectors, SAE feature edits and MTP drafts add or feed a (D,) "
-                              "vector to the residual, but Qwen4-Exp's residual is hc_count streams of D; npqwen "
-                              "does not implement them for it")
+        if embeds is not None:
+            raise NpqwenError("Qwen4-Exp: inputs_embeds (an MTP head's input) are not fed to it: npqwen runs no MTP "
+                              "head for Qwen4-Exp (transformers ignores its mtp.* weights, so there is no forward "
+                              "to check one against)")
         # 0. tensor parallel: every rank runs rank 0's batch (rank 0 sends it to the others)
         batch = share_batch(self, batch, kv, recorder is not no_recorder)
         # 1. embedding lookup (a token's row is on one rank, the others add zeros), then C copies of it side by side:
@@ -64,9 +68,16 @@ class Qwen4Exp(Qwen3):
         # 3. the decoder layers
         for i in range(cfg.num_hidden_layers):
             x = self.decoder_layer(i, x, cos, sin, batch, kv, slots, recorder, loras, previous=previous)
+            if i in batch.feature_edits:   # SAE feature edits on the C streams: (a' - a) * W_dec[f] (F, C*D)
+                x = apply_feature_edits(x, batch.feature_edits[i])
+            if i in batch.steering:   # steering: s*v on the steered rows' C streams (T, C*D), zeros elsewhere
+                x = x + batch.steering[i]
         if cfg.ple_layer_ids:   # each sequence's last n-1 tokens, for its next batch's n-grams
-            for (row, n), slot, prev in zip(batch.rows, batch.slots, previous):
-                kv.states.ple_ids[slot] = np.concatenate([prev, batch.token_ids[row:row + n]])[-len(prev):]
+            for (row, n), slot, prev, verify in zip(batch.rows, batch.slots, previous, batch.verifying):
+                history = np.concatenate([prev, batch.token_ids[row:row + n]])   # (ngram_size - 1 + n,)
+                kv.states.ple_ids[slot] = history[-len(prev):]
+                if verify and n > 1:   # speculative: a roll-back to `kept` tokens keeps history[kept:kept + n-1]
+                    kv.states.ple_verified.setdefault(slot, {})["ids"] = history
         # 4. the C streams mixed into one, for the rows that have an output (the final norm's place)
         rows = batch.output_rows
         if len(rows) < x.shape[0] or (rows != np.arange(len(rows))).any():
@@ -122,17 +133,33 @@ class Qwen4Exp(Qwen3):
         table = W[f"{p}.ple_embedding.ngram_embedding.weight"]                              # (rows, d), on disk
         conv = kv.states.ple_conv[j]                                                        # (slots, L, C*D)
         out, adapters = xp.empty_like(x), batch.loras or [None] * len(batch.rows)   # each sequence's LoRA adapter
-        for (row, n), slot, prev, adapter in zip(batch.rows, batch.slots, previous, adapters):
+        for (row, n), slot, prev, verify, adapter in zip(batch.rows, batch.slots, previous, batch.verifying, adapters):
             r = slice(row, row + n)
             emb = ple.ngram_embedding(table, batch.token_ids[r], prev, multipliers, sizes, offsets,
                                       cfg.heads_per_ngram, kv.states.eos)                  # (n, E) float32
             emb = xp.asarray(emb, dtype=x.dtype)
             loras = [(adapter, slice(None))] if adapter is not None else []              # all n rows, or none
-            key = lora.add(ops.linear(emb, W[f"{p}.key_proj.weight"]), emb, loras, f"{p}.key_proj")       # (n, C*D)
-            value = lora.add(ops.linear(emb, W[f"{p}.value_proj.weight"]), emb, loras, f"{p}.value_proj")  # (n, D)
+            if verify and n > 1:   # speculative verification: token by token as decoding runs, each state kept
+                states = []
+                for t in range(row, row + n):
+                    e = emb[t - row:t - row + 1]                                           # (1, E)
+                    out[t:t + 1], conv[slot] = ple.ple_layer(x[t:t + 1], e, W, p, cfg.hc_count, conv[slot],
+                                                             cfg.ngram_size, cfg.rms_norm_eps,
+                                                             self.ple_projections(p, e, loras))
+                    states.append(conv[slot].copy())                                       # (L, C*D)
+                kv.states.ple_verified.setdefault(slot, {})[j] = xp.stack(states)          # (n, L, C*D)
+                continue
             out[r], conv[slot] = ple.ple_layer(x[r], emb, W, p, cfg.hc_count, conv[slot], cfg.ngram_size,
-                                               cfg.rms_norm_eps, (key, value))             # (n, C*D), (L, C*D)
+                                               cfg.rms_norm_eps, self.ple_projections(p, emb, loras))   # (n, C*D)
         return out
+
+    def ple_projections(self, p: str, emb, loras):
+        """PLE's key_proj and value_proj of the n-gram embeddings, each with its LoRA update on its rows:
+        (n, E) -> (n, C*D), (n, D)."""
+        W = self.weights
+        key = lora.add(ops.linear(emb, W[f"{p}.key_proj.weight"]), emb, loras, f"{p}.key_proj")           # (n, C*D)
+        value = lora.add(ops.linear(emb, W[f"{p}.value_proj.weight"]), emb, loras, f"{p}.value_proj")     # (n, D)
+        return key, value
 
     def self_attn(self, i: int, x, cos, sin, batch, kv, slots, recorder=no_recorder, loras=()):
         """QSA: output-gated, QK-normed, partly rotary grouped-query attention of layer i, each query reading only

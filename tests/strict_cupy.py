@@ -33,7 +33,7 @@ UFUNC = ("out", "casting", "dtype")   # cupy ufuncs: f(x1, x2, /, out=None, *, c
 UFUNCS = ("add", "subtract", "multiply", "divide", "true_divide", "negative", "exp", "log", "sqrt", "tanh",
           "cos", "sin", "maximum", "minimum", "isfinite", "isnan", "power", "left_shift", "right_shift", "floor_divide",
           "greater", "less", "greater_equal", "less_equal", "equal", "not_equal", "logical_and",
-          "logical_not", "log1p")
+          "logical_not", "log1p", "abs", "absolute", "sign")
 # every other cupy function offered: name -> the keyword arguments cupy 14.2 accepts
 KEYWORDS = {
     "asarray": ("a", "dtype", "order", "copy", "blocking"),
@@ -56,6 +56,7 @@ KEYWORDS = {
     "matmul": UFUNC,
     "dot": ("a", "b", "out"),
     "sum": ("a", "axis", "dtype", "out", "keepdims"),
+    "mean": ("a", "axis", "dtype", "out", "keepdims"),
     "max": ("a", "axis", "out", "keepdims"),
     "min": ("a", "axis", "out", "keepdims"),
     "argmax": ("a", "axis", "dtype", "out", "keepdims"),
@@ -69,6 +70,7 @@ KEYWORDS = {
     "take_along_axis": ("a", "indices", "axis"),
     "bincount": ("x", "weights", "minlength"),
     "empty_like": ("prototype", "dtype", "order", "subok", "shape"),
+    "zeros_like": ("a", "dtype", "order", "subok", "shape"),
     "copyto": ("dst", "src", "casting", "where"),       # compact weights (npqwen/weights.py): a block widened
     "take": ("a", "indices", "axis", "out"),
     **{name: UFUNC for name in UFUNCS},
@@ -82,6 +84,7 @@ METHOD_KEYWORDS = {
     "copy": ("order",),
     "fill": ("value",),
     "sum": ("axis", "dtype", "out", "keepdims"),
+    "mean": ("axis", "dtype", "out", "keepdims"),
     "max": ("axis", "out", "keepdims"),
     "min": ("axis", "out", "keepdims"),
     "argmax": ("axis", "out", "dtype", "keepdims"),
@@ -326,8 +329,8 @@ def _numpy_method(name: str):
     return method
 
 
-for _name in ("astype", "view", "reshape", "transpose", "ravel", "copy", "fill", "sum", "max", "min", "argmax",
-              "all", "any", "cumsum"):
+for _name in ("astype", "view", "reshape", "transpose", "ravel", "copy", "fill", "sum", "mean", "max", "min",
+              "argmax", "all", "any", "cumsum"):
     setattr(ndarray, _name, _numpy_method(_name))
 for _name, _ufunc in (("add", "add"), ("sub", "subtract"), ("mul", "multiply"), ("truediv", "true_divide"),
                       ("pow", "power"), ("lshift", "left_shift"), ("rshift", "right_shift"),
@@ -340,6 +343,7 @@ for _name, _ufunc in (("lt", "less"), ("le", "less_equal"), ("gt", "greater"), (
                       ("eq", "equal"), ("ne", "not_equal")):
     setattr(ndarray, f"__{_name}__", _operator(_ufunc))
 ndarray.__neg__ = lambda self: compute("negative", (self,), {})
+ndarray.__abs__ = lambda self: compute("absolute", (self,), {})
 ndarray.__invert__ = lambda self: compute("logical_not", (self,), {})
 
 

@@ -345,9 +345,9 @@ def test_trace_hooks_and_lens(causal):
 
 
 def test_refusals_name_what_they_refuse(causal):
-    """A QSA variant, a malformed mRoPE section, a sigmoid output gate; speculative decoding, steering and compact
-    weights on a Qwen4-Exp model (LoRA: tests/test_qwen4_exp_lora.py; tensor parallelism: tests/test_parallel.py;
-    gradients and LoRA finetuning: tests/test_backward.py, tests/test_finetune.py)."""
+    """A QSA variant, a malformed mRoPE section, a sigmoid output gate; the MTP head and compact weights on a
+    Qwen4-Exp model (LoRA: tests/test_qwen4_exp_lora.py; tensor parallelism: tests/test_parallel.py; gradients and
+    LoRA finetuning: tests/test_backward.py, tests/test_finetune.py)."""
     from npqwen.config import Qwen3Config
 
     raw = {"model_type": "qwen4_exp_text", **MODEL}
@@ -363,9 +363,8 @@ def test_refusals_name_what_they_refuse(causal):
             Qwen3Config.from_dict({**raw, **change})
         print(error.value)
     llm = npqwen.load(causal[0])
-    for kw in (dict(speculative={"method": "ngram", "k": 3}), dict(steering=[{"layer": 1, "vector": np.ones(32, np.float32), "scale": 1.0}])):
-        with pytest.raises(NpqwenError, match="not implemented for it"):
-            llm.generate([1, 2, 3], max_new_tokens=2, temperature=0, **kw)
+    with pytest.raises(NpqwenError, match='speculative method "mtp" is not implemented for it'):
+        llm.generate([1, 2, 3], max_new_tokens=2, temperature=0, speculative={"method": "mtp", "k": 3})
     with pytest.raises(NpqwenError, match="compact weights"):
         npqwen.load(causal[0], weights="int8")
 

@@ -1,7 +1,8 @@
 """LoRA adapters on Qwen4-Exp: PEFT's all-linear (every projection: attention, the QSA indexer, the Gated DeltaNet,
 the shared expert and its gate, each layer's two hyper-connections and the final mixing, PLE's key and value) and a
 few modules on some layers give PEFT's logits; requests through two adapters and none, batched and chunked in the
-engine, equal each alone; merge-lora equals PEFT's merge_and_unload; an adapter for another layout is refused."""
+engine, equal each alone; merge-lora equals PEFT's merge_and_unload; an adapter for another layout, or of the
+routed experts, is refused by name."""
 import json
 
 import numpy as np
@@ -14,6 +15,7 @@ from npqwen.lora import LINEAR, layer_modules, model_modules
 from test_hybrid_lora import edited
 from test_lora import batched_and_alone, write_adapter
 from test_qwen4_exp import MODEL, build, qwen4
+from test_qwen4_exp_steer_spec import answers_known
 from tolerance import model_tolerance, relative_diff
 
 torch = pytest.importorskip("torch")
@@ -79,10 +81,11 @@ def test_logits_equal_peft(llm, base, adapters, plain, name):
     with torch.no_grad():
         want = peft.PeftModel.from_pretrained(hf_model(base), adapters[name]).eval()(torch.tensor([ids])).logits[0]
     want, ours = want.numpy(), llm.forward(ids, lora=name)
-    diff, moved, tolerance = relative_diff(ours, want), relative_diff(want, plain), model_tolerance(llm.config, len(ids))
-    print(f"{name} ({len(llm.lora_adapter(name).modules)} modules): max |npqwen - PEFT| {np.abs(ours - want).max():.2e} "
-          f"(relative {diff:.2e}, tolerance {tolerance:.1e}); the adapter moves the logits by up to "
-          f"{np.abs(want - plain).max():.3f}")
+    diff, moved = relative_diff(ours, want), relative_diff(want, plain)
+    tolerance = model_tolerance(llm.config, len(ids))
+    print(f"{name} ({len(llm.lora_adapter(name).modules)} modules): max |npqwen - PEFT| "
+          f"{np.abs(ours - want).max():.2e} (relative {diff:.2e}, tolerance {tolerance:.1e}); the adapter moves the "
+          f"logits by up to {np.abs(want - plain).max():.3f}")
     assert diff <= tolerance and moved > 10 * tolerance
     assert (ours.argmax(-1) == want.argmax(-1)).all()
 
@@ -90,7 +93,7 @@ def test_logits_equal_peft(llm, base, adapters, plain, name):
 def test_two_adapters_and_none_batched_equal_each_alone(base, adapters):
     """Prompts through "all", "some" and no adapter share engine steps (chunked over small pages: PLE's convolution
     and QSA's selection continue across chunks, each request with its own adapter); each equals its run alone, token
-    for token (float64: only the order of sums differs)."""
+    for token (float64: only the order of sums differs); so does a request through an adapter with ngram drafts."""
     llm = npqwen.load(base, dtype="float64", lora=adapters)
     jobs = [(prompt(n, seed), lora) for seed, (n, lora) in enumerate([(5, "all"), (30, "some"), (12, None),
                                                                        (40, "all"), (3, "some")])]
@@ -102,6 +105,17 @@ def test_two_adapters_and_none_batched_equal_each_alone(base, adapters):
     assert mixed == 3
     base_tokens = [llm.generate(ids, max_new_tokens=8, temperature=0).token_ids for ids, lora in jobs if lora]
     assert all(want != plain for want, plain in zip([w for (_, lora), w in zip(jobs, alone) if lora], base_tokens))
+    ids = prompt(20, 9)   # drafts (4 in 5 right) verified token by token through PLE, with the adapter's updates
+    want = llm.generate(ids, max_new_tokens=12, temperature=0, lora="all").token_ids
+    engine = npqwen.Engine(llm, kv_cache_tokens=512, page_size=8)
+    engine.propose = answers_known([ids], [want], False, 0.2)
+    engine.add_request(ids, max_new_tokens=12, temperature=0, lora="all", speculative={"method": "ngram", "k": 3})
+    drafted = []
+    while engine.has_unfinished():
+        drafted += [t for o in engine.step() for t in o.token_ids]
+    kept, drafts = engine.stats["spec_decode_num_accepted_tokens"], engine.stats["spec_decode_num_draft_tokens"]
+    print(f"with drafts: {drafted} ({kept} of {drafts} drafts kept)")
+    assert drafted == want and 0 < kept < drafts
 
 
 def test_merge_lora_equals_peft_merge_and_unload(base, adapters, tmp_path):
@@ -140,3 +154,13 @@ def test_an_adapter_for_another_layout_is_refused_by_name(llm, adapters, tmp_pat
         llm.load_lora("bad", path)
     print(f"{case}: {e.value}")
     assert "bad" not in llm.loras
+
+
+def test_an_adapter_of_the_routed_experts_is_refused(base, tmp_path):
+    """PEFT reaches Qwen4-Exp's routed experts (stacked parameters, mlp.experts.gate_up_proj) only by
+    target_parameters, which npqwen refuses by name, as for the other MoE models."""
+    path = write_adapter(base, tmp_path / "experts", 3, load=hf_model, r=4, target_modules=["q_proj"],
+                         target_parameters=["mlp.experts.gate_up_proj"])
+    with pytest.raises(NpqwenError, match=r"target_parameters is set: it adapts parameters \(MoE experts") as e:
+        npqwen.load(base, lora={"experts": path})
+    print(e.value)
