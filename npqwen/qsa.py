@@ -95,3 +95,12 @@ def sparse_attention(q, k, v, allowed):
     probs = (probs / probs.sum(axis=-1, keepdims=True)).astype(q.dtype)        # (K, G, n, S)
     out = probs @ v.transpose(1, 0, 2)[:, None]                                 # (K, G, n, Dh)
     return out.transpose(2, 0, 1, 3).reshape(n, H * Dh), probs.reshape(H, n, -1)
+
+
+def sparse_attention_backward(d_out, q, k, v, probs):
+    """sparse_attention in reverse, given its probabilities: d_out (n, H*Dh) -> d_q (n, H, Dh), d_k, d_v (S, K, Dh);
+    the rule of ops.causal_attention_backward, whose mask is this one's. The selection is a choice, not a function:
+    a position it left out has probability 0, so its score gets no gradient (d_s = p (d_p - sum p d_p) is 0 there),
+    and nothing flows to the indexer (as in transformers, whose indexer reaches the output only through a boolean
+    mask: its weights' .grad stays None)."""
+    return ops.causal_attention_backward(d_out, q, k, v, probs)
