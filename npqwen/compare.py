@@ -52,7 +52,8 @@ HF_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "
               "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
               "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3_next": "Qwen3NextForCausalLM",
               "qwen2": "Qwen2ForCausalLM", "qwen4_exp_text": "Qwen4ExpForCausalLM",
-              "qwen4_exp": "Qwen4ExpForConditionalGeneration"}
+              "qwen4_exp": "Qwen4ExpForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+              "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
 
 
 def hf_model(path: Path):
