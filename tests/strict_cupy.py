@@ -74,7 +74,7 @@ KEYWORDS = {
     "copyto": ("dst", "src", "casting", "where"),       # compact weights (npqwen/weights.py): a block widened
     "take": ("a", "indices", "axis", "out"),
     "flatnonzero": ("a",),                              # the loss's counted rows (npqwen/grad.py)
-    "nonzero": ("a",),                                  # an expert's (token, choice) pairs (npqwen/moe.py experts_backward)
+    "nonzero": ("a",),                                  # an expert's (token, choice) pairs (moe.experts_backward)
     "put_along_axis": ("arr", "indices", "values", "axis"),   # the router's backward (npqwen/moe.py)
     **{name: UFUNC for name in UFUNCS},
 }

@@ -57,7 +57,7 @@ def test_gradients_on_the_cupy_stand_in_equal_the_cpu(model, monkeypatch, qwen3_
         print(f"{model} {dtype} checkpoint={checkpoint}: {len(want)} gradients, max |cuda - cpu| = {diff:.1e}, "
               f"loss {got.value} vs {want.value}; {moved} bytes to the host")
         assert diff == 0 and got.value == want.value and "model.embed_tokens" in got
-        assert moved < 2048   # the loss and the MoE's loop bounds: no activation or gradient crossed
+        assert moved < 2048   # the loss and the MoE layers' choices (loop bounds): no activation or gradient crossed
     for objective in (grad.log_prob(7), grad.logit_diff(7, 9)):
         want, got = (attribution.gradient_x_input(llm, IDS, objective) for llm in (cpu, cuda))
         diff = float(np.abs(got.per_layer - want.per_layer).max())
@@ -96,3 +96,19 @@ def test_a_lora_finetune_on_the_cupy_stand_in_equals_the_cpu(monkeypatch, qwen3_
     print(f"losses cpu {losses[0]}, cuda {losses[1]}; {len(saved[0])} saved arrays, max |cuda - cpu| = {diff:.1e}")
     assert losses[0] == losses[1] and len(losses[0]) == 3 and saved[0].keys() == saved[1].keys() and diff == 0
     assert json.loads((tmp_path / "cuda" / "adapter_config.json").read_text())["r"] == 4
+
+
+def test_every_name_and_keyword_used_exists_in_real_cupy(monkeypatch, qwen3_5_moe_dir):
+    """What the runs above asked of cupy is real cupy; so it holds when run alone, a short run of its own: Qwen3-MoE's
+    gradients (flatnonzero, nonzero, put_along_axis, add.at, ...) and a LoRA + AdamW step with checkpointing."""
+    from test_cuda_standin import check_against, real_cupy
+
+    cuda = load_both("tiny-moe", "float32", monkeypatch, qwen3_5_moe_dir)[1]
+    grad.gradients(cuda, IDS, grad.log_prob(7))
+    adapter = finetune.new_adapter(cuda.model, r=2)
+    finetune.train_step(cuda.model, adapter, [finetune.example(IDS[:6], IDS[6:])], finetune.AdamW(adapter.weights),
+                        checkpoint=True)
+    used = dict(strict_cupy.used)
+    assert {"cupy.flatnonzero", "cupy.nonzero", "cupy.put_along_axis", "cupy.add.at", "cupy.sqrt"} <= used.keys()
+    problems = check_against(real_cupy(), used)
+    assert not problems, "\n".join(problems)
