@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from . import grad
-from .backend import to_numpy
+from .backend import to_numpy, xp_of
 from .checkpoint import save_safetensors
 from .errors import NpqwenError
 from .lora import TARGETS, Delta, LoraAdapter, fused_columns, layer_modules, model_modules
@@ -133,8 +133,8 @@ class AdamW:
     def __init__(self, params: dict, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01):
         self.params, self.lr, self.betas, self.eps, self.weight_decay = params, lr, betas, eps, weight_decay
-        self.m = {n: np.zeros_like(p) for n, p in params.items()}   # first moments
-        self.v = {n: np.zeros_like(p) for n, p in params.items()}   # second moments
+        self.m = {n: xp_of(p).zeros_like(p) for n, p in params.items()}   # first moments, on the weights' device
+        self.v = {n: xp_of(p).zeros_like(p) for n, p in params.items()}   # second moments
         self.t = 0
 
     def step(self, grads: dict):
@@ -152,7 +152,7 @@ class AdamW:
             m += (1 - b1) * g                                        # m = b1 m + (1 - b1) g
             v *= b2
             v += (1 - b2) * g * g                                    # v = b2 v + (1 - b2) g^2
-            p -= (self.lr / correction1) * m / (np.sqrt(v) / math.sqrt(correction2) + self.eps)
+            p -= (self.lr / correction1) * m / (xp_of(v).sqrt(v) / math.sqrt(correction2) + self.eps)
 
 
 def train_step(model, adapter: LoraAdapter, examples: list[Example], optimizer: AdamW,
@@ -172,7 +172,7 @@ def train_step(model, adapter: LoraAdapter, examples: list[Example], optimizer: 
         for name, d in g.lora_grads.items():
             total[name] = total.get(name, 0) + d / len(examples)
     loss = float(np.mean(losses))
-    if not all(math.isfinite(float(np.abs(d).max())) for d in total.values()):
+    if not all(math.isfinite(float(xp_of(d).abs(d).max())) for d in total.values()):
         raise NpqwenError(f"the gradient is not finite at optimizer step {optimizer.t + 1} (loss {loss}); the adapter "
                           f"was not updated (lower --lr, or check the data)")
     optimizer.step(total)
@@ -187,8 +187,9 @@ def batches(examples: list[Example], accumulate: int, step: int) -> list[Example
 def save_checkpoint(directory, adapter: LoraAdapter, optimizer: AdamW):
     """The adapter (PEFT's files) and AdamW's moments and step count: what a rerun resumes from."""
     save_adapter(adapter, directory)
-    np.savez(Path(directory) / "optimizer.npz", t=optimizer.t, **{f"m/{n}": a for n, a in optimizer.m.items()},
-             **{f"v/{n}": a for n, a in optimizer.v.items()})
+    np.savez(Path(directory) / "optimizer.npz", t=optimizer.t,                  # the moments copied to the host
+             **{f"m/{n}": to_numpy(a) for n, a in optimizer.m.items()},
+             **{f"v/{n}": to_numpy(a) for n, a in optimizer.v.items()})
 
 
 def latest_checkpoint(out) -> Path | None:
@@ -210,8 +211,9 @@ def resume(model, directory, adapter: LoraAdapter, optimizer: AdamW):
         a[...] = saved.weights[name]
     state = np.load(Path(directory) / "optimizer.npz")
     optimizer.t = int(state["t"])
-    for name in adapter.weights:
-        optimizer.m[name][...], optimizer.v[name][...] = state[f"m/{name}"], state[f"v/{name}"]
+    for name in adapter.weights:   # the saved moments (host arrays) onto the weights' device
+        m, v = optimizer.m[name], optimizer.v[name]
+        m[...], v[...] = xp_of(m).asarray(state[f"m/{name}"]), xp_of(v).asarray(state[f"v/{name}"])
 
 
 def finetune(model, examples: list[Example], out, steps: int, r: int = 16, alpha: float = 32, lr: float = 1e-4,

@@ -38,7 +38,7 @@ import numpy as np
 from . import hyper_connections as hc
 from . import linear_attention as la
 from . import lora, moe, ops, ple, qsa
-from .backend import to_numpy, xp_of
+from .backend import xp_of
 from .errors import NpqwenError
 
 
@@ -74,7 +74,7 @@ def log_prob(token: int, position: int = -1) -> Objective:
     """log p(token) at `position` (the next-token distribution after it)."""
     def fn(logits):
         logp = ops.log_softmax(logits[position])                                   # (V,)
-        d = -np.exp(to_numpy(logp))                                                # d log p_t / d z = 1[t] - p
+        d = -xp_of(logits).exp(logp)                                               # d log p_t / d z = 1[t] - p
         d[token] += 1.0
         return float(logp[token]), place(logits, position, d)
     return Objective(fn, f"log p({token}) at {position}")
@@ -83,7 +83,7 @@ def log_prob(token: int, position: int = -1) -> Objective:
 def logit_diff(token: int, other: int, position: int = -1) -> Objective:
     """logit[token] - logit[other] at `position`."""
     def fn(logits):
-        d = np.zeros(logits.shape[1], dtype=np.float64)
+        d = xp_of(logits).zeros(logits.shape[1], dtype=logits.dtype)             # (V,)
         d[token], d[other] = 1.0, -1.0
         return float(logits[position, token] - logits[position, other]), place(logits, position, d)
     return Objective(fn, f"logit {token} - logit {other} at {position}")
@@ -107,10 +107,10 @@ def next_tokens(ids) -> np.ndarray:
 
 
 def place(logits, position: int, d_row):
-    """A (T, V) gradient that is d_row at `position` and zero elsewhere, in the logits' dtype and array module."""
-    d = np.zeros(logits.shape, dtype=logits.dtype)
+    """A (T, V) gradient that is d_row (V,) at `position` and zero elsewhere, in the logits' dtype, on their device."""
+    d = xp_of(logits).zeros_like(logits)                                           # (T, V)
     d[position] = d_row
-    return type_like(logits, d)
+    return d
 
 
 def type_like(array, host):

@@ -73,6 +73,9 @@ KEYWORDS = {
     "zeros_like": ("a", "dtype", "order", "subok", "shape"),
     "copyto": ("dst", "src", "casting", "where"),       # compact weights (npqwen/weights.py): a block widened
     "take": ("a", "indices", "axis", "out"),
+    "flatnonzero": ("a",),                              # the loss's counted rows (npqwen/grad.py)
+    "nonzero": ("a",),                                  # an expert's (token, choice) pairs (moe.experts_backward)
+    "put_along_axis": ("arr", "indices", "values", "axis"),   # the router's backward (npqwen/moe.py)
     **{name: UFUNC for name in UFUNCS},
 }
 METHOD_KEYWORDS = {
@@ -95,6 +98,7 @@ METHOD_KEYWORDS = {
     "item": (),
     "tolist": (),
 }
+UFUNC_METHOD_KEYWORDS = {"add.at": ("a", "indices", "b")}   # ufunc methods offered: cupy.add.at
 ATTRIBUTES = ("shape", "dtype", "ndim", "size", "nbytes", "itemsize", "strides", "T")
 DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
           "uint64", "bool_", "dtype")
@@ -371,6 +375,14 @@ def _function(name: str):
     return function
 
 
+@checked("cupy.add.at", UFUNC_METHOD_KEYWORDS["add.at"])
+def add_at(a, indices, b=None):
+    """cupy.add.at(a, indices, b): a[indices] += b, a repeated index adding each time (the backwards' scatter)."""
+    if not isinstance(a, ndarray):
+        raise TypeError(f"cupy.add.at writes into a cupy.ndarray, got {type(a)}")
+    np.add.at(a._a, host(indices, "cupy.add.at"), host(b, "cupy.add.at"))
+
+
 @checked("cupy.asarray", KEYWORDS["asarray"])
 def asarray(a, dtype=None, order=None, *, copy=None, blocking=False):
     """Host -> device (counted) for NumPy arrays, lists and scalars; a device array stays (cast if asked)."""
@@ -410,6 +422,7 @@ def make_module() -> StrictModule:
     for name in KEYWORDS:
         setattr(cupy, name, _function(name))
     cupy.asarray, cupy.array, cupy.asnumpy, cupy.ndarray = asarray, array, asnumpy, ndarray
+    cupy.add.at = add_at
     for name in DTYPES:
         setattr(cupy, name, getattr(np, name))
     runtime = types.SimpleNamespace(getDeviceCount=_runtime_function("getDeviceCount", 1),
@@ -436,6 +449,7 @@ def offered_names() -> dict[str, tuple]:
     names.update({"cupy.asarray": KEYWORDS["asarray"], "cupy.array": KEYWORDS["array"],
                   "cupy.asnumpy": KEYWORDS["asnumpy"]})
     names.update({f"cupy.cuda.runtime.{n}": () for n in ("getDeviceCount", "memGetInfo", "CUDARuntimeError")})
+    names.update({f"cupy.{n}": k for n, k in UFUNC_METHOD_KEYWORDS.items()})
     names.update({f"ndarray.{n}": k for n, k in METHOD_KEYWORDS.items()})
     names.update({f"ndarray.{n}": () for n in ATTRIBUTES})
     return names
