@@ -6,7 +6,8 @@ and only a block of rows at a time is ever widened. This module turns what llama
 (`convert_hf_to_gguf.py`) wrote back into what npqwen reads from a Hugging Face checkpoint:
 
 - the config: `qwen3.embedding_length` -> `hidden_size`, ... (`config_dict`), for llama.cpp's `qwen3`,
-  `qwen3moe`, `qwen35` and `qwen2` (Qwen2 / Qwen2.5: its q/k/v biases `blk.N.attn_q.bias` are HF's `q_proj.bias`);
+  `qwen3moe`, `qwen35`, `qwen35moe` (Qwen3.5-MoE: Qwen3.5's layers with Qwen3-MoE's stacked experts and a shared
+  expert) and `qwen2` (Qwen2 / Qwen2.5: its q/k/v biases `blk.N.attn_q.bias` are HF's `q_proj.bias`);
 - the tokenizer and chat template: `tokenizer.ggml.tokens`, `.merges`, `.token_type` and
   `tokenizer.chat_template` -> a byte-level BPE `tokenizers.Tokenizer` (`gguf_tokenizer`);
 - the tensors under their HF names: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`
@@ -32,7 +33,8 @@ from .errors import NpqwenError
 from .weights import Compact
 
 # general.architecture as llama.cpp writes it -> HF model_type
-ARCHITECTURES = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text", "qwen2": "qwen2"}
+ARCHITECTURES = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text",
+                 "qwen2": "qwen2"}
 
 # llama.cpp's tensor names (gguf-py's tensor_mapping for QWEN3 / QWEN3MOE) -> HF's, per layer and whole-model
 LAYER_NAMES = {
@@ -49,6 +51,9 @@ LAYER_NAMES = {
     # the experts of a sparse layer, stacked (E, rows, cols): expert e is HF's mlp.experts.{e}.*
     "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+    # qwen35moe's shared expert, which every token also runs, and its gate (a (D,) vector: HF's (1, D) row)
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -130,7 +135,7 @@ def architecture(meta: dict, path) -> str:
     if arch not in ARCHITECTURES:
         raise NpqwenError(f"{path}: a GGUF of architecture {arch!r}; npqwen runs Qwen3: "
                           f"{', '.join(repr(a) for a in ARCHITECTURES)} (llama.cpp's names for Qwen3, Qwen3-MoE, "
-                          f"Qwen3.5 and Qwen2 / Qwen2.5)")
+                          f"Qwen3.5, Qwen3.5-MoE and Qwen2 / Qwen2.5)")
     return arch
 
 
@@ -162,7 +167,12 @@ def config_dict(meta: dict, tensors: dict, path) -> dict:
     if arch == "qwen3moe":   # llama.cpp always renormalises Qwen3-MoE's top-k router weights
         config.update(num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
                       moe_intermediate_size=key("expert_feed_forward_length"), norm_topk_prob=True)
-    if arch == "qwen35":   # Qwen3.5's Gated DeltaNet layers and its partial, multimodal RoPE
+    if arch == "qwen35moe":   # every layer sparse, as qwen3moe's, and a shared expert (HF's intermediate_size)
+        config.update(num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+                      moe_intermediate_size=key("expert_feed_forward_length"), norm_topk_prob=True,
+                      shared_expert_intermediate_size=key("expert_shared_feed_forward_length"),
+                      intermediate_size=key("expert_shared_feed_forward_length"))
+    if arch in ("qwen35", "qwen35moe"):   # Qwen3.5's Gated DeltaNet layers and its partial, multimodal RoPE
         Hv = key("ssm.time_step_rank")
         config.update(linear_conv_kernel_dim=key("ssm.conv_kernel"), linear_key_head_dim=key("ssm.state_size"),
                       linear_num_key_heads=key("ssm.group_count"), linear_num_value_heads=Hv,
@@ -205,6 +215,8 @@ def gguf_tensors(reader, path) -> dict[str, GGUFTensor]:
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))   # ggml [cols, rows, E] -> HF (E, rows, cols)
         if name.endswith("conv1d.weight"):   # qwen35 squeezed HF's (C, 1, W) convolution to (C, W)
             shape = (shape[0], 1, shape[1])
+        if name.endswith("shared_expert_gate.weight"):   # qwen35moe: HF's (1, D), which llama.cpp's quantizer writes (D,)
+            shape = (1, shape[-1])
         raw = t.data.view(np.uint8).reshape(*shape[:-1], quants.row_bytes(qtype, shape[-1]))
         tensors[name] = GGUFTensor(t.name, qtype, shape, raw)
     if "model.embed_tokens.weight" not in tensors:
