@@ -22,6 +22,7 @@ A GGUF matrix of ggml shape [cols, rows] is the HF (rows, cols) matrix: ggml lis
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -98,7 +99,7 @@ DTYPES = {t: np.dtype(t) for t in (np.uint8, np.int8, np.uint16, np.int16, np.ui
 def open_gguf(path):
     """llama.cpp's GGUFReader over the file, memory-mapped; a file it cannot read is one clear error."""
     try:
-        from gguf import GGUFReader
+        from gguf import GGUFReader, GGUFValueType
     except ImportError:
         raise NpqwenError(f"{path}: reading GGUF files needs the gguf package: pip install 'npqwen[gguf]' "
                           f"(or pip install gguf)") from None
@@ -115,6 +116,30 @@ def open_gguf(path):
                 dtype = DTYPES.get(dtype) or np.dtype(dtype)
                 return self.data[offset:offset + dtype.itemsize * int(count)].view(dtype)
             return super()._get(offset, dtype, count, override_order)
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            """An array (a tokenizer's 151,936 tokens and token types, its 151,387 merges) read in one loop: the
+            parts GGUFReader makes, views of the map (each string's length and bytes; each number), without its
+            call per item (the file opens 4x faster)."""
+            if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]   # item type, count
+            item, count, offs = GGUFValueType(parts[0][0]), int(parts[1][0]), orig_offs + 12
+            number = self.gguf_scalar_to_np.get(item)
+            if number is not None:   # one view of all, then each item's own
+                every = self._get(offs, number, count)
+                parts += [every[i:i + 1] for i in range(count)]
+                offs += every.nbytes
+            elif item == GGUFValueType.STRING:
+                data, mapped, length = self.data, memoryview(self.data), np.dtype(np.uint64)
+                for _ in range(count):
+                    n = int.from_bytes(mapped[offs:offs + 8], sys.byteorder)
+                    parts += (data[offs:offs + 8].view(length), data[offs + 8:offs + 8 + n])
+                    offs += 8 + n
+            else:   # an array of arrays
+                return super()._get_field_parts(orig_offs, raw_type)
+            idxs = list(range(2, len(parts))) if number is not None else list(range(3, len(parts), 2))
+            return offs - orig_offs, parts, idxs, [GGUFValueType.ARRAY] + ([item] if count else [])
 
     try:
         return Reader(path, "r")
