@@ -304,7 +304,7 @@ class Ggml(Compact):
 
     def linear(self, x):
         """x @ W^T. A few rows of x: sub_block_linear, which widens the integers only and applies the scales
-        to the products; more rows, or no fields (Q5_K, F16, BF16, F32, arrays on a GPU): Compact's
+        to the products; more rows, or no fields (F16, BF16, F32, arrays on a GPU): Compact's
         widen-then-matmul on quants.py's rule for each block, the reference."""
         few = 1 if self.format == "Q6_K" else BLOCK_DOT_ROWS   # Q6_K: see BLOCK_DOT_ROWS
         if x.shape[0] > few or not self.fields or xp_of(self.arrays[0]) is not np:
@@ -550,8 +550,9 @@ def f16_column(raw, type_size: int, first: int):
 # quants.dequantize_q8_0 / _q4_0 / _q4_k / _q6_k's; how each unpacks is what measured fastest (a NumPy pass
 # over whole rows beats one whose inner loop is 16 values, not always one of 32).
 
-# Q8_0, Q4_0 and Q4_K are kept as planes (PLANES): their fields are the scale planes (d; Q4_K's d, dmin, sc, m),
-# and `ints` takes the integer plane's rows, one contiguous run each (Q4_K's nibbles as Q4_0's).
+# Q8_0, Q4_0, Q4_K and Q5_K are kept as planes (PLANES): their fields are the scale planes (d; Q4_K's and Q5_K's
+# d, dmin, sc, m), and `ints` takes the integer plane's rows, one contiguous run each (Q4_K's nibbles as Q4_0's;
+# Q5_K's nibbles, then its high bits).
 
 def q8_0_scales(d):
     return d, None
