@@ -299,6 +299,19 @@ def test_q5_k_planes_give_the_files_blocks_back_and_gguf_s_values():
     np.testing.assert_array_equal(w.rows(slice(8, 24)).storage, raw[8:24])
 
 
+def test_planes_split_a_run_of_rows_at_a_time_are_the_whole_matrix_s():
+    """split_released (loading: each run of the file's rows split, then its pages released) makes the planes the
+    format's split makes of the whole matrix, for runs that do not divide the rows."""
+    from test_quants import random_blocks
+
+    from npqwen.weights import PLANES, split_released
+
+    for qtype in PLANES:
+        raw = random_blocks(qtype, np.random.default_rng(4), 40, 512)
+        for got, want in zip(split_released(qtype, raw, rows=16), PLANES[qtype][0](raw)):
+            assert got.dtype == want.dtype and np.array_equal(got, want), qtype
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_products_per_sub_block_equal_the_widened_product(qtype):
     from test_quants import random_blocks
