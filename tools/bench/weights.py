@@ -44,7 +44,7 @@ def add_arguments(p):
     p.add_argument("--weights-memory-8b", action="store_true",
                    help="weights: also Qwen3-8B's real shape in Q4_K and Q8_0, written, measured, deleted, one at a time")
     p.add_argument("--weights-8b-context", type=int, default=1024,
-                   help="weights: the 8B shape's context (its last 4 positions generated; 1,024: 8-9 min a format)")
+                   help="weights: the 8B shape's context (its last 4 positions generated; 1,024: 5-10 min a format)")
     p.add_argument("--weights-decode", type=int, default=16, help="weights, engine llama.cpp: tokens decoded")
 
 
