@@ -513,10 +513,6 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype, parts: dict | 
     """
     found = canonical_names(index_checkpoint(directory))
     check_config_matches(config, found, directory)   # before any table is sized from the config
-    if config.qwen4_exp and weights not in ("auto", "float32"):
-        raise NpqwenError(f"{directory}: compact weights ({weights}) are not read for Qwen4-Exp yet; load it with "
-                          f"weights='float32' (--weights float32); its PLE tables stay memory-mapped either way")
-    weights = "float32" if config.qwen4_exp else weights
     lm_head = has_lm_head(config, found)
     shapes = expected_shapes(config, lm_head)
     stacked = fused_expert_tensors(config, found, directory, parts)   # Qwen3-VL-MoE's two tensors per layer
@@ -536,7 +532,8 @@ def load_weights(directory: Path, config: Qwen3Config, xp, dtype, parts: dict | 
         shapes = {name: shard_shape(shape, parts[name]) for name, shape in shapes.items()}
     weights = weights_format(weights, found, shapes, xp, dtype)
     if weights != "float32":
-        return load_compact(found, config, xp, dtype, parts, shapes, weights, directory, stacked)
+        arrays, fused = load_compact(found, config, xp, dtype, parts, shapes, weights, directory, stacked)
+        return ({**arrays, **ple_tables(found, config, directory)} if config.qwen4_exp else arrays), fused
     check_fits(shapes, xp, dtype, directory)
     arrays, fused = allocate_weights(config, xp, dtype, shapes)
     for p, layer in stacked.items():   # (E, D, 2I) -> fused (E, 2I, D); (E, I, D) -> (E, D, I): one expert at a time
@@ -996,7 +993,8 @@ def save_safetensors(path: Path, tensors: dict, dtype: str = "F32"):
 def stored_pieces(name: str, w) -> list[tuple[str, str, np.ndarray]]:
     """What one weight is on disk, as `npqwen quantize` writes it: [(tensor name, safetensors dtype, array)].
     bfloat16 BF16, float16 F16, float32 F32; int8 as I8 with its row scales `...weight_scale` (F32, (out,));
-    ggml blocks as U8 rows (out, bytes per row), their type in the file's __metadata__ (name -> "Q4_K")."""
+    ggml blocks as U8 rows (out, bytes per row), their type in the file's __metadata__ (name -> "Q4_K");
+    a PLE table as its shards (ngram_embedding.shard_J.weight), copied from the file that held them."""
     from .backend import to_numpy
     if isinstance(w, BFloat16):
         return [(name, "BF16", w.storage)]
@@ -1008,6 +1006,9 @@ def stored_pieces(name: str, w) -> list[tuple[str, str, np.ndarray]]:
         return [(name, "U8", w.storage)]
     if isinstance(w, FP8):
         raise NpqwenError("FP8 weights are written by the checkpoint that made them; convert them with --to")
+    if hasattr(w, "parts"):   # Qwen4-Exp's PLE table (ple.NgramTable): its shards' bytes as stored, never widened
+        kinds = {np.dtype(np.uint16): "BF16", np.dtype(np.float16): "F16", np.dtype(np.float32): "F32"}
+        return [(f"{name[:-len('weight')]}shard_{j}.weight", kinds[part.dtype], part) for j, part in enumerate(w.parts)]
     return [(name, "F32", np.asarray(to_numpy(w), dtype=np.float32))]
 
 

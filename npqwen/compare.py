@@ -4,6 +4,10 @@ Needs torch and transformers (the test extra); npqwen itself never imports them.
 float32 with eager attention and forward hooks on every module; npqwen runs with a Trace
 recorder; each step's max |difference| is reported, and the first one past the tolerance
 (relative to the size of HF's values, at least 1) is the place to look.
+
+Qwen4-Exp's steps are its modules' outputs too: each layer's PLE, the hyper-connections' mixed inputs (their first
+output), the QSA indexer's selection mask, the hyper-connection mixer; the C streams after attention are
+mlp_hyper_connection's argument.
 """
 import contextlib
 import json
@@ -47,7 +51,9 @@ def no_progress_bars():
 HF_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
               "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
               "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3_next": "Qwen3NextForCausalLM",
-              "qwen2": "Qwen2ForCausalLM"}
+              "qwen2": "Qwen2ForCausalLM", "qwen4_exp_text": "Qwen4ExpForCausalLM",
+              "qwen4_exp": "Qwen4ExpForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+              "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
 
 
 def hf_model(path: Path):
@@ -56,9 +62,6 @@ def hf_model(path: Path):
     import transformers
 
     model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type", "qwen3")
-    if model_type in ("qwen4_exp", "qwen4_exp_text"):
-        raise NpqwenError("npqwen compare does not map Qwen4-Exp's steps (hyper-connections, QSA, PLE) to "
-                          "transformers' modules yet; tests/test_qwen4_exp.py compares its logits and each new part")
     model_class = getattr(transformers, HF_CLASSES.get(model_type, "Qwen3ForCausalLM"), None)
     if model_class is None:
         raise NpqwenError(f"this transformers ({transformers.__version__}) has no {HF_CLASSES[model_type]} for "
@@ -103,9 +106,18 @@ def hf_reference(llm, ids) -> dict:
     on(m.rotary_emb, "model.rotary_emb.sin", lambda a, k, o: o[1])
     for i, layer in enumerate(m.layers):
         p = f"model.layers.{i}"
-        on(layer, f"{p}.input", lambda a, k, o: a[0] if a else k["hidden_states"])
         on(layer, p)
-        on(layer.input_layernorm, f"{p}.input_layernorm")
+        if llm.config.qwen4_exp:   # PLE first on some layers, then each block's input mixed from the C streams
+            if layer.ple is not None:
+                on(layer.ple, f"{p}.ple")                                          # (1, T, C*D)
+            on(layer.attn_hyper_connection, f"{p}.attn_hyper_connection")          # (mixed, streams, weights)[0]
+            on(layer.mlp_hyper_connection, f"{p}.attn_residual", arg)              # the streams after attention
+            on(layer.mlp_hyper_connection, f"{p}.mlp_hyper_connection")
+            if hasattr(layer, "self_attn"):   # QSA: the indexer's selection (1, 1, T, S) bool
+                on(layer.self_attn.indexer, f"{p}.self_attn.indexer")
+        else:
+            on(layer, f"{p}.input", lambda a, k, o: a[0] if a else k["hidden_states"])
+            on(layer.input_layernorm, f"{p}.input_layernorm")
         if hasattr(layer, "linear_attn"):   # Qwen3.5 / Qwen3-Next: Gated DeltaNet, its modules by their HF names
             attn = layer.linear_attn
             for part, module in attn.named_children():
@@ -122,7 +134,8 @@ def hf_reference(llm, ids) -> dict:
             on(attn.o_proj, f"{p}.self_attn.attn_output", arg)
             on(attn, f"{p}.mixer", lambda a, k, o: o[0])
             on(attn, f"{p}.self_attn.attn_probs", lambda a, k, o: o[1])
-        on(layer.post_attention_layernorm, f"{p}.post_attention_layernorm")
+        if not llm.config.qwen4_exp:
+            on(layer.post_attention_layernorm, f"{p}.post_attention_layernorm")
         mlp = layer.mlp
         if hasattr(mlp, "experts"):   # the sparse layer, on (T, D) rows: a batch axis added back
             for j, name in enumerate(("gate", "gate.top_k_weights", "gate.top_k_index")):   # (logits, weights, index)
@@ -135,13 +148,18 @@ def hf_reference(llm, ids) -> dict:
             continue
         for part in ("gate_proj", "up_proj", "act_fn", "down_proj"):
             on(getattr(mlp, part), f"{p}.mlp.{part}")
-    on(m.norm, "model.norm")
+    if llm.config.qwen4_exp:   # the C streams mixed into one, in the final norm's place
+        on(m.hyper_connection_mixer, "model.hyper_connection_mixer")
+    else:
+        on(m.norm, "model.norm")
     on(hf.lm_head, "lm_head")
     with torch.no_grad():
         hf(torch.tensor([list(ids)]))
         for i, layer in enumerate(m.layers):
             p = f"model.layers.{i}"
-            refs[f"{p}.attn_residual"] = refs.pop(f"{p}.input") + refs.pop(f"{p}.mixer")
+            mixer = refs.pop(f"{p}.mixer")
+            if not llm.config.qwen4_exp:   # (Qwen4-Exp's: mlp_hyper_connection's argument, hooked above)
+                refs[f"{p}.attn_residual"] = refs.pop(f"{p}.input") + mixer
             if not hasattr(layer, "self_attn"):
                 continue
             # Steps HF has no module for, computed from what the hooks saw with HF's own functions.

@@ -29,6 +29,7 @@ HYBRID_KEYS = ("layer_types", "partial_rotary_factor", "linear_conv_kernel_dim",
                "shared_expert_intermediate_size")
 QWEN4_KEYS = ("qwen4_exp", "hc_count", "hc_lowrank", "ple_layer_ids", "ple_embed_dim", "ple_conv_kernel_size",
               "ngram_size", "heads_per_ngram", "ngram_vocab_size_base", "make_ngram_vocab_size_divisible_by", "seed",
+              "ple_multipliers", "output_gate_type",
               "split_ngram_parts", "indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget",
               "indexer_compress_ratio")
 QWEN3_NEXT_DEFAULTS = dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, norm_topk_prob=True,
@@ -135,6 +136,8 @@ class Qwen3Config:
     ngram_vocab_size_base: int = 20_000_000  # a head's table has the next prime above this many rows
     make_ngram_vocab_size_divisible_by: int = 128   # the joined tables are padded to a multiple of this
     seed: int = 1234                         # seeds the hash multipliers
+    output_gate_type: str = "silu"           # the Gated DeltaNet output gate: SiLU (hidden_act) or sigmoid
+    ple_multipliers: list[int] | None = None   # a GGUF's: its PLE layer's hash multipliers as stored (else from seed)
     split_ngram_parts: int = 512             # the table's shards on disk (ngram_embedding.shard_N.weight)
     indexer_n_heads: int | None = None       # Hi: QSA indexer query heads
     indexer_kv_heads: int | None = None      # its key heads: 1
@@ -166,6 +169,8 @@ class Qwen3Config:
             _check_experts(self)
         object.__setattr__(self, "layer_types", tuple(self.layer_types or ()))   # () in Qwen3: every layer full
         object.__setattr__(self, "ple_layer_ids", tuple(self.ple_layer_ids or ()))
+        if self.ple_multipliers is not None:
+            object.__setattr__(self, "ple_multipliers", tuple(int(m) for m in self.ple_multipliers))
         if self.ple_embed_dim is None:
             object.__setattr__(self, "ple_embed_dim", self.hidden_size)
         if self.hybrid:
@@ -246,6 +251,8 @@ class Qwen3Config:
         if not self.qwen4_exp:
             for key in QWEN4_KEYS:
                 raw.pop(key)
+        if raw.get("ple_multipliers", 0) is None:   # (only a GGUF's config has its own)
+            raw.pop("ple_multipliers")
         raw.pop("hybrid")
         raw.pop("qwen4_exp", None)
         raw.pop("qk_norm")
@@ -364,10 +371,12 @@ def qwen4_exp_text(raw: dict, model_type: str, source: str) -> tuple[dict, str]:
                               f"npqwen reads the text model of Qwen4-Exp")
         raw = {**raw["text_config"], "tie_word_embeddings": raw.get("tie_word_embeddings", False)}
     raw = dict(raw)
-    gate = raw.pop("output_gate_type", None) or raw.get("hidden_act", "silu")
-    if gate != "silu":
+    gate = raw.get("output_gate_type") or raw.get("hidden_act", "silu")
+    if gate not in ("silu", "sigmoid"):
         raise NpqwenError(f"{source}: output_gate_type {gate!r}: npqwen's Gated DeltaNet gates its output with SiLU "
-                          f"(Qwen4-Exp's default); a {gate} output gate is not implemented")
+                          f"(Qwen4-Exp's default) or a sigmoid (as transformers); a {gate} output gate is not "
+                          f"implemented")
+    raw["output_gate_type"] = gate
     streams = raw.get("hc_count", 4)
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 2:
         raise NpqwenError(f"{source}: hc_count must be an integer above 1 (Qwen4-Exp's residual streams), "
@@ -498,7 +507,7 @@ def _check_hybrid(config: Qwen3Config):
 
 
 def _check_type(name, value, annotation, source):
-    """Return `value` if it fits the field's annotation (int, float, bool, dict, list[int], None)."""
+    """Return `value` if it fits the field's annotation (int, float, bool, str, dict, list[int], None)."""
     allowed = str(annotation).replace("<class '", "").replace("'>", "")  # e.g. "int | None", "bool"
     kinds = set(allowed.replace(" ", "").split("|"))
     ok = False
@@ -513,6 +522,8 @@ def _check_type(name, value, annotation, source):
         ok = "float" in kinds and math.isfinite(value)
     elif isinstance(value, dict):
         ok = "dict" in kinds
+    elif isinstance(value, str):
+        ok = "str" in kinds
     elif isinstance(value, list):
         ok = ("list[int]" in kinds and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
               or "list[str]" in kinds and all(isinstance(v, str) for v in value))

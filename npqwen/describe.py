@@ -11,6 +11,7 @@ import re
 
 import numpy as np
 
+from . import quants
 from .checkpoint import (MAX_NAMES_IN_WARNING, SCALE_SUFFIXES, canonical_names, check_config_matches, expected_shapes,
                          fused_expert_tensors, has_lm_head, index_checkpoint, matrix_shape, parameter_counts, size)
 from .config import HYBRID_KEYS, MOE_DEFAULTS, QWEN4_KEYS, Qwen3Config
@@ -45,10 +46,13 @@ def describe(model: str, device: str = "cpu", dtype: str = "float32") -> str:
     else:
         path = resolve_model(model)
         if path.is_file():   # a GGUF file: its metadata and tensors (their ggml types) under HF's names
-            from .gguf_file import hf_tensors, read_config
+            from .gguf_file import hf_tensors, indexer_parts, read_config
 
             config, tensors = read_config(path)
             tensors = {n: (t.shape, t.qtype) for n, t in hf_tensors(tensors).items()}
+            for name, parts in indexer_parts(config, expected_shapes(config)).items():   # qwen4exp's q and k rows
+                q, k = (tensors.pop(n, ((0, 0), "MISSING")) for n, _ in parts)
+                tensors[name] = ((q[0][0] + k[0][0], *q[0][1:]), "+".join(dict.fromkeys((q[1], k[1]))))
             return render(config, tensors, f"{path} (GGUF)", lm_head=True, dtype=dtype)
         config, source = Qwen3Config.from_json(path / "config.json"), str(path)
         found = canonical_names(index_checkpoint(path))   # a Qwen3Model checkpoint's names get the model. prefix
@@ -92,13 +96,14 @@ def qwen4_lines(config: Qwen3Config, tensors: dict, dtype) -> list[str]:
         for name, (rows, d) in ple_table_shapes(config).items():
             parts = [t for n, t in tensors.items() if n == name or n.startswith(name[:-len("weight")] + "shard_")]
             stored = parts[0][1] if parts else "MISSING"
-            nbytes = rows * d * (STORED_DTYPES[stored][1] if stored in STORED_DTYPES else
-                                 np.dtype(stored).itemsize if stored != "MISSING" else 0)   # (built in: a dtype)
+            nbytes = (rows * d * STORED_DTYPES[stored][1] if stored in STORED_DTYPES else
+                      rows * quants.row_bytes(stored, d) if stored in quants.BLOCKS else   # a GGUF's Q8_0 table
+                      rows * d * np.dtype(stored).itemsize if stored != "MISSING" else 0)   # (built in: a dtype)
             on_disk, params = on_disk + nbytes, params + rows * d
             lines.append(f"    {name:<56} [{rows:,}, {d}] {stored} in {len(parts)} part(s), {size(nbytes)}")
         lines += [f"  PLE tables                 {params:,} parameters, {size(on_disk)}; a checkpoint's stay on disk, "
                   f"memory-mapped, not read into memory; a token reads {Hn} rows of {config.ple_embed_dim // Hn} per PLE layer (the hash "
-                  f"constants are computed from the config)"]
+                  f"constants: {'as the GGUF stores them' if config.ple_multipliers else 'computed from the config'})"]
     return lines
 
 
@@ -199,6 +204,8 @@ def render(config: Qwen3Config, tensors: dict, source: str, lm_head: bool = True
         lines.append(f"active per token:  {parameter_counts(config)[1]:,}  ({k} of {E} experts in each sparse layer)")
     lines += ["", "weights in memory by --weights format (the linear layers' matrices and the embedding in it; "
                   "norms and routers float32; docs/weights.md)"]
+    if config.qwen4_exp:
+        lines.append("  (Qwen4-Exp: the hyper-connection mixes float32 too; the PLE tables stay on disk as stored)")
     lines += [f"  {fmt:<10} {size(nbytes):>10}" for fmt, nbytes in format_bytes(config, lm_head).items()]
     return "\n".join(lines)
 

@@ -23,6 +23,10 @@ the same formulas, its error is the MLP output minus the guess. Arrays here use 
 A feature edit sets a feature's activation (clamp to a value, zero, scale by a factor) where the SAE reads
 and adds the difference it makes to the reconstruction, (a' - a) * W_dec[f], to the activation: what the
 SAE does not explain (its error) stays as it was, as SAELens and Neuronpedia steer.
+
+Qwen4-Exp: a block's output (model.layers.L) is its C = hc_count residual streams of D side by side, so an
+SAE there reads, and a feature edit there moves, all C*D values (W_enc (C*D, F), W_dec (F, C*D)); an SAE of
+D reads the steps of D (a block's mixed input, model.layers.L.mlp_hyper_connection, or its output).
 """
 import hashlib
 import json
@@ -40,7 +44,7 @@ import numpy as np
 from .backend import to_numpy, xp_of
 from .checkpoint import STORED_DTYPES, read_safetensors_header, read_tensor
 from .errors import NpqwenError
-from .hooks import check_names
+from .hooks import check_names, residual_width
 
 ARCHITECTURES = ("relu", "jumprelu", "topk")
 
@@ -283,13 +287,20 @@ def load_sae(path, config=None, hook: str | None = None) -> SAE:
 
 
 def check_against(sae: SAE, config):
-    """The SAE fits the model: its input width is the hidden size and the steps it reads and writes exist."""
-    D = config.hidden_size
+    """The SAE fits the model: the steps it reads and writes exist and its input width is the width of the step it
+    reads: the hidden size D, or on Qwen4-Exp's residual (a block's output, its attn_residual, its ple) the C
+    streams of D side by side, C*D, as hooks see them."""
+    check_names([sae.reads, sae.writes], config, what="SAE hook")
+    D, W = config.hidden_size, residual_width(config)
+    on_streams = W != D and re.fullmatch(r"model\.layers\.\d+(\.attn_residual|\.ple)?", sae.reads)
     named = f" (its file names {sae.model_name})" if sae.model_name else ""
-    if sae.W_enc.shape[0] != D:
+    if on_streams and sae.W_enc.shape[0] != W:
+        raise NpqwenError(f"{sae.source}: the SAE reads vectors of {sae.W_enc.shape[0]} values but {sae.reads} of "
+                          f"this Qwen4-Exp model is its {W // D} residual streams of {D}, {W} values{named}; an SAE "
+                          f"of {D} reads a step of {D} (model.layers.L.mlp_hyper_connection, the MLP's input)")
+    if not on_streams and sae.W_enc.shape[0] != D:
         raise NpqwenError(f"{sae.source}: the SAE reads vectors of {sae.W_enc.shape[0]} values but this model's "
                           f"hidden size is {D}{named}; load the SAE trained for this model")
-    check_names([sae.reads, sae.writes], config, what="SAE hook")
 
 
 def check_shapes(tensors: dict, architecture: str, source: str, k=None) -> tuple[int, int]:

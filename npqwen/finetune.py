@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from . import grad
-from .backend import to_numpy
+from .backend import to_numpy, xp_of
 from .checkpoint import save_safetensors
 from .errors import NpqwenError
-from .lora import TARGETS, Delta, LoraAdapter, fused_columns, layer_modules
+from .lora import TARGETS, Delta, LoraAdapter, fused_columns, layer_modules, model_modules
 
 IGNORE = -100   # a target the loss skips (HF's ignore_index)
 
@@ -92,24 +92,25 @@ def read_examples(path, tokenizer, max_tokens: int | None = None, too_long: str 
 
 
 def new_adapter(model, r: int = 16, alpha: float = 32, targets=TARGETS, seed: int = 0) -> LoraAdapter:
-    """A fresh adapter on every decoder layer's projections named in `targets`, initialised as PEFT does:
-    A (r, in) uniform in +-1/sqrt(in) (kaiming_uniform with a = sqrt(5)), B (out, r) zeros, scale alpha / r."""
+    """A fresh adapter on every decoder layer's projections named in `targets` (Qwen4-Exp: and the final mixing's,
+    outside the layers, as PEFT's names match it too), initialised as PEFT does: A (r, in) uniform in +-1/sqrt(in)
+    (kaiming_uniform with a = sqrt(5)), B (out, r) zeros, scale alpha / r."""
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise NpqwenError(f"the LoRA rank must be an integer >= 1, got {r!r}")
     rng, cfg = np.random.default_rng(seed), model.config
     adapter = LoraAdapter("finetune", Path("."), r, key="finetune")
-    for i in range(cfg.num_hidden_layers):
-        for where in layer_modules(cfg, i):
-            kind, t = where.rsplit(".", 1)
-            if t not in targets:
-                continue
-            module = f"model.layers.{i}.{where}"
-            out, in_ = model.weights[f"{module}.weight"].shape
-            A = model.xp.asarray(rng.uniform(-1, 1, (r, in_)) / math.sqrt(in_)).astype(model.dtype)   # (r, in)
-            B = model.xp.zeros((out, r), dtype=model.dtype)                                           # (out, r)
-            adapter.weights[f"{module}.lora_A.weight"], adapter.weights[f"{module}.lora_B.weight"] = A, B
-            matrix, cols = fused_columns(model, i, kind, t)
-            adapter.deltas.setdefault(matrix, []).append(Delta(module, cols, A, B, alpha / r))
+    where = [(i, f"model.layers.{i}.{m}") for i in range(cfg.num_hidden_layers) for m in layer_modules(cfg, i)]
+    for i, module in where + [(None, m) for m in model_modules(cfg)]:   # (layer or None, the module's HF name)
+        parent, t = module.rsplit(".", 1)
+        if t not in targets:
+            continue
+        out, in_ = model.weights[f"{module}.weight"].shape
+        A = model.xp.asarray(rng.uniform(-1, 1, (r, in_)) / math.sqrt(in_)).astype(model.dtype)   # (r, in)
+        B = model.xp.zeros((out, r), dtype=model.dtype)                                           # (out, r)
+        adapter.weights[f"{module}.lora_A.weight"], adapter.weights[f"{module}.lora_B.weight"] = A, B
+        kind = parent if i is None else parent.removeprefix(f"model.layers.{i}.")   # self_attn; the mixer's whole name
+        matrix, cols = fused_columns(model, i, kind, t)
+        adapter.deltas.setdefault(matrix, []).append(Delta(module, cols, A, B, alpha / r))
     return adapter
 
 
@@ -132,30 +133,33 @@ class AdamW:
     def __init__(self, params: dict, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01):
         self.params, self.lr, self.betas, self.eps, self.weight_decay = params, lr, betas, eps, weight_decay
-        self.m = {n: np.zeros_like(p) for n, p in params.items()}   # first moments
-        self.v = {n: np.zeros_like(p) for n, p in params.items()}   # second moments
+        self.m = {n: xp_of(p).zeros_like(p) for n, p in params.items()}   # first moments, on the weights' device
+        self.v = {n: xp_of(p).zeros_like(p) for n, p in params.items()}   # second moments
         self.t = 0
 
     def step(self, grads: dict):
-        """Update every parameter in place from its gradient."""
+        """Update every parameter in place from its gradient; one with none is not touched, as torch skips a
+        parameter whose .grad is None (Qwen4-Exp's QSA indexer: its choice has no gradient)."""
         self.t += 1
         b1, b2 = self.betas
         correction1, correction2 = 1 - b1 ** self.t, 1 - b2 ** self.t
         for name, p in self.params.items():
+            if name not in grads:
+                continue
             g, m, v = grads[name], self.m[name], self.v[name]
             p *= 1 - self.lr * self.weight_decay                     # decoupled weight decay
             m *= b1
             m += (1 - b1) * g                                        # m = b1 m + (1 - b1) g
             v *= b2
             v += (1 - b2) * g * g                                    # v = b2 v + (1 - b2) g^2
-            p -= (self.lr / correction1) * m / (np.sqrt(v) / math.sqrt(correction2) + self.eps)
+            p -= (self.lr / correction1) * m / (xp_of(v).sqrt(v) / math.sqrt(correction2) + self.eps)
 
 
 def train_step(model, adapter: LoraAdapter, examples: list[Example], optimizer: AdamW,
                checkpoint: bool = False) -> float:
     """One optimizer step over `examples` (gradient accumulation: their gradients averaged): the mean loss.
     checkpoint=True: activation checkpointing (grad.gradients), less memory for one more forward's work."""
-    total, losses = {n: np.zeros_like(a) for n, a in adapter.weights.items()}, []
+    total, losses = {}, []   # each weight's mean gradient over the examples (none: a weight no path reaches)
     for ex in examples:
         # forward with the adapter, the loss on the answer tokens, backward (npqwen/grad.py)
         try:
@@ -166,9 +170,9 @@ def train_step(model, adapter: LoraAdapter, examples: list[Example], optimizer: 
                               f"not updated (lower --lr, or check the data)") from None
         losses.append(g.value)
         for name, d in g.lora_grads.items():
-            total[name] += d / len(examples)
+            total[name] = total.get(name, 0) + d / len(examples)
     loss = float(np.mean(losses))
-    if not all(math.isfinite(float(np.abs(d).max())) for d in total.values()):
+    if not all(math.isfinite(float(xp_of(d).abs(d).max())) for d in total.values()):
         raise NpqwenError(f"the gradient is not finite at optimizer step {optimizer.t + 1} (loss {loss}); the adapter "
                           f"was not updated (lower --lr, or check the data)")
     optimizer.step(total)
@@ -183,8 +187,9 @@ def batches(examples: list[Example], accumulate: int, step: int) -> list[Example
 def save_checkpoint(directory, adapter: LoraAdapter, optimizer: AdamW):
     """The adapter (PEFT's files) and AdamW's moments and step count: what a rerun resumes from."""
     save_adapter(adapter, directory)
-    np.savez(Path(directory) / "optimizer.npz", t=optimizer.t, **{f"m/{n}": a for n, a in optimizer.m.items()},
-             **{f"v/{n}": a for n, a in optimizer.v.items()})
+    np.savez(Path(directory) / "optimizer.npz", t=optimizer.t,                  # the moments copied to the host
+             **{f"m/{n}": to_numpy(a) for n, a in optimizer.m.items()},
+             **{f"v/{n}": to_numpy(a) for n, a in optimizer.v.items()})
 
 
 def latest_checkpoint(out) -> Path | None:
@@ -206,8 +211,9 @@ def resume(model, directory, adapter: LoraAdapter, optimizer: AdamW):
         a[...] = saved.weights[name]
     state = np.load(Path(directory) / "optimizer.npz")
     optimizer.t = int(state["t"])
-    for name in adapter.weights:
-        optimizer.m[name][...], optimizer.v[name][...] = state[f"m/{name}"], state[f"v/{name}"]
+    for name in adapter.weights:   # the saved moments (host arrays) onto the weights' device
+        m, v = optimizer.m[name], optimizer.v[name]
+        m[...], v[...] = xp_of(m).asarray(state[f"m/{name}"]), xp_of(v).asarray(state[f"v/{name}"])
 
 
 def finetune(model, examples: list[Example], out, steps: int, r: int = 16, alpha: float = 32, lr: float = 1e-4,

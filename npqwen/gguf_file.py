@@ -6,7 +6,8 @@ and only a block of rows at a time is ever widened. This module turns what llama
 (`convert_hf_to_gguf.py`) wrote back into what npqwen reads from a Hugging Face checkpoint:
 
 - the config: `qwen3.embedding_length` -> `hidden_size`, ... (`config_dict`), for llama.cpp's `qwen3`,
-  `qwen3moe`, `qwen35` and `qwen2` (Qwen2 / Qwen2.5: its q/k/v biases `blk.N.attn_q.bias` are HF's `q_proj.bias`);
+  `qwen3moe`, `qwen35`, `qwen35moe` (Qwen3.5-MoE: Qwen3.5's layers with Qwen3-MoE's stacked experts and a shared
+  expert) and `qwen2` (Qwen2 / Qwen2.5: its q/k/v biases `blk.N.attn_q.bias` are HF's `q_proj.bias`);
 - the tokenizer and chat template: `tokenizer.ggml.tokens`, `.merges`, `.token_type` and
   `tokenizer.chat_template` -> a byte-level BPE `tokenizers.Tokenizer` (`gguf_tokenizer`);
 - the tensors under their HF names: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`
@@ -21,6 +22,7 @@ A GGUF matrix of ggml shape [cols, rows] is the HF (rows, cols) matrix: ggml lis
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,10 +31,11 @@ import numpy as np
 from . import quants
 from .backend import to_numpy, xp_of
 from .errors import NpqwenError
-from .weights import Compact
+from .weights import Compact, Rows, as_array, is_compact
 
 # general.architecture as llama.cpp writes it -> HF model_type
-ARCHITECTURES = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text", "qwen2": "qwen2"}
+ARCHITECTURES = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text",
+                 "qwen2": "qwen2", "qwen4exp": "qwen4_exp_text"}
 
 # llama.cpp's tensor names (gguf-py's tensor_mapping for QWEN3 / QWEN3MOE) -> HF's, per layer and whole-model
 LAYER_NAMES = {
@@ -49,8 +52,23 @@ LAYER_NAMES = {
     # the experts of a sparse layer, stacked (E, rows, cols): expert e is HF's mlp.experts.{e}.*
     "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+    # qwen35moe and qwen4exp: the shared expert and its gate; qwen4exp: the two hyper-connections, QSA's indexer
+    # (its q and k rows apart: HF's index_qk_proj is the two stacked, load_gguf_weights), the PLE layer (its table:
+    # ple_table_name)
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    **{f"hc_{g}_{part}": f"{block}_hyper_connection.{hf}" for g, block in (("attn", "attn"), ("ffn", "mlp"))
+       for part, hf in (("norm", "hc_norm"), ("down", "input_mix_weight_down"), ("up", "input_mix_weight_up"),
+                        ("inject", "block_inject_weight"))},
+    "indexer.q_proj": "self_attn.indexer.q_proj", "indexer.k_proj": "self_attn.indexer.k_proj",
+    "indexer.q_norm": "self_attn.indexer.q_layernorm", "indexer.k_norm": "self_attn.indexer.k_layernorm",
+    "ple_key": "ple.key_proj", "ple_value": "ple.value_proj", "ple_norm_key": "ple.norm_key",
+    "ple_norm_query": "ple.norm_query", "ple_norm_conv": "ple.norm_conv", "ple_conv1d": "ple.conv1d",
 }
-MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+               "output_hc_norm": "model.hyper_connection_mixer.hc_norm",   # qwen4exp's final mixing
+               "output_hc_down": "model.hyper_connection_mixer.input_mix_weight_down",
+               "output_hc_up": "model.hyper_connection_mixer.input_mix_weight_up"}
 
 # tokenizer.ggml.token_type: 1 normal (in the BPE vocabulary), 3 control (special), 4 user defined
 # (an added token that is not special: <think>, <tool_call>), 5 unused (the padding up to vocab_size)
@@ -93,7 +111,7 @@ DTYPES = {t: np.dtype(t) for t in (np.uint8, np.int8, np.uint16, np.int16, np.ui
 def open_gguf(path):
     """llama.cpp's GGUFReader over the file, memory-mapped; a file it cannot read is one clear error."""
     try:
-        from gguf import GGUFReader
+        from gguf import GGUFReader, GGUFValueType
     except ImportError:
         raise NpqwenError(f"{path}: reading GGUF files needs the gguf package: pip install 'npqwen[gguf]' "
                           f"(or pip install gguf)") from None
@@ -110,6 +128,30 @@ def open_gguf(path):
                 dtype = DTYPES.get(dtype) or np.dtype(dtype)
                 return self.data[offset:offset + dtype.itemsize * int(count)].view(dtype)
             return super()._get(offset, dtype, count, override_order)
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            """An array (a tokenizer's 151,936 tokens and token types, its 151,387 merges) read in one loop: the
+            parts GGUFReader makes, views of the map (each string's length and bytes; each number), without its
+            call per item (the file opens 4x faster)."""
+            if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]   # item type, count
+            item, count, offs = GGUFValueType(parts[0][0]), int(parts[1][0]), orig_offs + 12
+            number = self.gguf_scalar_to_np.get(item)
+            if number is not None:   # one view of all, then each item's own
+                every = self._get(offs, number, count)
+                parts += [every[i:i + 1] for i in range(count)]
+                offs += every.nbytes
+            elif item == GGUFValueType.STRING:
+                data, mapped, length = self.data, memoryview(self.data), np.dtype(np.uint64)
+                for _ in range(count):
+                    n = int.from_bytes(mapped[offs:offs + 8], sys.byteorder)
+                    parts += (data[offs:offs + 8].view(length), data[offs + 8:offs + 8 + n])
+                    offs += 8 + n
+            else:   # an array of arrays
+                return super()._get_field_parts(orig_offs, raw_type)
+            idxs = list(range(2, len(parts))) if number is not None else list(range(3, len(parts), 2))
+            return offs - orig_offs, parts, idxs, [GGUFValueType.ARRAY] + ([item] if count else [])
 
     try:
         return Reader(path, "r")
@@ -130,7 +172,7 @@ def architecture(meta: dict, path) -> str:
     if arch not in ARCHITECTURES:
         raise NpqwenError(f"{path}: a GGUF of architecture {arch!r}; npqwen runs Qwen3: "
                           f"{', '.join(repr(a) for a in ARCHITECTURES)} (llama.cpp's names for Qwen3, Qwen3-MoE, "
-                          f"Qwen3.5 and Qwen2 / Qwen2.5)")
+                          f"Qwen3.5, Qwen3.5-MoE and Qwen2 / Qwen2.5)")
     return arch
 
 
@@ -162,7 +204,12 @@ def config_dict(meta: dict, tensors: dict, path) -> dict:
     if arch == "qwen3moe":   # llama.cpp always renormalises Qwen3-MoE's top-k router weights
         config.update(num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
                       moe_intermediate_size=key("expert_feed_forward_length"), norm_topk_prob=True)
-    if arch == "qwen35":   # Qwen3.5's Gated DeltaNet layers and its partial, multimodal RoPE
+    if arch == "qwen35moe":   # every layer sparse, as qwen3moe's, and a shared expert (HF's intermediate_size)
+        config.update(num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+                      moe_intermediate_size=key("expert_feed_forward_length"), norm_topk_prob=True,
+                      shared_expert_intermediate_size=key("expert_shared_feed_forward_length"),
+                      intermediate_size=key("expert_shared_feed_forward_length"))
+    if arch in ("qwen35", "qwen35moe", "qwen4exp"):   # Qwen3.5's Gated DeltaNet layers and its partial, multimodal RoPE
         Hv = key("ssm.time_step_rank")
         config.update(linear_conv_kernel_dim=key("ssm.conv_kernel"), linear_key_head_dim=key("ssm.state_size"),
                       linear_num_key_heads=key("ssm.group_count"), linear_num_value_heads=Hv,
@@ -172,6 +219,8 @@ def config_dict(meta: dict, tensors: dict, path) -> dict:
                                        "partial_rotary_factor": key("rope.dimension_count") / config["head_dim"],
                                        "mrope_section": list(key("rope.dimension_sections"))[:3],
                                        "mrope_interleaved": True})
+    if arch == "qwen4exp":
+        config.update(qwen4exp_config(meta, key, tensors, config, path))
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         config["rope_scaling"] = {"rope_type": scaling, "factor": key("rope.scaling.factor"),
@@ -179,23 +228,92 @@ def config_dict(meta: dict, tensors: dict, path) -> dict:
     return config
 
 
-def hf_name(name: str) -> str | None:
-    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for a name npqwen does not use."""
+def qwen4exp_config(meta: dict, key, tensors: dict, config: dict, path) -> dict:
+    """qwen4exp's keys (llama.cpp's conversion/qwen4exp.py, set_gguf_parameters) as Qwen4ExpTextConfig's.
+
+    Read as llama.cpp reads them: a layer is Gated DeltaNet unless it is every full_attention_interval-th (or as
+    attention.recurrent_layers says); QSA's block size is the attention layers' attention.compress_ratios entry.
+    The converter writes 0 there for transformers' checkpoints (whose layer type is "indexed_attention", not the
+    "full_attention" it looks for), and llama.cpp then attends to every token: so does npqwen (blocks of one token,
+    a budget of the whole context), with a warning, since transformers keeps only the indexer_budget tokens it picks.
+    Gated DeltaNet's output gate is a sigmoid, as llama.cpp's qwen4exp always computes it (transformers' default is
+    SiLU: a checkpoint whose config.json leaves output_gate_type unset converts to a file that llama.cpp, and npqwen
+    after it, runs with another gate). The PLE hash is the file's own (its multipliers and head sizes), for its one
+    PLE layer, as llama.cpp reads it;
+    the multimodal RoPE sections are left out: for text all three positions are equal, which is plain RoPE."""
+    L, arch = config["num_hidden_layers"], meta["general.architecture"]
+    recurrent = meta.get(f"{arch}.attention.recurrent_layers")
+    interval = key("full_attention_interval", 4)
+    linear = [bool(recurrent[i]) for i in range(L)] if recurrent is not None else [(i + 1) % interval != 0
+                                                                                    for i in range(L)]
+    ratios = [int(r) for r in np.atleast_1d(key("attention.compress_ratios", [0] * L))]
+    ratios = ratios * L if len(ratios) == 1 else ratios
+    attention = [i for i in range(L) if not linear[i]]
+    ratio = {ratios[i] for i in attention}
+    if len(ratio) > 1:
+        raise NpqwenError(f"{path}: attention.compress_ratios gives the QSA layers {attention} different block sizes "
+                          f"{sorted(ratio)}; npqwen's QSA (as transformers') has one indexer_compress_ratio")
+    ratio, budget = (ratio or {0}).pop(), key("attention.indexer.top_k")
+    if ratio == 0:
+        import warnings
+        warnings.warn(f"{path}: attention.compress_ratios is 0 for the attention layers {attention}, so llama.cpp "
+                      f"attends to every token there, not to the indexer_budget ({budget}) it picks; npqwen does "
+                      f"the same (llama.cpp's converter writes 0 for transformers' checkpoints); prompts longer than "
+                      f"{budget} tokens then differ from transformers' QSA", stacklevel=4)
+        ratio, budget = 1, config["max_position_embeddings"]
+    out = dict(model_type="qwen4_exp_text", num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+               moe_intermediate_size=key("expert_feed_forward_length"),
+               shared_expert_intermediate_size=key("expert_shared_feed_forward_length"),
+               layer_types=["linear_attention" if lin else "full_attention" for lin in linear],
+               hc_count=key("hyper_connection.count"), hc_lowrank=key("hyper_connection.low_rank"),
+               indexer_n_heads=key("attention.indexer.head_count"), indexer_kv_heads=1,
+               indexer_head_dim=key("attention.indexer.key_length"), indexer_budget=budget,
+               indexer_compress_ratio=ratio, ple_layer_ids=[],
+               output_gate_type="sigmoid")   # llama.cpp's qwen4exp gates Gated DeltaNet's output so (the file says not)
+    out["rope_parameters"] = {k: v for k, v in config["rope_parameters"].items() if not k.startswith("mrope")}
+    layers = [int(i) for i in np.atleast_1d(meta.get(f"{arch}.ple.layers", []))]
+    if layers:
+        sizes = [int(n) for n in key("ple.head_vocab_sizes")]
+        heads = key("ple.heads_per_ngram")
+        table = tensors[ple_table_name(layers[0])]
+        out.update(ple_layer_ids=[i + 1 for i in layers], ngram_size=key("ple.ngram_size"), heads_per_ngram=heads,
+                   ple_conv_kernel_size=key("ple.conv_kernel"),
+                   ple_embed_dim=len(sizes) * key("embedding_length_per_layer_input"),
+                   ngram_vocab_size_base=sizes[0],   # the heads' primes are the ones after it
+                   make_ngram_vocab_size_divisible_by=table.shape[0],   # the table's rows, padded as the file has them
+                   ple_multipliers=[int(m) for m in key("ple.layer_multipliers")])
+        if key("ple.eos_token_id") != config["eos_token_id"]:
+            raise NpqwenError(f"{path}: the PLE hash resets on token {key('ple.eos_token_id')} but the tokenizer's "
+                              f"end of text is {config['eos_token_id']}; npqwen resets on the end of text")
+    return out
+
+
+def ple_table_name(layer: int) -> str:
+    """HF's name of the PLE table of a 0-indexed layer: qwen4exp's per_layer_token_embd (one PLE layer)."""
+    return f"model.layers.{layer}.ple.ple_embedding.ngram_embedding.weight"
+
+
+def hf_name(name: str, ple_layer: int | None = None) -> str | None:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for a name npqwen does not use.
+    `ple_layer`: qwen4exp's one PLE layer, whose table per_layer_token_embd.weight is."""
+    if name == "per_layer_token_embd.weight":
+        return None if ple_layer is None else ple_table_name(ple_layer)
     bare = re.fullmatch(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias)", name)   # qwen35: A (as -exp(A_log)) and dt's bias
     if bare:
         return f"model.layers.{bare[1]}.linear_attn.{'A_log' if bare[2] == 'ssm_a' else 'dt_bias'}"
     base, _, suffix = name.rpartition(".")
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    match = re.fullmatch(r"blk\.(\d+)\.([\w.]+)", base)
     if match and match.group(2) in LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{LAYER_NAMES[match.group(2)]}.{suffix}"
     return f"{MODEL_NAMES[base]}.{suffix}" if base in MODEL_NAMES else None
 
 
-def gguf_tensors(reader, path) -> dict[str, GGUFTensor]:
+def gguf_tensors(reader, path, meta: dict | None = None) -> dict[str, GGUFTensor]:
     """Every tensor npqwen uses, under its HF name, as the file stores it (nothing is read yet)."""
     tensors = {}
+    ple = [int(i) for i in np.atleast_1d((meta or {}).get("qwen4exp.ple.layers", []))]
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, ple[0] if ple else None)
         if name is None:
             continue
         qtype = t.tensor_type.name
@@ -203,8 +321,10 @@ def gguf_tensors(reader, path) -> dict[str, GGUFTensor]:
             raise NpqwenError(f"{path}: tensor {t.name} is stored as {qtype}, a GGUF format npqwen does not read; "
                               f"it reads {', '.join(quants.BLOCKS)} (a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file)")
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))   # ggml [cols, rows, E] -> HF (E, rows, cols)
-        if name.endswith("conv1d.weight"):   # qwen35 squeezed HF's (C, 1, W) convolution to (C, W)
+        if name.endswith("conv1d.weight"):   # qwen35 squeezed HF's (C, 1, W) convolutions to (C, W)
             shape = (shape[0], 1, shape[1])
+        if name.endswith("shared_expert_gate.weight"):   # HF's (1, D), which llama.cpp's quantizer writes (D,)
+            shape = (1, shape[-1])
         raw = t.data.view(np.uint8).reshape(*shape[:-1], quants.row_bytes(qtype, shape[-1]))
         tensors[name] = GGUFTensor(t.name, qtype, shape, raw)
     if "model.embed_tokens.weight" not in tensors:
@@ -263,7 +383,7 @@ def read_config(path):
     reader = open_gguf(path)
     meta = metadata(reader)
     architecture(meta, path)
-    tensors = gguf_tensors(reader, path)
+    tensors = gguf_tensors(reader, path, meta)
     return Qwen3Config.from_dict(config_dict(meta, tensors, path), source=str(path)), tensors
 
 
@@ -272,7 +392,7 @@ def read_gguf(path):
     reader = open_gguf(path)
     meta = metadata(reader)
     architecture(meta, path)
-    tensors = gguf_tensors(reader, path)
+    tensors = gguf_tensors(reader, path, meta)
     return config_dict(meta, tensors, path), tensors, gguf_tokenizer(reader, meta, path)
 
 
@@ -346,8 +466,8 @@ def hf_value(config, name: str, value: np.ndarray) -> np.ndarray:
         return value
     if name.endswith(".A_log"):
         return np.log(-value)
-    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
-        return value - np.float32(1)
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight") or ".ple.norm_" in name:
+        return value - np.float32(1)   # (qwen4exp: the hyper-connections', the indexer's and PLE's norms too)
     return value
 
 
@@ -458,7 +578,8 @@ def load_gguf_weights(config, tensors: dict[str, GGUFTensor], xp, dtype, path, w
 
     tensors = hf_tensors(tensors)
     shapes = expected_shapes(config, lm_head=not config.tie_word_embeddings)
-    for name, shape in shapes.items():
+    joined = indexer_parts(config, shapes)   # qwen4exp: HF's index_qk_proj is the file's q_proj and k_proj
+    for name, shape in [pair for n, s in shapes.items() for pair in joined.get(n, [(n, s)])]:
         if name not in tensors:
             raise NpqwenError(f"{path}: the GGUF has no tensor for {name} (expected shape {list(shape)})")
         if tensors[name].shape != shape:
@@ -468,10 +589,10 @@ def load_gguf_weights(config, tensors: dict[str, GGUFTensor], xp, dtype, path, w
     if weights not in choices:
         raise NpqwenError(f"unknown weights format {weights!r}; use one of {', '.join(choices)}")
     if weights == "auto":
-        quantized = any(tensors[n].qtype not in ("F32", "F16", "BF16") for n in shapes)
+        quantized = any(tensors[n].qtype not in ("F32", "F16", "BF16") for n in shapes if n in tensors)
         need = sum(int(np.prod(shape)) for shape in shapes.values()) * np.dtype(dtype).itemsize
         weights = "float32" if not quantized and need <= free_memory_bytes(xp) else "stored"
-    if weights == "stored" and all(tensors[n].qtype == "F32" for n in shapes if is_matrix(n)):
+    if weights == "stored" and all(tensors[n].qtype == "F32" for n in shapes if is_matrix(n) and n in tensors):
         weights = "float32"   # an F32 file as stored is float32
     if weights != "float32" and np.dtype(dtype) != np.float32:
         raise NpqwenError(f"compact weights ({weights}) compute in float32; load the GGUF with dtype float32, or "
@@ -494,18 +615,67 @@ def load_gguf_weights(config, tensors: dict[str, GGUFTensor], xp, dtype, path, w
         arrays, fused = allocate_weights(config, xp, dtype, shapes)
         for name, array in arrays.items():
             host = array if xp is np else np.empty(array.shape, np.float32)
-            if array.ndim == 1:
+            if array.ndim == 1 or not is_matrix(name) and part(name) is None:   # (a conv1d, a mix: maybe F16)
                 host[...] = small(name)
+            elif name in joined:   # the indexer's q rows, then its k rows
+                q, k = (n for n, _ in joined[name])
+                widen_into(part_of(tensors[q], None), host[:tensors[q].shape[0]])
+                widen_into(part_of(tensors[k], None), host[tensors[q].shape[0]:])
             else:
                 widen_into(part_of(tensors[name], part(name), value_head_order(config, name)), host)
             if xp is not np:
                 array[...] = xp.asarray(host)
-        return tie_lm_head(config, arrays), fused
+        return {**tie_lm_head(config, arrays), **ple_tables(config, tensors, path)}, fused
+
     def matrix(name):   # this rank's part in `weights`' format, in HF's order
+        if name in joined:   # the indexer's q and k stacked by rows (llama.cpp keeps both F32)
+            q, k = (compact(part_of(tensors[n], None), weights, xp) for n, _ in joined[name])
+            return Rows([q, k]) if is_compact(q) and is_compact(k) else xp.concatenate([as_array(q), as_array(k)])
         w = part_of(tensors[name], part(name), value_head_order(config, name))
         if isinstance(w, ReorderedHeads):   # the stored matrix converted (row by row), its order kept
             return ReorderedHeads(compact(w.stored, weights, xp), w.row_order, w.column_order)
         return compact(w, weights, xp)
 
     arrays = {name: matrix(name) if is_matrix(name) else small(name) for name in shapes}
-    return tie_lm_head(config, arrays), stack_compact(config, arrays)
+    return {**tie_lm_head(config, arrays), **ple_tables(config, tensors, path)}, stack_compact(config, arrays)
+
+
+def indexer_parts(config, shapes: dict) -> dict:
+    """qwen4exp's QSA indexer: HF's index_qk_proj ((Hi + 1) di, D) is llama.cpp's indexer.q_proj (Hi di rows) and
+    indexer.k_proj (di rows), which its converter split. HF name -> [(q name, shape), (k name, shape)]."""
+    if not config.qwen4_exp:
+        return {}
+    Hi, di, D = config.indexer_n_heads, config.indexer_head_dim, config.hidden_size
+    return {name: [(name.replace("index_qk_proj", "q_proj"), (Hi * di, D)),
+                   (name.replace("index_qk_proj", "k_proj"), (di, D))]
+            for name in shapes if name.endswith(".indexer.index_qk_proj.weight")}
+
+
+class TableRows:
+    """A PLE table the file keeps in a compact format (a Q8_0 GGUF's per_layer_token_embd is Q8_0): indexing widens
+    only the rows looked up, so ple.NgramTable reads it as it reads a memory-mapped float table."""
+
+    def __init__(self, w):
+        self.w, self.shape, self.nbytes = w, w.shape, w.nbytes
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __getitem__(self, ids):
+        return self.w.take(np.asarray(ids))                                    # (n, d) float32
+
+
+def ple_tables(config, tensors: dict, path) -> dict:
+    """qwen4exp's PLE table (per_layer_token_embd) as an NgramTable over the file's bytes, in its stored format."""
+    from .checkpoint import ple_table_shapes
+    from .ple import NgramTable
+
+    tables = {}
+    for name, shape in (ple_table_shapes(config) if config.qwen4_exp else {}).items():
+        if name not in tensors or tensors[name].shape != shape:
+            got = f"shape {list(tensors[name].shape)}" if name in tensors else "none"
+            raise NpqwenError(f"{path}: the PLE table per_layer_token_embd.weight should have shape {list(shape)} "
+                              f"(the ple.head_vocab_sizes' rows, padded), got {got}; the file is inconsistent")
+        w = stored_weight(tensors[name])
+        tables[name] = NgramTable([w if isinstance(w, np.ndarray) else TableRows(w)])
+    return tables

@@ -17,8 +17,12 @@ transformers' fused names `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`
 What is differentiated, from the value back: an objective (a token's log-probability, the loss over
 next tokens, a logit difference: each a function of the logits that returns the value and d value /
 d logits), lm_head, the final norm, each layer (MLP or sparse MLP, then attention or Gated DeltaNet,
-each behind its RMSNorm and its residual), the embedding. Not differentiated: the experts' choice and
-the positions (steps, not functions); cos/sin of RoPE. One sequence from position 0, one process (no
+each behind its RMSNorm and its residual), the embedding. Qwen4-Exp: its C residual streams, each block
+behind its hyper-connection (the mixing and the injection weights, npqwen/hyper_connections.py), QSA's
+attention over the selected positions (npqwen/qsa.py), the PLE layers (npqwen/ple.py), and the final mixing in
+the final norm's place. Not differentiated: the experts' choice, QSA's selection and the positions (steps, not
+functions; the indexer's weights get zeros, as transformers leaves their .grad None); cos/sin of RoPE; the PLE
+n-gram tables (frozen on disk: the looked-up rows' gradient is kept as `model.layers.i.ple.ple_embedding`). One sequence from position 0, one process (no
 tensor parallelism). With a LoRA adapter (lora=...), its A and B too (npqwen/finetune.py trains one).
 The logits are not kept on the tape (the forward returns them); with checkpoint=True only the residual
 stream is, and each layer runs again just before its backward.
@@ -31,9 +35,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import hyper_connections as hc
 from . import linear_attention as la
-from . import lora, moe, ops
-from .backend import to_numpy, xp_of
+from . import lora, moe, ops, ple, qsa
+from .backend import xp_of
 from .errors import NpqwenError
 
 
@@ -69,7 +74,7 @@ def log_prob(token: int, position: int = -1) -> Objective:
     """log p(token) at `position` (the next-token distribution after it)."""
     def fn(logits):
         logp = ops.log_softmax(logits[position])                                   # (V,)
-        d = -np.exp(to_numpy(logp))                                                # d log p_t / d z = 1[t] - p
+        d = -xp_of(logits).exp(logp)                                               # d log p_t / d z = 1[t] - p
         d[token] += 1.0
         return float(logp[token]), place(logits, position, d)
     return Objective(fn, f"log p({token}) at {position}")
@@ -78,7 +83,7 @@ def log_prob(token: int, position: int = -1) -> Objective:
 def logit_diff(token: int, other: int, position: int = -1) -> Objective:
     """logit[token] - logit[other] at `position`."""
     def fn(logits):
-        d = np.zeros(logits.shape[1], dtype=np.float64)
+        d = xp_of(logits).zeros(logits.shape[1], dtype=logits.dtype)             # (V,)
         d[token], d[other] = 1.0, -1.0
         return float(logits[position, token] - logits[position, other]), place(logits, position, d)
     return Objective(fn, f"logit {token} - logit {other} at {position}")
@@ -102,10 +107,10 @@ def next_tokens(ids) -> np.ndarray:
 
 
 def place(logits, position: int, d_row):
-    """A (T, V) gradient that is d_row at `position` and zero elsewhere, in the logits' dtype and array module."""
-    d = np.zeros(logits.shape, dtype=logits.dtype)
+    """A (T, V) gradient that is d_row (V,) at `position` and zero elsewhere, in the logits' dtype, on their device."""
+    d = xp_of(logits).zeros_like(logits)                                           # (T, V)
     d[position] = d_row
-    return type_like(logits, d)
+    return d
 
 
 def type_like(array, host):
@@ -190,29 +195,40 @@ def backward(model, tape: Tape, ids, d_logits, grads: Gradients, recompute=None)
     cfg, W = model.config, model.weights
     if model.comm.size > 1:
         raise NpqwenError("gradients run in one process; load the model without tensor_parallel")
-    if cfg.qwen4_exp:
-        raise NpqwenError("gradients (attribution, finetuning) have no backward for Qwen4-Exp's hyper-connections, "
-                          "QSA and PLE yet; they run on Qwen3, Qwen3-MoE, Qwen3.5 and Qwen3-Next")
     L, eps, one, weights = cfg.num_hidden_layers, cfg.rms_norm_eps, cfg.norm_offset, grads.want_weights
     keep = grads.add_weight if weights else (lambda name, d: None)
+    final = "model.hyper_connection_mixer" if cfg.qwen4_exp else "model.norm"   # Qwen4-Exp: the streams mixed into one
     # 5. lm_head: logits = norm(x) @ lm_head^T
     grads.add("lm_head", d_logits)
-    d_norm, d_head = linear_backward(grads, "lm_head", d_logits, tape["model.norm"], model.lm_head_weight())
+    d_norm, d_head = linear_backward(grads, "lm_head", d_logits, tape[final], model.lm_head_weight())
     keep("lm_head.weight", d_head)                                                 # (T, D), (V, D)
-    # 4. the final norm
-    grads.add("model.norm", d_norm)
-    d_x, d_w = ops.rms_norm_backward(d_norm, tape[f"model.layers.{L - 1}"], W["model.norm.weight"], eps, one)
-    keep("model.norm.weight", d_w)
+    # 4. the final norm (Qwen4-Exp: the final mixing of the C streams, (T, D) -> (T, C*D))
+    grads.add(final, d_norm)
+    if cfg.qwen4_exp:
+        p = "model.hyper_connection_mixer"
+        d_x, *d_ws = hc.mix_streams_backward(d_norm, tape[f"model.layers.{L - 1}"],
+                                             *[W[f"{p}.{name}"] for name in HC_WEIGHTS[:3]], cfg.hc_count, eps,
+                                             None, adapter_rows(grads), p, projection_backward(grads))
+        for name, d_w in zip(HC_WEIGHTS, d_ws):
+            keep(f"{p}.{name}", d_w)
+    else:
+        d_x, d_w = ops.rms_norm_backward(d_norm, tape[f"model.layers.{L - 1}"], W["model.norm.weight"], eps, one)
+        keep("model.norm.weight", d_w)
     # 3. the decoder layers, last first
     for i in reversed(range(L)):
         grads.add(f"model.layers.{i}", d_x)
         if recompute is not None:
             recompute(i)
-        d_x = decoder_layer_backward(model, i, tape, d_x, grads, keep)
+        if cfg.qwen4_exp:
+            d_x = qwen4_layer_backward(model, i, tape, ids, d_x, grads, keep)
+        else:
+            d_x = decoder_layer_backward(model, i, tape, d_x, grads, keep)
         if recompute is not None:   # this layer's steps go again: one layer's activations at a time
             for name in [n for n in tape if n.startswith(f"model.layers.{i}.")]:
                 del tape[name]
-    # 1. the embedding: each token's row
+    # 1. the embedding: each token's row (Qwen4-Exp: copied into the C streams, so the sum of the streams' gradients)
+    if cfg.qwen4_exp:
+        d_x = d_x.reshape(d_x.shape[0], cfg.hc_count, -1).sum(axis=1)                 # (T, C*D) -> (T, D)
     grads.add("model.embed_tokens", d_x)
     if weights:
         d_embed = ops.embed_backward(d_x, xp_of(d_x).asarray(ids), cfg.vocab_size)      # (V, D)
@@ -222,6 +238,16 @@ def backward(model, tape: Tape, ids, d_logits, grads: Gradients, recompute=None)
             keep("lm_head.weight", d_embed)
         keep("model.embed_tokens.weight", d_embed)
     return grads
+
+
+def adapter_rows(grads: Gradients) -> list:
+    """The adapter being trained and its rows (all of them: one sequence), as a forward's `loras` groups."""
+    return [] if grads.lora is None else [(grads.lora, slice(None))]
+
+
+def projection_backward(grads: Gradients):
+    """linear_backward as the Qwen4-Exp parts' backwards take it: (d_y, x, weight, name) -> (d_x, d_weight)."""
+    return lambda d_y, x, weight, name: linear_backward(grads, name, d_y, x, weight)
 
 
 def linear_backward(grads: Gradients, matrix: str, d_y, x, weight):
@@ -252,17 +278,35 @@ def recompute_layer(model, i: int, ids, tape: Tape, adapter=None, hooks=None):
         kv.states.reset(batch.new_slots)
     keep = Tape(lambda name: name.startswith(f"model.layers.{i}."))
     recorder = as_hook(keep if hooks is None else both(keep, hooks))
-    x = tape[f"model.layers.{i - 1}" if i else "model.embed_tokens"]
+    x = layer_input(model.config, tape, i)
+    qwen4 = {"previous": [kv.states.ple_ids[s].copy() for s in batch.slots]} if model.config.qwen4_exp else {}
     model.decoder_layer(i, x, tape["model.rotary_emb.cos"], tape["model.rotary_emb.sin"], batch, kv, slots, recorder,
-                        lora.row_groups(batch.loras, batch.rows, T, xp))
+                        lora.row_groups(batch.loras, batch.rows, T, xp), **qwen4)
     tape.update(keep)
+
+
+def layer_input(cfg, tape: Tape, i: int):
+    """Layer i's input: the previous layer's output, or the embedding (Qwen4-Exp: copied into its C streams)."""
+    if i:
+        return tape[f"model.layers.{i - 1}"]
+    x = tape["model.embed_tokens"]                                                 # (T, D)
+    return xp_of(x).tile(x, (1, cfg.hc_count)) if cfg.qwen4_exp else x             # (T, C*D) or (T, D)
+
+
+def block_inputs(cfg, i: int) -> tuple[str, str]:
+    """The names of layer i's attention input and MLP input on the tape: the norms' outputs (Qwen4-Exp: the
+    hyper-connections' mixed streams, which take the norms' place)."""
+    p = f"model.layers.{i}"
+    if cfg.qwen4_exp:
+        return f"{p}.attn_hyper_connection", f"{p}.mlp_hyper_connection"
+    return f"{p}.input_layernorm", f"{p}.post_attention_layernorm"
 
 
 def decoder_layer_backward(model, i: int, tape: Tape, d_out, grads: Gradients, keep):
     """out = h + mlp(norm(h)), h = x + attn(norm(x)): d_out (T, D) -> d_x (T, D)."""
     p, W, cfg = f"model.layers.{i}", model.weights, model.config
     eps, one = cfg.rms_norm_eps, cfg.norm_offset
-    x = tape[f"model.layers.{i - 1}" if i else "model.embed_tokens"]              # the layer's input (T, D)
+    x = layer_input(cfg, tape, i)                                                 # the layer's input (T, D)
     h = tape[f"{p}.attn_residual"]
     # the MLP's residual line: d_out reaches h directly and through the MLP and its norm
     mlp = sparse_moe_backward if cfg.is_moe_layer(i) else mlp_backward
@@ -281,10 +325,82 @@ def decoder_layer_backward(model, i: int, tape: Tape, d_out, grads: Gradients, k
     return d_x + d_h
 
 
+def qwen4_layer_backward(model, i: int, tape: Tape, ids, d_out, grads: Gradients, keep):
+    """Qwen4-Exp's layer (npqwen/qwen4_exp.py decoder_layer) in reverse: x += ple(x) on a PLE layer; a, w = mix(x),
+    h = x + w * attn(a); m, w = mix(h), out = h + w * moe(m). d_out (T, C*D) -> d_x (T, C*D)."""
+    cfg, p = model.config, f"model.layers.{i}"
+    x = layer_input(cfg, tape, i)                                                 # (T, C*D)
+    streams = x + tape[f"{p}.ple"] if cfg.is_ple_layer(i) else x                  # what the attention's mixing reads
+    # the MLP's residual line, then the attention's
+    d_h = hyper_block_backward(model, i, tape, "mlp", sparse_moe_backward, moe_output(cfg, tape, i),
+                               tape[f"{p}.attn_residual"], d_out, grads, keep)    # (T, C*D)
+    grads.add(f"{p}.attn_residual", d_h)
+    linear = cfg.is_linear_layer(i)
+    d_x = hyper_block_backward(model, i, tape, "attn", linear_attn_backward if linear else self_attn_backward,
+                               tape[f"{p}.linear_attn.out_proj" if linear else f"{p}.self_attn.o_proj"], streams,
+                               d_h, grads, keep)
+    if not cfg.is_ple_layer(i):
+        return d_x
+    # Per-Layer Embeddings: x + ple(x); the n-gram tables frozen (the looked-up rows' gradient kept, not scattered)
+    grads.add(f"{p}.ple", d_x)
+    emb, W, loras = ple_embedding(model, i, ids), model.weights, adapter_rows(grads)   # (T, E)
+    projected = (lora.add(ops.linear(emb, W[f"{p}.ple.key_proj.weight"]), emb, loras, f"{p}.ple.key_proj"),
+                 lora.add(ops.linear(emb, W[f"{p}.ple.value_proj.weight"]), emb, loras, f"{p}.ple.value_proj"))
+    d_query, d_emb, ple_grads = ple.ple_layer_backward(d_x, x, emb, W, f"{p}.ple", cfg.hc_count, cfg.ngram_size,
+                                                       cfg.rms_norm_eps, projected, projection_backward(grads))
+    grads.add(f"{p}.ple.ple_embedding", d_emb)
+    for name, d_weight in ple_grads.items():
+        keep(name, d_weight)
+    return d_x + d_query
+
+
+HC_WEIGHTS = ("hc_norm.weight", "input_mix_weight_down.weight", "input_mix_weight_up.weight",
+              "block_inject_weight.weight")   # a gated residual's weights (the final mixer has the first three)
+
+
+def hyper_block_backward(model, i: int, tape: Tape, block: str, block_backward, out, streams, d_y, grads: Gradients,
+                         keep):
+    """y = streams + w * block(mix(streams)), w and mix from `{block}_hyper_connection` (recomputed from the streams):
+    d_y (T, C*D) -> d_streams (T, C*D), through the identity, the injection weights and the block's input."""
+    cfg, W, hp = model.config, model.weights, f"model.layers.{i}.{block}_hyper_connection"
+    weights = [W[f"{hp}.{name}"] for name in HC_WEIGHTS]
+    loras = adapter_rows(grads)
+    _, _, w = hc.gated_residual(streams, *weights, cfg.hc_count, cfg.rms_norm_eps, loras, hp)   # (T, C)
+    d_streams, d_out, d_w = hc.inject_backward(d_y, out, w)                       # (T, C*D), (T, D), (T, C)
+    d_in = block_backward(model, i, tape, d_out, grads, keep)                     # (T, D) the block's input
+    grads.add(hp, d_in)
+    d_mixed, *d_ws = hc.gated_residual_backward(d_in, d_w, streams, *weights, cfg.hc_count, cfg.rms_norm_eps,
+                                                loras, hp, projection_backward(grads))
+    for name, d_weight in zip(HC_WEIGHTS, d_ws):
+        keep(f"{hp}.{name}", d_weight)
+    return d_streams + d_mixed
+
+
+def moe_output(cfg, tape: Tape, i: int):
+    """The sparse MLP's output as the forward added it up: the experts', + sigmoid(gate) * the shared expert's."""
+    p = f"model.layers.{i}.mlp"
+    out = tape[f"{p}.experts"]                                                    # (T, D)
+    if cfg.shared_expert_intermediate_size:
+        out = out + ops.sigmoid(tape[f"{p}.shared_expert_gate"]) * tape[f"{p}.shared_expert.down_proj"]
+    return out
+
+
+def ple_embedding(model, i: int, ids):
+    """Layer i's n-gram embeddings (T, E) of `ids` from position 0 (eos before the first), looked up again as
+    Qwen4Exp.ple does (T rows of the mapped tables)."""
+    cfg, j, eos = model.config, model.config.ple_index(i), model.config.eos_token_ids[0]
+    multipliers = ple.layer_multipliers(cfg.vocab_size, cfg.ngram_size, j, cfg.seed)                # (n,)
+    sizes, offsets = ple.head_vocab_sizes(cfg.ngram_vocab_size_base, (cfg.ngram_size - 1) * cfg.heads_per_ngram, j)
+    table = model.weights[f"model.layers.{i}.ple.ple_embedding.ngram_embedding.weight"]             # (rows, d)
+    emb = ple.ngram_embedding(table, ids, np.full(cfg.ngram_size - 1, eos), multipliers, sizes, offsets,
+                              cfg.heads_per_ngram, eos)                                             # (T, E) float32
+    return model.xp.asarray(emb, dtype=model.dtype)
+
+
 def mlp_backward(model, i: int, tape: Tape, d_out, grads: Gradients, keep, name: str = "mlp"):
     """out = down_proj(silu(gate_proj(m)) * up_proj(m)): d_out (T, D) -> d_m (T, D)."""
-    p, lp, W = f"model.layers.{i}.{name}", f"model.layers.{i}", model.weights
-    m = tape[f"{lp}.post_attention_layernorm"]
+    p, W = f"model.layers.{i}.{name}", model.weights
+    m = tape[block_inputs(model.config, i)[1]]                                   # (T, D) the MLP's input
     gate, up, act = tape[f"{p}.gate_proj"], tape[f"{p}.up_proj"], tape[f"{p}.act_fn"]   # (T, F) each
     grads.add(f"{p}.down_proj", d_out)
     d_h, d_w = linear_backward(grads, f"{p}.down_proj", d_out, act * up, W[f"{p}.down_proj.weight"])   # (T, F), (D, F)
@@ -305,7 +421,7 @@ def mlp_backward(model, i: int, tape: Tape, d_out, grads: Gradients, keep, name:
 def sparse_moe_backward(model, i: int, tape: Tape, d_out, grads: Gradients, keep):
     """out = experts(m, chosen, weights) (+ sigmoid(gate) * shared expert): d_out (T, D) -> d_m (T, D)."""
     p, cfg, W = f"model.layers.{i}.mlp", model.config, model.weights
-    m = tape[f"model.layers.{i}.post_attention_layernorm"]
+    m = tape[block_inputs(cfg, i)[1]]                                            # (T, D) the MLP's input
     d_m = xp_of(m).zeros_like(m)
     if cfg.shared_expert_intermediate_size:   # Qwen3.5-MoE: + sigmoid(gate) * shared_expert(m)
         gate, shared = tape[f"{p}.shared_expert_gate"], tape[f"{p}.shared_expert.down_proj"]   # (T, 1), (T, D)
@@ -339,7 +455,7 @@ def self_attn_backward(model, i: int, tape: Tape, d_o, grads: Gradients, keep):
     scaled by sigmoid of q_proj's gate half): d_o (T, D) -> d_a (T, D)."""
     cfg, W, p = model.config, model.weights, f"model.layers.{i}.self_attn"
     eps, one, Dh, H, K = cfg.rms_norm_eps, cfg.norm_offset, cfg.head_dim, model.heads, model.kv_heads
-    a = tape[f"model.layers.{i}.input_layernorm"]
+    a = tape[block_inputs(cfg, i)[0]]                                            # (T, D) the attention's input
     xp, T = xp_of(a), a.shape[0]
     cos, sin = tape["model.rotary_emb.cos"], tape["model.rotary_emb.sin"]
     out = tape[f"{p}.attn_output"]                                                # (T, H*Dh)
@@ -356,7 +472,12 @@ def self_attn_backward(model, i: int, tape: Tape, d_o, grads: Gradients, keep):
     grads.add(f"{p}.attn_output", d_out)
     # attention: softmax(q k^T / sqrt(Dh) + mask) v, the probabilities as the forward recorded them
     q, k, v = tape[f"{p}.q_rope"], tape[f"{p}.k_rope"], tape[f"{p}.v_proj"].reshape(T, K, Dh)
-    d_q, d_k, d_v = ops.causal_attention_backward(d_out, q, k, v, tape[f"{p}.attn_probs"])
+    if cfg.qwen4_exp:   # QSA: only the positions the indexer chose; the choice itself has no gradient
+        d_q, d_k, d_v = qsa.sparse_attention_backward(d_out, q, k, v, tape[f"{p}.attn_probs"])
+        for name in ("index_qk_proj", "q_layernorm", "k_layernorm"):   # zero (transformers: .grad None)
+            keep(f"{p}.indexer.{name}.weight", xp.zeros_like(W[f"{p}.indexer.{name}.weight"]))
+    else:
+        d_q, d_k, d_v = ops.causal_attention_backward(d_out, q, k, v, tape[f"{p}.attn_probs"])
     grads.add(f"{p}.q_rope", d_q)
     grads.add(f"{p}.k_rope", d_k)
     # RoPE, then QK-norm
@@ -391,7 +512,7 @@ def linear_attn_backward(model, i: int, tape: Tape, d_o, grads: Gradients, keep)
     d_o (T, D) -> d_a (T, D). The convolution, q/k/v and the decay are recomputed from the tape's projections;
     the delta rule's backward is the recurrent form's."""
     cfg, W, p = model.config, model.weights, f"model.layers.{i}.linear_attn"
-    a = tape[f"model.layers.{i}.input_layernorm"]
+    a = tape[block_inputs(cfg, i)[0]]                                            # (T, D) the attention's input
     xp, T = xp_of(a), a.shape[0]
     (Hk, Hv), dk, dv = model.linear_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     heads = (Hk, dk, Hv, dv)
@@ -407,8 +528,9 @@ def linear_attn_backward(model, i: int, tape: Tape, d_o, grads: Gradients, keep)
     keep(f"{p}.out_proj.weight", d_w)
     grads.add(f"{p}.norm", d_h.reshape(T, Hv, dv))
     core = tape[f"{p}.core_attn_out"].astype(a.dtype)                                    # (T, Hv, dv)
+    gate = ops.sigmoid if cfg.output_gate_type == "sigmoid" else ops.silu   # as the forward (Qwen4-Exp may say sigmoid)
     d_core, d_z, d_w = la.gated_rms_norm_backward(d_h.reshape(T, Hv, dv), core, z, W[f"{p}.norm.weight"],
-                                                  cfg.rms_norm_eps)
+                                                  cfg.rms_norm_eps, gate)
     keep(f"{p}.norm.weight", d_w)
     grads.add(f"{p}.core_attn_out", d_core)
     # the delta rule, token by token in reverse, from the convolved q, k, v (recomputed) and zero states

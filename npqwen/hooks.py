@@ -61,6 +61,12 @@ def step_names(config) -> list[str]:
     return names + (["model.hyper_connection_mixer"] if config.qwen4_exp else ["model.norm"]) + ["lm_head"]
 
 
+def residual_width(config) -> int:
+    """The width of a block's output (model.layers.L, the residual stream): D, or on Qwen4-Exp its C = hc_count
+    streams of D side by side (C*D), as hooks, trace and the logit lens see it."""
+    return config.hidden_size * (config.hc_count if config.qwen4_exp else 1)
+
+
 def check_names(names, config, what: str = "hook", known: list[str] | None = None):
     """An error naming the first unknown name and the nearest known ones (of `known`, default step_names)."""
     where = "npqwen.hooks.step_names(llm.config) lists them" if known is None else \

@@ -238,14 +238,23 @@ class LinearStates:
         # speculative decoding: a verifying sequence's slot -> per linear layer (the conv's inputs (W-1+n, C) from
         # its state on, the delta rule's state after each of its n tokens (n, Hv, dk, dv)), until roll_back
         self.verified: dict[int, dict] = {}
+        # ... and Qwen4-Exp's: slot -> {PLE layer j: its convolution's state after each of the n tokens (n, L, C*D),
+        # "ids": the n-gram history, its ngram_size - 1 earlier tokens then the n verified ones (ngram_size - 1 + n,)}
+        self.ple_verified: dict[int, dict] = {}
 
     def roll_back(self, slot: int, kept: int):
         """A verification kept its first `kept` tokens: the slot's states become those after them (the
-        convolution's last W-1 inputs up to there, the delta rule's state after token kept - 1)."""
+        convolution's last W-1 inputs up to there, the delta rule's state after token kept - 1; Qwen4-Exp's PLE
+        convolutions' states after token kept - 1 and the last n-1 tokens up to there)."""
         for layer, (inputs, states) in self.verified.pop(slot, {}).items():   # (none: no linear layer ran)
             W1 = self.conv.shape[2]
             self.conv[layer, slot] = inputs[kept:kept + W1]                  # (W-1, C)
             self.recurrent[layer, slot] = states[kept - 1]                   # (Hv, dk, dv)
+        ple = self.ple_verified.pop(slot, {})
+        if "ids" in ple:
+            self.ple_ids[slot] = ple.pop("ids")[kept:kept + self.ple_ids.shape[1]]    # (n-1,)
+        for j, states in ple.items():
+            self.ple_conv[j, slot] = states[kept - 1]                        # (L, C*D)
 
     def reset(self, slots):
         """A sequence that starts (position 0) starts from zero states."""

@@ -29,7 +29,7 @@ form's, token by token in reverse, from the states the forward passes through (k
 import numpy as np
 
 from .backend import xp_of
-from .ops import rms_norm_backward, sigmoid, silu, silu_backward
+from .ops import rms_norm_backward, sigmoid, sigmoid_backward, silu, silu_backward
 
 CHUNK = 64   # tokens per chunk of the chunked form (HF's and flash-linear-attention's chunk_size)
 
@@ -190,20 +190,22 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out.transpose(1, 2, 0, 3).reshape(N * chunk, -1, v.shape[-1])[:T], state
 
 
-def gated_rms_norm(x, z, weight, eps: float):
-    """RMSNorm of each head's output, times weight, times SiLU(z): x, z (..., dv), weight (dv,)."""
+def gated_rms_norm(x, z, weight, eps: float, gate=silu):
+    """RMSNorm of each head's output, times weight, times SiLU(z) (Qwen4-Exp's output_gate_type may say sigmoid):
+    x, z (..., dv), weight (dv,)."""
     xp, f32 = xp_of(x), np.promote_types(x.dtype, np.float32)
     xf = x.astype(f32, copy=False)
     y = xf / xp.sqrt((xf * xf).sum(-1, keepdims=True) / x.shape[-1] + eps)
-    return (weight * y.astype(x.dtype) * silu(z.astype(f32))).astype(x.dtype)
+    return (weight * y.astype(x.dtype) * gate(z.astype(f32))).astype(x.dtype)
 
 
-def gated_rms_norm_backward(d_y, x, z, weight, eps: float):
-    """y = rms_norm(x) * weight * silu(z): d_x, d_z (..., dv), d_weight (dv,)."""
-    d_x, d_weight = rms_norm_backward(d_y * silu(z), x, weight, eps)        # the norm's output scaled by silu(z)
+def gated_rms_norm_backward(d_y, x, z, weight, eps: float, gate=silu):
+    """y = rms_norm(x) * weight * gate(z), gate silu or sigmoid: d_x, d_z (..., dv), d_weight (dv,)."""
+    gate_backward = sigmoid_backward if gate is sigmoid else silu_backward
+    d_x, d_weight = rms_norm_backward(d_y * gate(z), x, weight, eps)        # the norm's output scaled by gate(z)
     xp = xp_of(x)
     normed = x / xp.sqrt((x * x).mean(-1, keepdims=True) + eps)
-    return d_x, silu_backward(d_y * weight * normed, z), d_weight
+    return d_x, gate_backward(d_y * weight * normed, z), d_weight
 
 
 def decay_and_beta(a, b, A_log, dt_bias):

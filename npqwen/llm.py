@@ -85,10 +85,6 @@ class LLM:
             raise NpqwenError(f"a LoRA adapter's name is a non-empty string without surrounding spaces, got {name!r}")
         if name in self._loras:
             raise NpqwenError(f"a LoRA adapter named {name!r} is loaded already; unload it first (llm.unload_lora)")
-        if self.config.qwen4_exp:
-            raise NpqwenError("LoRA adapters are not applied to Qwen4-Exp yet (npqwen/qwen4_exp.py has no adapter "
-                              "lines in its QSA attention and hyper-connections); merge the adapter with PEFT and "
-                              "load the result")
         if self.comm.size > 1:
             raise NpqwenError("LoRA adapters are not applied under tensor parallelism; merge the adapter into the "
                               "base (npqwen merge-lora) and load the result")
@@ -286,6 +282,7 @@ class LLM:
 
         from .backend import to_numpy
         from .checkpoint import save_safetensors
+        from .ple import NgramTable
         from .weights import is_compact
 
         if self.comm.size > 1:
@@ -296,7 +293,11 @@ class LLM:
         (directory / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
         tensors = {name: a if is_compact(a) else to_numpy(a) for name, a in self.weights.items()   # compact: widened
                    # one at a time as it is written
-                   if not (name == "lm_head.weight" and self.config.tie_word_embeddings)}
+                   if not (name == "lm_head.weight" and self.config.tie_word_embeddings or isinstance(a, NgramTable))}
+        for name, table in self.weights.items():   # Qwen4-Exp's PLE tables: their parts, as the shards transformers
+            if isinstance(table, NgramTable):      # writes (a float32 part is read from its mapped file as written)
+                tensors.update({f"{name[:-len('weight')]}shard_{j}.weight": table.widen(part)
+                                for j, part in enumerate(table.parts)})
         save_safetensors(directory / "model.safetensors", tensors, dtype)
         defaults = self.generation_defaults
         sampling = {k: defaults[k] for k in ("temperature", "top_k", "top_p", "min_p") if k in defaults}
@@ -413,7 +414,7 @@ def load_gguf(path, xp, dtype: str, comm, weights: str) -> LLM:
     check_split(config, comm.size)
     parts = None if comm.size == 1 else shards(config, expected_shapes(config), comm.size, comm.rank)
     arrays, fused = load_gguf_weights(config, tensors, xp, np.dtype(dtype), path, weights, parts)
-    return LLM(Qwen3(config, arrays, fused, comm), tokenizer, {}, path)
+    return LLM((Qwen4Exp if config.qwen4_exp else Qwen3)(config, arrays, fused, comm), tokenizer, {}, path)
 
 
 def load_part(path, device: str, dtype: str, comm, weights: str = "auto") -> LLM:

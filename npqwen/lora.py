@@ -12,7 +12,9 @@ alpha_pattern) and `adapter_model.safetensors`, whose names are the base model's
 `base_model.model.` with `.lora_A.weight` (r, in) or `.lora_B.weight` (out, r). npqwen applies
 adapters on the linear layers of a decoder layer (`layer_modules`): Qwen3's seven; in a hybrid model
 (Qwen3.5, Qwen3-Next) a linear-attention layer's Gated DeltaNet projections in place of self_attn's;
-in a MoE layer the shared expert's (Qwen3.5-MoE, Qwen3-Next) in place of one MLP. Whatever else a
+in a MoE layer the shared expert's (Qwen3.5-MoE, Qwen3-Next) in place of one MLP; in Qwen4-Exp also the QSA
+indexer's projection, the hyper-connections' (each layer's two gated residuals and the final mixing, outside the
+layers) and the Per-Layer Embeddings' two, which is every linear layer PEFT's all-linear adapts there. Whatever else a
 file holds (DoRA, modules_to_save, embedding or lm_head adapters, MoE experts) is refused, with why.
 
 Shapes: T rows of a batch, n of them one adapter's, r rank, in / out a projection's widths.
@@ -35,7 +37,10 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTENTION + MLP                                  # every linear layer of a Qwen3 decoder layer
 LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")   # Qwen3.5's Gated DeltaNet
 LINEAR_ATTENTION_NEXT = ("in_proj_qkvz", "in_proj_ba", "out_proj")                     # Qwen3-Next's (grouped rows)
-LINEAR = TARGETS + LINEAR_ATTENTION + ("in_proj_qkvz", "in_proj_ba", "shared_expert_gate")   # every name adapted
+HYPER_CONNECTION = ("input_mix_weight_down", "input_mix_weight_up", "block_inject_weight")   # Qwen4-Exp's mixing
+QWEN4_EXP = HYPER_CONNECTION + ("index_qk_proj", "key_proj", "value_proj")   # ... its QSA indexer's, its PLE's two
+LINEAR = TARGETS + LINEAR_ATTENTION + ("in_proj_qkvz", "in_proj_ba", "shared_expert_gate") + QWEN4_EXP   # every name
+MIXER = "model.hyper_connection_mixer"                      # Qwen4-Exp's final mixing of the streams: in no layer
 WEIGHT = re.compile(r"^base_model\.model\.(.+)\.(lora_A|lora_B)\.weight$")
 MODULE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")        # model.layers.3.linear_attn.in_proj_qkv
 _loads = itertools.count()                                 # each load its own prefix-cache key
@@ -101,6 +106,21 @@ def row_groups(loras, rows, T: int, xp) -> list:
             for a, r in by_adapter.values()]
 
 
+def output_groups(loras, rows, output_rows, xp) -> list:
+    """row_groups for the B rows a model's last step runs on, `output_rows` (B,) of the batch's T (Qwen4-Exp's final
+    mixing, which runs after the rows that have no output are dropped): (adapter, its rows among the B)."""
+    owner = np.full(max((first + n for first, n in rows), default=0), -1)    # (T,) each row's sequence
+    for k, (first, n) in enumerate(rows):
+        owner[first:first + n] = k
+    by_adapter = {}
+    for b, k in enumerate(owner[np.asarray(output_rows, dtype=np.int64)]):
+        adapter = loras[k] if loras else None
+        if adapter is not None:
+            by_adapter.setdefault(id(adapter), (adapter, []))[1].append(b)
+    return [(a, slice(None) if len(r) == len(output_rows) else xp.asarray(np.array(r, dtype=np.int64)))
+            for a, r in by_adapter.values()]
+
+
 def merge(weights: dict, adapter: LoraAdapter):
     """Fold the adapter into the base weights in place: W += scale * B @ A (PEFT's merge_and_unload)."""
     if any(is_compact(weights[f"{d.module}.weight"]) for ds in adapter.deltas.values() for d in ds):
@@ -119,11 +139,21 @@ def layer_modules(config, i: int) -> list[str]:
         attn = [f"linear_attn.{t}" for t in (LINEAR_ATTENTION_NEXT if config.qwen3_next else LINEAR_ATTENTION)]
     else:
         attn = [f"self_attn.{t}" for t in ATTENTION]
+    if config.qwen4_exp:   # [PLE's two], the mixing before attention, [the indexer], attention, the mixing before MLP
+        ple = ["ple.key_proj", "ple.value_proj"] if config.is_ple_layer(i) else []
+        indexer = [] if config.is_linear_layer(i) else ["self_attn.indexer.index_qk_proj"]
+        attn = (ple + [f"attn_hyper_connection.{t}" for t in HYPER_CONNECTION] + indexer + attn
+                + [f"mlp_hyper_connection.{t}" for t in HYPER_CONNECTION])
     if not config.is_moe_layer(i):
         return attn + [f"mlp.{t}" for t in MLP]
     if config.shared_expert_intermediate_size:
         return attn + [f"mlp.shared_expert.{t}" for t in MLP] + ["mlp.shared_expert_gate"]
     return attn
+
+
+def model_modules(config) -> list[str]:
+    """The linear layers outside the decoder layers an adapter reaches: Qwen4-Exp's final mixing's two."""
+    return [f"{MIXER}.{t}" for t in HYPER_CONNECTION[:2]] if config.qwen4_exp else []
 
 
 def describe(config, i: int) -> str:
@@ -137,11 +167,12 @@ def text_model(name: str) -> str:
     return name.replace("model.language_model.", "model.", 1) if name.startswith("model.language_model.") else name
 
 
-def fused_columns(model, layer: int, kind: str, name: str) -> tuple[str, slice]:
+def fused_columns(model, layer: int | None, kind: str, name: str) -> tuple[str, slice]:
     """The model matrix a PEFT module's output is part of, and its columns there (npqwen fuses q, k, v
-    into qkv_proj and gate, up into gate_up_proj; o_proj, down_proj and the linear-attention ones stand alone)."""
+    into qkv_proj and gate, up into gate_up_proj; o_proj, down_proj and the linear-attention ones stand alone).
+    layer None: a module outside the layers, `kind` its whole parent (model.hyper_connection_mixer)."""
     W = model.weights
-    p = f"model.layers.{layer}.{kind}"
+    p = f"model.layers.{layer}.{kind}" if layer is not None else kind
     if name in ("q_proj", "k_proj", "v_proj"):
         q, k = W[f"{p}.q_proj.weight"].shape[0], W[f"{p}.k_proj.weight"].shape[0]
         start = {"q_proj": 0, "k_proj": q, "v_proj": q + k}[name]
@@ -248,7 +279,10 @@ def refusal(name: str) -> str:
 
 
 def order(config, module: str) -> tuple[int, int]:
-    """A module's place in the forward pass: (layer, its place among the layer's linear layers)."""
+    """A module's place in the forward pass: (layer, its place among the layer's linear layers); the final mixing's
+    after the last layer."""
+    if module in model_modules(config):
+        return config.num_hidden_layers, model_modules(config).index(module)
     i, where = MODULE.match(module).groups()
     return int(i), layer_modules(config, int(i)).index(where)
 
@@ -274,6 +308,9 @@ def read_adapter(path, name: str, model) -> LoraAdapter:
     for key in infos:
         m = WEIGHT.match(key)
         module = text_model(m.group(1)) if m else ""
+        if module in model_modules(cfg):   # Qwen4-Exp's final mixing
+            found.setdefault(module, {})[m.group(2)] = infos[key]
+            continue
         layer = MODULE.match(module)
         if layer is None or module.rsplit(".", 1)[-1] not in LINEAR or ".experts." in module:
             raise NpqwenError(f"{file}: {key}: {refusal(key)}")
@@ -295,6 +332,11 @@ def read_adapter(path, name: str, model) -> LoraAdapter:
                 raise NpqwenError(f"{file}: the config targets {where.rsplit('.', 1)[-1]} (target_modules "
                                   f"{targets!r}) but the file has no weights for {module}; the file is incomplete "
                                   f"or belongs to another config")
+    for module in model_modules(cfg):   # (PEFT adapts no module outside the layers when given layers_to_transform)
+        if targeted(config, None, module) and module not in found:
+            raise NpqwenError(f"{file}: the config targets {module.rsplit('.', 1)[-1]} (target_modules {targets!r}) "
+                              f"but the file has no weights for {module}; the file is incomplete or belongs to "
+                              f"another config")
     # 3. shapes: A (r, in), B (out, r) against the base weight (out, in) and the rank the config gives
     adapter = LoraAdapter(name, path, config["r"], key=f"{name}#{next(_loads)}")
     for module in sorted(found, key=lambda mod: order(cfg, mod)):
@@ -302,7 +344,8 @@ def read_adapter(path, name: str, model) -> LoraAdapter:
         for part in ("lora_A", "lora_B"):
             if part not in parts:
                 raise NpqwenError(f"{file}: {module} has no {part}.weight; the file is incomplete")
-        i, where = MODULE.match(module).groups()
+        layer = MODULE.match(module)
+        i, where = layer.groups() if layer else (None, module)   # None: outside the layers (Qwen4-Exp's mixer)
         kind, t = where.rsplit(".", 1)                     # linear_attn, in_proj_qkv; mlp.shared_expert, up_proj
         out, in_ = model.weights[f"{module}.weight"].shape
         r = pattern_value(config.get("rank_pattern") or {}, module, config["r"])
@@ -328,7 +371,7 @@ def read_adapter(path, name: str, model) -> LoraAdapter:
             read_tensor(info, a)
             adapter.weights[f"{module}.{part}.weight"] = a
             arrays.append(a)
-        matrix, cols = fused_columns(model, int(i), kind, t)
+        matrix, cols = fused_columns(model, None if i is None else int(i), kind, t)
         adapter.deltas.setdefault(matrix, []).append(Delta(module, cols, *arrays, float(scale)))
     if not adapter.deltas:
         raise NpqwenError(f"{file}: holds no LoRA weights")

@@ -315,7 +315,8 @@ class Qwen3:
             q, k, v = la.queries_keys_values(mixed_d[:, 0], *heads)              # (B, Hv, dk), (B, Hv, dv)
             out[rows], state[s] = la.delta_rule_step(q, k, v, g[rows], beta[rows], state[s])
         out = recorder(f"{p}.core_attn_out", out)
-        out = la.gated_rms_norm(out.astype(x.dtype), z, W[f"{p}.norm.weight"], cfg.rms_norm_eps)   # (T, Hv, dv)
+        gate = ops.sigmoid if cfg.output_gate_type == "sigmoid" else ops.silu   # (Qwen4-Exp may say sigmoid)
+        out = la.gated_rms_norm(out.astype(x.dtype), z, W[f"{p}.norm.weight"], cfg.rms_norm_eps, gate)   # (T, Hv, dv)
         out = recorder(f"{p}.norm", out)
         h = out.reshape(T, Hv * dv)                                             # (T, Hv*dv): the heads side by side
         out = ops.linear(h, W[f"{p}.out_proj.weight"])                          # (T, Hv*dv) -> (T, D)

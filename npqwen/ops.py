@@ -101,6 +101,27 @@ def rms_norm_backward(d_y, x, weight, eps: float, offset: float = 0.0):
     return d_x, d_weight
 
 
+def grouped_rms_norm(x, weight, group: int, eps: float):
+    """Qwen4-Exp's hc_norm and PLE's norms: each stream's D values normalised on their own, then scaled by 1 + weight (float32 inside, as HF;
+    float64 stays float64). (T, C*D), (C*D,) -> (T, C*D)."""
+    f32 = np.promote_types(x.dtype, np.float32)
+    h = x.astype(f32).reshape(x.shape[0], x.shape[1] // group, group)           # (T, C, D)
+    h = h / xp_of(x).sqrt(xp_of(x).mean(h * h, axis=-1, keepdims=True) + eps)   # (T, C, D)
+    return (h.reshape(x.shape) * (1.0 + weight.astype(f32))).astype(x.dtype)    # (T, C*D)
+
+
+def grouped_rms_norm_backward(d_y, x, weight, group: int, eps: float):
+    """y = n * (1 + weight), n = each stream's x / rms: d_x = r * (d_n - n * mean(d_n * n)) per stream (rms_norm_
+    backward's rule), d_weight = sum over tokens of d_y * n. (T, C*D) -> d_x (T, C*D), d_weight (C*D,)."""
+    xp, (T, CD) = xp_of(x), x.shape
+    h = x.reshape(T, CD // group, group)                                         # (T, C, D)
+    inv_rms = 1.0 / xp.sqrt((h * h).mean(axis=-1, keepdims=True) + eps)         # (T, C, 1)
+    n = h * inv_rms                                                             # (T, C, D) normalised
+    d_n = (d_y * (1.0 + weight)).reshape(h.shape)                               # (T, C, D)
+    d_x = inv_rms * (d_n - n * (d_n * n).mean(axis=-1, keepdims=True))          # (T, C, D)
+    return d_x.reshape(T, CD), (d_y * n.reshape(T, CD)).sum(axis=0)
+
+
 def sigmoid(x):
     """1 / (1 + exp(-x)) = (1 + tanh(x/2)) / 2, which never overflows."""
     return (xp_of(x).tanh(x * 0.5) + 1.0) * 0.5
@@ -287,20 +308,21 @@ def causal_attention(q, k, v):
 
 def causal_attention_backward(d_out, q, k, v, probs):
     """Backward of softmax(q k^T / sqrt(Dh) + mask) v, given the probabilities the forward computed.
-    d_out (T, H*Dh) -> d_q (T, H, Dh), d_k, d_v (T, K, Dh): a key/value head's gradient is the sum over the
-    G query heads that read it. Softmax backward: d_s = p * (d_p - sum_j d_p p); masked p are 0, so are their d_s."""
+    d_out (T, H*Dh) -> d_q (T, H, Dh), d_k, d_v (S, K, Dh) (S = T from position 0): a key/value head's gradient
+    is the sum over the G query heads that read it. Softmax backward: d_s = p * (d_p - sum_j d_p p); masked p are
+    0, so are their d_s (any mask: QSA's selection too, npqwen/qsa.py)."""
     T, H, Dh = q.shape
     K = k.shape[1]
     G = H // K
-    p = probs.reshape(K, G, T, T)                                            # (K, G, T, T)
+    p = probs.reshape(K, G, T, -1)                                           # (K, G, T, S)
     d_o = d_out.reshape(T, K, G, Dh).transpose(1, 2, 0, 3)                   # (K, G, T, Dh)
     qg = q.reshape(T, K, G, Dh).transpose(1, 2, 0, 3)                        # (K, G, T, Dh)
-    kh, vh = k.transpose(1, 0, 2)[:, None], v.transpose(1, 0, 2)[:, None]    # (K, 1, T, Dh)
-    d_v = (p.transpose(0, 1, 3, 2) @ d_o).sum(axis=1)                        # (K, T, Dh) summed over G
-    d_p = d_o @ vh.transpose(0, 1, 3, 2)                                     # (K, G, T, T)
-    d_s = p * (d_p - (d_p * p).sum(axis=-1, keepdims=True)) * (1.0 / math.sqrt(Dh))   # (K, G, T, T)
+    kh, vh = k.transpose(1, 0, 2)[:, None], v.transpose(1, 0, 2)[:, None]    # (K, 1, S, Dh)
+    d_v = (p.transpose(0, 1, 3, 2) @ d_o).sum(axis=1)                        # (K, S, Dh) summed over G
+    d_p = d_o @ vh.transpose(0, 1, 3, 2)                                     # (K, G, T, S)
+    d_s = p * (d_p - (d_p * p).sum(axis=-1, keepdims=True)) * (1.0 / math.sqrt(Dh))   # (K, G, T, S)
     d_q = (d_s @ kh).transpose(2, 0, 1, 3).reshape(T, H, Dh)                 # (T, H, Dh)
-    d_k = (d_s.transpose(0, 1, 3, 2) @ qg).sum(axis=1)                       # (K, T, Dh) summed over G
+    d_k = (d_s.transpose(0, 1, 3, 2) @ qg).sum(axis=1)                       # (K, S, Dh) summed over G
     return d_q, d_k.transpose(1, 0, 2), d_v.transpose(1, 0, 2)
 
 

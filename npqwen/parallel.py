@@ -26,6 +26,24 @@ expert's gate_proj / up_proj / down_proj are split by their width in the same wa
 holds a slice of every expert, the router whole; the MoE layer then needs its one all-reduce after
 the sum over its experts), which keeps every rank equally busy however the router picks experts.
 
+A Qwen4-Exp model splits as Qwen3.5-MoE does (attention and linear-attention heads, every expert's and the shared
+expert's width, the vocabulary); its three new parts are whole on every rank, each computed alike everywhere from
+the streams every rank holds whole after the all-reduces (bitwise equal on every rank: the all-reduce hands
+every rank the same sums, as MPICH's does; QSA's discrete block selection relies on it, and the tests check every
+rank's logits equal rank 0's exactly):
+    *_hyper_connection, hyper_connection_mixer   the C streams (T, C*D) and their mixing: a low-rank gate of
+                             2*C*D*R + C*C*D weights per block (10M a layer in the real model, against 27M of
+                             attention and 1.6B of experts); split, it would need an all-reduce of (T, C*D) each
+    ple                      key_proj, value_proj, norms, the dilated convolution and its state (L, C*D) per slot;
+                             the n-gram tables stay on disk, each rank mapping the same file (one copy in the page
+                             cache of one machine)
+    self_attn.indexer        QSA's index_qk_proj and norms: a block's score sums relu(q . k) over all Hi indexer
+                             heads against one key head before the top-k, so each rank computes the whole selection
+                             (4.5M weights a layer at D=2048 with 16 heads of 128) and keeps the raw indexer
+                             keys in its pages, rather than all-reducing (T, blocks) scores per sequence and layer
+So a Qwen4-Exp layer costs the all-reduces of (T, D) a Qwen3.5-MoE layer does (after o_proj or out_proj, the
+experts' sum and the shared expert's down_proj), and no more.
+
 When N does not divide the K key/value heads: if N is a multiple of K, each key/value head is kept
 by N/K ranks, which split its query heads (vLLM's replication); otherwise the split is refused
 with the sizes. H must be a multiple of N.
@@ -66,9 +84,6 @@ def check_split(config, n: int):
     H, K = config.num_attention_heads, config.num_key_value_heads
     if n < 1:
         raise NpqwenError(f"the tensor-parallel size must be >= 1, got {n}")
-    if getattr(config, "qwen4_exp", False) and n > 1:
-        raise NpqwenError("tensor parallelism does not split Qwen4-Exp yet (its hyper-connection streams, QSA "
-                          "indexer and PLE tables have no split in npqwen); run it in one process")
     if getattr(config, "hybrid", False):
         check_linear_split(config, n)
     if H % n:
@@ -135,7 +150,9 @@ def shards(config, shapes: dict, n: int, r: int) -> dict[str, tuple[slice, ...]]
 
     parts = {}
     for name, shape in shapes.items():
-        if name.endswith(("q_proj.weight", "q_proj.bias")):   # (Qwen2's biases: split with their rows)
+        if any(part in name for part in (".indexer.", ".ple.", "hyper_connection")):   # Qwen4-Exp's: whole (above)
+            parts[name] = (every,) * len(shape)   # (index_qk_proj is no k_proj, ple.conv1d no linear conv1d)
+        elif name.endswith(("q_proj.weight", "q_proj.bias")):   # (Qwen2's biases: split with their rows)
             parts[name] = (slice(q.start * Q, q.stop * Q), every)[:len(shape)]        # its query heads' rows
         elif name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
             parts[name] = (slice(kv.start * Dh, kv.stop * Dh), every)[:len(shape)]   # its key/value heads' rows

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import ops
 from .backend import xp_of
-from .hyper_connections import grouped_rms_norm
+from .ops import grouped_rms_norm, grouped_rms_norm_backward
 
 MASK64 = (1 << 64) - 1
 SPLITMIX_GAMMA, SPLITMIX_M1, SPLITMIX_M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -148,14 +148,30 @@ def dilated_causal_conv(x, kernel, state, dilation: int):
     return out, inputs[T:]                                                   # the last L inputs
 
 
-def ple_layer(x, emb, W: dict, p: str, C: int, conv_state, dilation: int, eps: float):
+def dilated_causal_conv_backward(d_out, x, kernel, state, dilation: int):
+    """out[t] = sum_k kernel[:, k] * inputs[t + k * dilation]: d_out (T, CD) -> d_x (T, CD), d_kernel (CD, K) (the
+    state's gradient is not taken: a backward runs from position 0, whose state is zeros)."""
+    xp, T, L = xp_of(x), x.shape[0], state.shape[0]
+    inputs = xp.concatenate([state.astype(x.dtype), x])                     # (L + T, CD)
+    d_inputs = xp.zeros_like(inputs)
+    d_kernel = xp.empty_like(kernel)
+    for k in range(kernel.shape[1]):
+        d_inputs[k * dilation:k * dilation + T] += kernel[:, k] * d_out      # (T, CD)
+        d_kernel[:, k] = (d_out * inputs[k * dilation:k * dilation + T]).sum(axis=0)
+    return d_inputs[L:], d_kernel
+
+
+def ple_layer(x, emb, W: dict, p: str, C: int, conv_state, dilation: int, eps: float, projected=None):
     """What a PLE layer adds to the C streams (transformers' Qwen4ExpTextPLELayer.forward). x (T, C*D) the streams,
     emb (T, E) the tokens' n-gram embeddings -> (T, C*D), and the convolution's new state (L, C*D).
     Each stream c asks with its normalised values (a query) how much of the shared value to take: the gate is the
-    signed square root of its scaled dot product with the embedding's key for stream c."""
+    signed square root of its scaled dot product with the embedding's key for stream c. `projected`: key_proj(emb)
+    (T, C*D) and value_proj(emb) (T, D) when the caller made them (the model, adding a LoRA adapter's updates)."""
     T, D = x.shape[0], x.shape[1] // C
-    key = grouped_rms_norm(ops.linear(emb, W[f"{p}.key_proj.weight"]), W[f"{p}.norm_key.weight"], D, eps)  # (T, C*D)
-    value = ops.linear(emb, W[f"{p}.value_proj.weight"])                                                 # (T, D)
+    if projected is None:
+        projected = ops.linear(emb, W[f"{p}.key_proj.weight"]), ops.linear(emb, W[f"{p}.value_proj.weight"])
+    key, value = projected                                                                               # (T, C*D), (T, D)
+    key = grouped_rms_norm(key, W[f"{p}.norm_key.weight"], D, eps)                                       # (T, C*D)
     query = grouped_rms_norm(x, W[f"{p}.norm_query.weight"], D, eps)                                      # (T, C*D)
     gate = (key.reshape(T, C, D) * query.reshape(T, C, D)).sum(-1, keepdims=True) / math.sqrt(D)        # (T, C, 1)
     gate = xp_of(x).sqrt(xp_of(x).maximum(abs(gate), 1e-6)) * xp_of(x).sign(gate)   # signed sqrt, as HF's
@@ -163,3 +179,46 @@ def ple_layer(x, emb, W: dict, p: str, C: int, conv_state, dilation: int, eps: f
     normed = grouped_rms_norm(gated, W[f"{p}.norm_conv.weight"], D, eps)             # (T, C*D)
     conv, state = dilated_causal_conv(normed, W[f"{p}.conv1d.weight"][:, 0], conv_state, dilation)
     return gated + ops.silu(conv), state                                             # (T, C*D)
+
+
+def ple_layer_backward(d_out, x, emb, W: dict, p: str, C: int, dilation: int, eps: float, projected=None,
+                       linear_backward=None):
+    """ple_layer in reverse, from position 0 (a zero convolution state): d_out (T, C*D) -> d_x (T, C*D) (through the
+    query), d_emb (T, E) (the looked-up rows' gradient; the tables themselves get none: they stay frozen on disk),
+    and the layer's weights' gradients by HF name. Recomputes the forward's steps; `projected` as ple_layer's.
+    `linear_backward(d_y, x, weight, name) -> (d_x, d_weight or None)`: key_proj's and value_proj's backward (by
+    default ops.linear_backward; npqwen/grad.py's adds a LoRA adapter's path and keeps its gradients)."""
+    xp, (T, CD), D = xp_of(x), x.shape, x.shape[1] // C
+    linear_backward = linear_backward or (lambda d_y, a, weight, name: ops.linear_backward(d_y, a, weight))
+    # the forward again: key, value, query, the signed-sqrt gate, the gated value, its norm and convolution
+    if projected is None:
+        projected = ops.linear(emb, W[f"{p}.key_proj.weight"]), ops.linear(emb, W[f"{p}.value_proj.weight"])
+    k_in, value = projected                                                              # (T, C*D), (T, D)
+    key = grouped_rms_norm(k_in, W[f"{p}.norm_key.weight"], D, eps).reshape(T, C, D)
+    query = grouped_rms_norm(x, W[f"{p}.norm_query.weight"], D, eps).reshape(T, C, D)
+    score = (key * query).sum(-1, keepdims=True) / math.sqrt(D)                          # (T, C, 1)
+    gate = xp.sqrt(xp.maximum(abs(score), 1e-6)) * xp.sign(score)
+    gated = (ops.sigmoid(gate) * value[:, None, :]).reshape(T, CD)                       # (T, C*D)
+    normed = grouped_rms_norm(gated, W[f"{p}.norm_conv.weight"], D, eps)
+    kernel = W[f"{p}.conv1d.weight"][:, 0]                                               # (C*D, K)
+    state = xp.zeros(((kernel.shape[1] - 1) * dilation, CD), dtype=x.dtype)              # (L, C*D)
+    conv, _ = dilated_causal_conv(normed, kernel, state, dilation)
+    # out = gated + silu(conv(norm_conv(gated)))
+    d_conv = ops.silu_backward(d_out, conv)                                              # (T, C*D)
+    d_normed, d_kernel = dilated_causal_conv_backward(d_conv, normed, kernel, state, dilation)
+    d_gated, d_norm_conv = grouped_rms_norm_backward(d_normed, gated, W[f"{p}.norm_conv.weight"], D, eps)
+    d_gated = (d_gated + d_out).reshape(T, C, D)
+    # gated = sigmoid(gate) * value: value is shared by the streams, the gate is each stream's
+    d_value = (d_gated * ops.sigmoid(gate)).sum(axis=1)                                  # (T, D)
+    d_gate = ops.sigmoid_backward((d_gated * value[:, None, :]).sum(-1, keepdims=True), gate)   # (T, C, 1)
+    # gate = sign(score) sqrt(max(|score|, 1e-6)): slope 1 / (2 sqrt|score|), 0 where the clamp holds it
+    d_score = xp.where(abs(score) >= 1e-6, d_gate * 0.5 / xp.sqrt(xp.maximum(abs(score), 1e-6)), 0.0) / math.sqrt(D)
+    d_key, d_query = (d_score * query).reshape(T, CD), (d_score * key).reshape(T, CD)    # (T, C*D) each
+    d_x, d_norm_query = grouped_rms_norm_backward(d_query, x, W[f"{p}.norm_query.weight"], D, eps)
+    d_k_in, d_norm_key = grouped_rms_norm_backward(d_key, k_in, W[f"{p}.norm_key.weight"], D, eps)
+    d_emb_k, d_key_proj = linear_backward(d_k_in, emb, W[f"{p}.key_proj.weight"], f"{p}.key_proj")   # (T, E), (C*D, E)
+    d_emb_v, d_value_proj = linear_backward(d_value, emb, W[f"{p}.value_proj.weight"], f"{p}.value_proj")   # (D, E)
+    grads = {f"{p}.key_proj.weight": d_key_proj, f"{p}.value_proj.weight": d_value_proj,
+             f"{p}.norm_key.weight": d_norm_key, f"{p}.norm_query.weight": d_norm_query,
+             f"{p}.norm_conv.weight": d_norm_conv, f"{p}.conv1d.weight": d_kernel[:, None, :]}
+    return d_x, d_emb_k + d_emb_v, grads

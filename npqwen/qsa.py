@@ -20,14 +20,15 @@ import math
 
 import numpy as np
 
-from . import ops
-from .backend import xp_of
+from . import lora, ops
+from .backend import to_numpy, xp_of
 
 
-def indexer_queries_keys(x, index_qk_proj, q_norm, Hi: int, di: int, cos, sin, eps: float):
+def indexer_queries_keys(x, index_qk_proj, q_norm, Hi: int, di: int, cos, sin, eps: float, loras=(), p: str = ""):
     """The indexer's queries, normalised and rotated, and its raw (un-normalised, un-rotated) keys.
-    (T, D) -> q (T, Hi, di), keys (T, di)."""
+    (T, D) -> q (T, Hi, di), keys (T, di). `loras`: the batch's LoRA adapters (npqwen/lora.py), p the module's name."""
     qk = ops.linear(x, index_qk_proj)                                           # (T, (Hi + 1) * di)
+    qk = lora.add(qk, x, loras, p)                                              # + scale * B A x, each adapter's rows
     q, keys = qk[:, :Hi * di].reshape(-1, Hi, di), qk[:, Hi * di:]              # (T, Hi, di), (T, di)
     q = ops.rms_norm(q, q_norm, eps, 1.0)                                       # (T, Hi, di), 1 + weight
     return ops.apply_rope(q, cos, sin), keys
@@ -35,12 +36,13 @@ def indexer_queries_keys(x, index_qk_proj, q_norm, Hi: int, di: int, cos, sin, e
 
 def block_scores(q, keys, blocks, k_norm, cos_all, sin_all, eps: float):
     """One query's score of each complete block. q (Hi, di), keys (S, di) raw, blocks (B, r) positions -> (B,)."""
-    pooled = keys[blocks].astype(np.float32).mean(axis=1).astype(keys.dtype)   # (B, di) the mean raw key
+    xp = xp_of(keys)
+    pooled = keys[xp.asarray(blocks)].astype(np.float32).mean(axis=1).astype(keys.dtype)   # (B, di) the mean raw key
     pooled = ops.rms_norm(pooled, k_norm, eps, 1.0)                             # (B, di), 1 + weight
-    start = blocks[:, 0]                                                        # a block sits at its first token
+    start = xp.asarray(blocks[:, 0])                                            # a block sits at its first token
     block_keys = ops.apply_rope(pooled[:, None], cos_all[start], sin_all[start])[:, 0]   # (B, di)
-    scores = np.maximum(block_keys.astype(np.float32) @ q.astype(np.float32).T, 0)      # (B, Hi) relu(q . k)
-    return scores.sum(axis=1) / np.sqrt(q.shape[-1])                            # (B,) summed over the heads
+    scores = xp.maximum(block_keys.astype(np.float32) @ q.astype(np.float32).T, 0)      # (B, Hi) relu(q . k)
+    return scores.sum(axis=1) / math.sqrt(q.shape[-1])                          # (B,) summed over the heads
 
 
 def select_tokens(q, keys, visible, k_norm, cos_all, sin_all, budget: int, r: int, eps: float) -> list:
@@ -55,7 +57,7 @@ def select_tokens(q, keys, visible, k_norm, cos_all, sin_all, budget: int, r: in
         blocks = seen[:B * r].reshape(B, r)                                     # (B, r) positions
         picked = np.zeros(0, dtype=np.int64)
         if B:
-            scores = block_scores(q[t], keys, blocks, k_norm, cos_all, sin_all, eps)   # (B,)
+            scores = to_numpy(block_scores(q[t], keys, blocks, k_norm, cos_all, sin_all, eps))   # (B,) on the host
             best = np.argsort(-scores, kind="stable")[:min(budget // r, B)]     # the highest scores
             picked = blocks[best].reshape(-1)
         chosen.append(np.concatenate([picked, seen[B * r:]]))                  # + the tail that fills no block
@@ -93,3 +95,12 @@ def sparse_attention(q, k, v, allowed):
     probs = (probs / probs.sum(axis=-1, keepdims=True)).astype(q.dtype)        # (K, G, n, S)
     out = probs @ v.transpose(1, 0, 2)[:, None]                                 # (K, G, n, Dh)
     return out.transpose(2, 0, 1, 3).reshape(n, H * Dh), probs.reshape(H, n, -1)
+
+
+def sparse_attention_backward(d_out, q, k, v, probs):
+    """sparse_attention in reverse, given its probabilities: d_out (n, H*Dh) -> d_q (n, H, Dh), d_k, d_v (S, K, Dh);
+    the rule of ops.causal_attention_backward, whose mask is this one's. The selection is a choice, not a function:
+    a position it left out has probability 0, so its score gets no gradient (d_s = p (d_p - sum p d_p) is 0 there),
+    and nothing flows to the indexer (as in transformers, whose indexer reaches the output only through a boolean
+    mask: its weights' .grad stays None)."""
+    return ops.causal_attention_backward(d_out, q, k, v, probs)

@@ -14,8 +14,10 @@ widening is paid once per block and shared by every row of x (a prefill of 512 t
     fp8        float8 e4m3 (uint8) + one scale per 128x128 block   a 256-entry table, times the block's scale
     int8       int8 + one float32 scale per row                    a cast; the scale multiplies the output
     Q8_0 ...   ggml blocks (npqwen/quants.py: llama.cpp's); Q8_0,  quants.dequantize_rows (planes: a cast, the
-               Q4_0, Q4_K, Q6_K split at load into planes:         scales per 32); for decoding, products per
-               integers (out, in), nibbles (out, in/2), and scales  sub-block (sub_block_linear)
+               Q4_0, Q4_K, Q5_K, Q6_K split at load into planes:   scales per 32); for decoding, products per
+               integers (out, in), nibbles (out, in/2) (Q5_K: and   sub-block (sub_block_linear)
+               high bits, (out, in/8); Q6_K: and its top two
+               bits, (out, in/4)), and scales
 
 Every class has the same few members: `shape`, `nbytes`, `format`, `linear(x)`, `linear_backward(d_y)` (d_y @ W,
 the input's gradient through a frozen weight, by the same blocks: QLoRA), `take(ids)` (an embedding lookup that
@@ -256,9 +258,10 @@ class Int8(Compact):
 class Ggml(Compact):
     """llama.cpp's block formats (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, ...): each row is in/block_size blocks of
     type_size bytes, widened by quants.dequantize_rows, which spells out each format's block (npqwen/quants.py).
-    Q8_0, Q4_0, Q4_K and Q6_K are split once, when the weight is made, into their planes (PLANES): the integers
-    of every block side by side, (out, in) int8, (out, in/2) packed nibbles (Q6_K: (out, 3 in/4), the nibbles
-    then their top two bits), and the scales, (in/32, out) each (Q6_K's sub-blocks: in/16):
+    Q8_0, Q4_0, Q4_K, Q5_K and Q6_K are split once, when the weight is made, into their planes (PLANES): the
+    integers of every block side by side, (out, in) int8 or (out, in/2) packed nibbles (Q5_K: and its high bits,
+    (out, in/8); Q6_K: and its top two bits, (out, in/4), one (out, 3 in/4) array), and the scales, (in/32, out)
+    each (Q6_K's sub-blocks: in/16):
     the same integers and scales, but a block of rows widens by one contiguous cast, several times faster than
     a cast through the 34-, 18- or 144-byte blocks (measured: docs/weights.md section 5), in fewer bytes (no
     float16 scale kept beside its float32). `storage` gives the file's blocks back, bit for bit (for saving)."""
@@ -270,8 +273,7 @@ class Ggml(Compact):
                               f"(blocks of {block} values in {size} bytes), got {raw.shape[1]}")
         self.format = qtype
         if planes is None and qtype in PLANES:
-            planes = PLANES[qtype][0](raw)
-            release(raw)
+            planes = split_released(qtype, raw)
         self.planes, self.raw = planes, (None if planes else raw)   # raw: (out, in/block * size) uint8
         self.shape = (len(planes[0]) if planes else raw.shape[0], n_in)
         # the sub-blocks' scale fields, decoded once for the products per sub-block (sub_block_linear)
@@ -305,7 +307,7 @@ class Ggml(Compact):
 
     def linear(self, x):
         """x @ W^T. A few rows of x: sub_block_linear, which widens the integers only and applies the scales
-        to the products; more rows, or no fields (Q5_K, F16, BF16, F32, arrays on a GPU): Compact's
+        to the products; more rows, or no fields (F16, BF16, F32, arrays on a GPU): Compact's
         widen-then-matmul on quants.py's rule for each block, the reference."""
         few = 1 if self.format == "Q6_K" else BLOCK_DOT_ROWS   # Q6_K: see BLOCK_DOT_ROWS
         if x.shape[0] > few or not self.fields or xp_of(self.arrays[0]) is not np:
@@ -508,8 +510,70 @@ def widen_q6_k(qs, d, sc, out):
     out.reshape(n, -1, 16)[...] *= q6_k_scales(d, sc)[0].T[..., None]         # (n, nb*16, 16) * (n, nb*16, 1)
 
 
+# Q5_K is Q4_K with a fifth, high bit per value (block_q5_K: f16 d | f16 dmin | scales[12] | qh[32] | qs[128]; bit
+# j of qh[l] is the high bit of value l of sub-block j). Its planes are Q4_K's, the nibbles paired across the row,
+# and one more: the high bits packed eight values to a byte in the row's order (bit b of byte i: value 8i + b),
+# which `unpackbits` widens in one pass. Both integer planes are one array, (out, in/2 + in/8) uint8, the nibbles
+# then the bits, so that a block of rows is one slice. The high bits are added as 16 * bit on uint64 views of
+# the bytes (8 values at a time: NumPy's uint8 shift and or ran 3.5x slower than the same on uint64).
+
+def split_q5_k(raw):
+    """(n, nb*176) blocks -> q (n, in/2 + in/8) uint8 (Q4_K's nibbles, then the high bits), d, dmin (nb, n)
+    float32, sc, m (nb*8, n) uint8: w = d*sc_s * q - dmin*m_s in sub-block s of 32, q = nibble + 16 * high bit."""
+    xp, n = xp_of(raw), len(raw)
+    b = raw.reshape(n, -1, 176)
+    nb = b.shape[1]
+    half = nb * 128
+    q = xp.empty((n, half + nb * 32), dtype=np.uint8)
+    d, dmin = xp.empty((nb, n), dtype=np.float32), xp.empty((nb, n), dtype=np.float32)
+    sc, m = xp.empty((nb * 8, n), dtype=np.uint8), xp.empty((nb * 8, n), dtype=np.uint8)
+    for a in range(0, n, 4096):   # a few rows at a time: the unpacked bits are a byte each
+        p, rows = b[a:a + 4096], slice(a, a + 4096)
+        q4_k = xp.concatenate([p[..., :16], p[..., 48:]], axis=2).reshape(len(p), -1)   # the same block less qh
+        q[rows, :half], d[:, rows], dmin[:, rows], sc[:, rows], m[:, rows] = split_q4_k(q4_k)
+        high = xp.unpackbits(xp.ascontiguousarray(p[..., 16:48]).reshape(-1), bitorder="little")   # qh[l] bit j
+        high = high.reshape(len(p), nb, 32, 8).transpose(0, 1, 3, 2)          # (rows, nb, j, l): values in order
+        q[rows, half:] = xp.packbits(high.reshape(-1), bitorder="little").reshape(len(p), -1)
+    return q, d, dmin, sc, m
+
+
+def join_q5_k(q, d, dmin, sc, m):
+    xp, n = xp_of(q), len(q)
+    half = q.shape[1] * 4 // 5
+    q4_k = join_q4_k(xp.ascontiguousarray(q[:, :half]), d, dmin, sc, m).reshape(n, -1, 144)
+    high = xp.unpackbits(xp.ascontiguousarray(q[:, half:]).reshape(-1), bitorder="little")   # values in order
+    high = high.reshape(n, -1, 8, 32).transpose(0, 1, 3, 2)                   # (n, nb, l, j)
+    b = xp.empty((n, q4_k.shape[1], 176), dtype=np.uint8)
+    b[..., :16], b[..., 48:] = q4_k[..., :16], q4_k[..., 16:]
+    b[..., 16:48] = xp.packbits(xp.ascontiguousarray(high).reshape(-1), bitorder="little").reshape(n, -1, 32)
+    return b.reshape(n, -1)
+
+
+def unpack_q5_k(q, out):
+    """The values 0..31 of rows q (n, in/2 + in/8) into uint8 `out` (n, in), contiguous, in order."""
+    xp = xp_of(out)
+    half = out.shape[1] // 2
+    unpack_q4_0(q[:, :half], out)                                              # the low 4 bits
+    high = xp.unpackbits(xp.ascontiguousarray(q[:, half:]).reshape(-1), bitorder="little").view(np.uint64)
+    high <<= np.uint64(4)                                                      # 0 or 16 in each byte
+    wide = out.reshape(-1).view(np.uint64)
+    wide |= high
+
+
+def widen_q5_k(q, d, dmin, sc, m, out):
+    n = len(out)
+    values = xp_of(out).empty(out.shape, dtype=np.uint8)
+    unpack_q5_k(q, values)
+    xp_of(out).copyto(out, values, casting="unsafe")
+    scale, low = q4_k_scales(d, dmin, sc, m)                                   # (nb*8, n) each
+    out3 = out.reshape(n, -1, 32)
+    out3 *= scale.T[..., None]
+    out3 -= low.T[..., None]
+
+
 PLANES = {"Q8_0": (split_q8_0, join_q8_0, widen_q8_0), "Q4_0": (split_q4_0, join_q4_0, widen_q4_0),
-          "Q4_K": (split_q4_k, join_q4_k, widen_q4_k), "Q6_K": (split_q6_k, join_q6_k, widen_q6_k)}
+          "Q4_K": (split_q4_k, join_q4_k, widen_q4_k), "Q5_K": (split_q5_k, join_q5_k, widen_q5_k),
+          "Q6_K": (split_q6_k, join_q6_k, widen_q6_k)}
 
 
 def release(raw):
@@ -526,6 +590,27 @@ def release(raw):
     a, b = start // page * page, -(-(start + raw.nbytes) // page) * page   # the whole pages around raw
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), mmap.MADV_DONTNEED)
+
+
+def split_released(qtype: str, raw, rows: int = 4096):
+    """PLANES[qtype]'s split of raw (out, row bytes) `rows` rows at a time into planes made once, each run of the
+    file's rows released as soon as it is split: while loading, the process holds the planes and one run of the
+    file's bytes, not a whole matrix twice (Qwen3-8B's lm_head at Q8_0: 0.66 GB of blocks beside its planes)."""
+    split = PLANES[qtype][0]
+    if len(raw) <= rows:
+        planes = split(raw)
+        release(raw)
+        return planes
+    xp, n, first = xp_of(raw), len(raw), split(raw[:rows])
+    planes = (xp.empty((n, *first[0].shape[1:]), dtype=first[0].dtype),     # the integers, a row per row
+              *(xp.empty((len(f), n), dtype=f.dtype) for f in first[1:]))   # the scales, a column per row
+    for a in range(0, n, rows):
+        part = first if a == 0 else split(raw[a:a + rows])
+        planes[0][a:a + rows] = part[0]
+        for plane, f in zip(planes[1:], part[1:]):
+            plane[:, a:a + rows] = f
+        release(raw[a:a + rows])
+    return planes
 
 
 # ---------------------------------------------------------------- ggml blocks: products per sub-block
@@ -552,8 +637,9 @@ BLOCK_DOT_ROWS = 64   # Q6_K: one row only. Its 16-value sub-blocks make twice t
 # over whole rows beats one whose inner loop is 16 values, not always one of 32; Q4's nibbles unpacked straight
 # into float32 beat unpacking into uint8 then casting: decode 0.63x -> 0.70x float32's speed at Q4_0).
 
-# Q8_0, Q4_0, Q4_K and Q6_K are kept as planes (PLANES): their fields are the scale planes (d; Q4_K's d, dmin, sc,
-# m; Q6_K's d, sc), and `ints` takes the integer plane's rows, one contiguous run each (Q4_K's nibbles as Q4_0's).
+# Q8_0, Q4_0, Q4_K, Q5_K and Q6_K are kept as planes (PLANES): their fields are the scale planes (d; Q4_K's and
+# Q5_K's d, dmin, sc, m; Q6_K's d, sc), and `ints` takes the integer plane's rows, one contiguous run each (Q4_K's
+# nibbles as Q4_0's; Q5_K's nibbles, then its high bits; Q6_K's nibbles, then its top bits).
 
 def q8_0_scales(d):
     return d, None
@@ -589,10 +675,16 @@ def q6_k_ints(qs, out, scratch):
     np.copyto(out, scratch, casting="unsafe")
 
 
+def q5_k_ints(q, out, scratch):
+    unpack_q5_k(q, scratch.reshape(len(q), -1))                                # (n, in) uint8, in order
+    np.copyto(out, scratch, casting="unsafe")
+
+
 # qtype -> (S, fields, scales, ints)
 AFFINE = {"Q8_0": (32, None, q8_0_scales, q8_0_ints),          # fields: the planes' scales (PLANES)
           "Q4_0": (32, None, q4_0_scales, q4_0_ints),
           "Q4_K": (32, None, q4_k_scales, q4_0_ints),
+          "Q5_K": (32, None, q4_k_scales, q5_k_ints),
           "Q6_K": (16, None, q6_k_scales, q6_k_ints)}
 
 

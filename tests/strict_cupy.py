@@ -33,7 +33,7 @@ UFUNC = ("out", "casting", "dtype")   # cupy ufuncs: f(x1, x2, /, out=None, *, c
 UFUNCS = ("add", "subtract", "multiply", "divide", "true_divide", "negative", "exp", "log", "sqrt", "tanh",
           "cos", "sin", "maximum", "minimum", "isfinite", "isnan", "power", "left_shift", "right_shift", "floor_divide",
           "greater", "less", "greater_equal", "less_equal", "equal", "not_equal", "logical_and",
-          "logical_not", "log1p")
+          "logical_not", "log1p", "abs", "absolute", "sign")
 # every other cupy function offered: name -> the keyword arguments cupy 14.2 accepts
 KEYWORDS = {
     "asarray": ("a", "dtype", "order", "copy", "blocking"),
@@ -56,6 +56,7 @@ KEYWORDS = {
     "matmul": UFUNC,
     "dot": ("a", "b", "out"),
     "sum": ("a", "axis", "dtype", "out", "keepdims"),
+    "mean": ("a", "axis", "dtype", "out", "keepdims"),
     "max": ("a", "axis", "out", "keepdims"),
     "min": ("a", "axis", "out", "keepdims"),
     "argmax": ("a", "axis", "dtype", "out", "keepdims"),
@@ -69,8 +70,12 @@ KEYWORDS = {
     "take_along_axis": ("a", "indices", "axis"),
     "bincount": ("x", "weights", "minlength"),
     "empty_like": ("prototype", "dtype", "order", "subok", "shape"),
+    "zeros_like": ("a", "dtype", "order", "subok", "shape"),
     "copyto": ("dst", "src", "casting", "where"),       # compact weights (npqwen/weights.py): a block widened
     "take": ("a", "indices", "axis", "out"),
+    "flatnonzero": ("a",),                              # the loss's counted rows (npqwen/grad.py)
+    "nonzero": ("a",),                                  # an expert's (token, choice) pairs (moe.experts_backward)
+    "put_along_axis": ("arr", "indices", "values", "axis"),   # the router's backward (npqwen/moe.py)
     **{name: UFUNC for name in UFUNCS},
 }
 METHOD_KEYWORDS = {
@@ -82,6 +87,7 @@ METHOD_KEYWORDS = {
     "copy": ("order",),
     "fill": ("value",),
     "sum": ("axis", "dtype", "out", "keepdims"),
+    "mean": ("axis", "dtype", "out", "keepdims"),
     "max": ("axis", "out", "keepdims"),
     "min": ("axis", "out", "keepdims"),
     "argmax": ("axis", "out", "dtype", "keepdims"),
@@ -92,6 +98,7 @@ METHOD_KEYWORDS = {
     "item": (),
     "tolist": (),
 }
+UFUNC_METHOD_KEYWORDS = {"add.at": ("a", "indices", "b")}   # ufunc methods offered: cupy.add.at
 ATTRIBUTES = ("shape", "dtype", "ndim", "size", "nbytes", "itemsize", "strides", "T")
 DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
           "uint64", "bool_", "dtype")
@@ -326,8 +333,8 @@ def _numpy_method(name: str):
     return method
 
 
-for _name in ("astype", "view", "reshape", "transpose", "ravel", "copy", "fill", "sum", "max", "min", "argmax",
-              "all", "any", "cumsum"):
+for _name in ("astype", "view", "reshape", "transpose", "ravel", "copy", "fill", "sum", "mean", "max", "min",
+              "argmax", "all", "any", "cumsum"):
     setattr(ndarray, _name, _numpy_method(_name))
 for _name, _ufunc in (("add", "add"), ("sub", "subtract"), ("mul", "multiply"), ("truediv", "true_divide"),
                       ("pow", "power"), ("lshift", "left_shift"), ("rshift", "right_shift"),
@@ -340,6 +347,7 @@ for _name, _ufunc in (("lt", "less"), ("le", "less_equal"), ("gt", "greater"), (
                       ("eq", "equal"), ("ne", "not_equal")):
     setattr(ndarray, f"__{_name}__", _operator(_ufunc))
 ndarray.__neg__ = lambda self: compute("negative", (self,), {})
+ndarray.__abs__ = lambda self: compute("absolute", (self,), {})
 ndarray.__invert__ = lambda self: compute("logical_not", (self,), {})
 
 
@@ -365,6 +373,14 @@ def _function(name: str):
         return compute(name, args, kwargs)
     function.__name__ = function.__qualname__ = name
     return function
+
+
+@checked("cupy.add.at", UFUNC_METHOD_KEYWORDS["add.at"])
+def add_at(a, indices, b=None):
+    """cupy.add.at(a, indices, b): a[indices] += b, a repeated index adding each time (the backwards' scatter)."""
+    if not isinstance(a, ndarray):
+        raise TypeError(f"cupy.add.at writes into a cupy.ndarray, got {type(a)}")
+    np.add.at(a._a, host(indices, "cupy.add.at"), host(b, "cupy.add.at"))
 
 
 @checked("cupy.asarray", KEYWORDS["asarray"])
@@ -406,6 +422,7 @@ def make_module() -> StrictModule:
     for name in KEYWORDS:
         setattr(cupy, name, _function(name))
     cupy.asarray, cupy.array, cupy.asnumpy, cupy.ndarray = asarray, array, asnumpy, ndarray
+    cupy.add.at = add_at
     for name in DTYPES:
         setattr(cupy, name, getattr(np, name))
     runtime = types.SimpleNamespace(getDeviceCount=_runtime_function("getDeviceCount", 1),
@@ -432,6 +449,7 @@ def offered_names() -> dict[str, tuple]:
     names.update({"cupy.asarray": KEYWORDS["asarray"], "cupy.array": KEYWORDS["array"],
                   "cupy.asnumpy": KEYWORDS["asnumpy"]})
     names.update({f"cupy.cuda.runtime.{n}": () for n in ("getDeviceCount", "memGetInfo", "CUDARuntimeError")})
+    names.update({f"cupy.{n}": k for n, k in UFUNC_METHOD_KEYWORDS.items()})
     names.update({f"ndarray.{n}": k for n, k in METHOD_KEYWORDS.items()})
     names.update({f"ndarray.{n}": () for n in ATTRIBUTES})
     return names

@@ -3,11 +3,14 @@ differences in float64 and against torch autograd; the whole model's gradients, 
 activation HF has a module (or a module's input) for, against HF transformers' `.backward()` (Qwen3 and
 Qwen3-MoE, Qwen3.5): float64 within 1e-10 and float32 within 1e-5 (Qwen3.5: nearer float64's than HF's
 float32 is), relative to the largest value of each tensor."""
+import re
+
 import numpy as np
 import pytest
 
 import npqwen
-from npqwen import grad, moe, ops
+from npqwen import grad, moe, ops, ple, qsa
+from npqwen import hyper_connections as hc
 from npqwen import linear_attention as la
 from npqwen.config import Qwen3Config
 from npqwen.hooks import step_names
@@ -189,13 +192,99 @@ def linear_attention_cases():
            lambda d, x, z, w: la.gated_rms_norm_backward(d, x, z, w, 1e-6),
            [RNG.standard_normal((T, Hv, dv)), RNG.standard_normal((T, Hv, dv)), RNG.standard_normal(dv)],
            lambda x, z, w: w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * torch.nn.functional.silu(z))
+    yield ("gated_rms_norm, sigmoid gate (Qwen4-Exp's output_gate_type)",
+           lambda x, z, w: la.gated_rms_norm(x, z, w, 1e-6, la.sigmoid),
+           lambda d, x, z, w: la.gated_rms_norm_backward(d, x, z, w, 1e-6, la.sigmoid),
+           [RNG.standard_normal((T, Hv, dv)), RNG.standard_normal((T, Hv, dv)), RNG.standard_normal(dv)],
+           lambda x, z, w: w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * torch.sigmoid(z))
     yield ("decay_and_beta", lambda a, b, A, dt: np.stack(la.decay_and_beta(a, b, A, dt)),
            lambda d, a, b, A, dt: la.decay_and_beta_backward(d[0], d[1], a, b, A, dt),
            [3 * RNG.standard_normal((T, Hv)), RNG.standard_normal((T, Hv)), RNG.standard_normal(Hv), RNG.standard_normal(Hv)],
            lambda a, b, A, dt: torch.stack([-A.exp() * torch.nn.functional.softplus(a + dt), torch.sigmoid(b)]))
 
 
-CASES = list(operator_cases()) + list(linear_attention_cases())
+def torch_grouped_norm(x, w, D, eps=1e-6):
+    """HF's Qwen4ExpTextRMSNorm with group_size=D (without its float32 cast): each stream normalised, * (1 + w)."""
+    h = x.reshape(x.shape[0], -1, D)
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).reshape(x.shape) * (1 + w)
+
+
+def torch_gated_residual(x, nw, down, up, inj, C):
+    """HF's Qwen4ExpTextGatedResidual.forward: the mixed input and the injection weights, side by side (T, D + C)."""
+    T, D = x.shape[0], x.shape[1] // C
+    h = torch_grouped_norm(x, nw, D)
+    gate = torch.sigmoid(torch.nn.functional.silu(h @ down.T / C) @ up.T).reshape(T, C, D)
+    return torch.cat([(gate * h.reshape(T, C, D)).mean(1), 2 * torch.sigmoid(h @ inj.T / C)], 1)
+
+
+def torch_sparse_attention(q, k, v, allowed):
+    n, H, Dh = q.shape
+    G = H // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)        # (S, H, Dh)
+    s = torch.einsum("thd,shd->hts", q, k) / Dh ** 0.5
+    s = s.masked_fill(~torch.from_numpy(allowed), float("-inf"))
+    return torch.einsum("hts,shd->thd", s.softmax(-1), v).reshape(n, H * Dh)
+
+
+def torch_dilated_conv(x, kernel, dilation):
+    """HF's PLE convolution: depthwise Conv1d with dilation over (C*D, T), padded on the left with zeros."""
+    L = (kernel.shape[1] - 1) * dilation
+    xt = torch.nn.functional.pad(x.T[None], (L, 0))
+    return torch.nn.functional.conv1d(xt, kernel[:, None], groups=x.shape[1], dilation=dilation)[0].T
+
+
+def torch_ple(x, emb, wk, wv, nk, nq, nc, conv, C, dilation):
+    """HF's Qwen4ExpTextPLELayer.forward from its embeddings (without the norms' float32 casts)."""
+    T, D = x.shape[0], x.shape[1] // C
+    key = torch_grouped_norm(emb @ wk.T, nk, D).reshape(T, C, D)
+    value = emb @ wv.T
+    gate = (key * torch_grouped_norm(x, nq, D).reshape(T, C, D)).sum(-1, keepdim=True) / D ** 0.5
+    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+    gated = (torch.sigmoid(gate) * value[:, None]).reshape(T, C * D)
+    return gated + torch.nn.functional.silu(torch_dilated_conv(torch_grouped_norm(gated, nc, D), conv[:, 0], dilation))
+
+
+def qwen4_exp_cases():
+    """Qwen4-Exp's functions: hyper-connections (C=3 streams of D=4, rank R=2), QSA's attention over a selection of
+    n=3 queries from S=6 positions, PLE's dilated convolution and layer (E=6, kernel 3, dilation 2)."""
+    T, C, D, R, E, Kc, dil = 5, 3, 4, 2, 6, 3, 2
+    yield ("grouped_rms_norm", lambda x, w: hc.grouped_rms_norm(x, w, D, 1e-6),
+           lambda d, x, w: hc.grouped_rms_norm_backward(d, x, w, D, 1e-6),
+           [RNG.standard_normal((T, C * D)), RNG.standard_normal(C * D)], lambda x, w: torch_grouped_norm(x, w, D))
+    yield ("gated_residual (mixing + injection weights)",
+           lambda x, nw, dn, up, inj: np.concatenate([a for a in hc.gated_residual(x, nw, dn, up, inj, C, 1e-6)
+                                                       if a is not x], 1),
+           lambda d, x, nw, dn, up, inj: hc.gated_residual_backward(d[:, :D], d[:, D:], x, nw, dn, up, inj, C, 1e-6),
+           [RNG.standard_normal((T, C * D)), 0.3 * RNG.standard_normal(C * D), RNG.standard_normal((R, C * D)),
+            RNG.standard_normal((C * D, R)), RNG.standard_normal((C, C * D))],
+           lambda *a: torch_gated_residual(*a, C))
+    yield ("inject", hc.inject, lambda d, x, out, w: hc.inject_backward(d, out, w),
+           [RNG.standard_normal((T, C * D)), RNG.standard_normal((T, D)), RNG.random((T, C))],
+           lambda x, out, w: x + (w[:, :, None] * out[:, None, :]).reshape(x.shape))
+    allowed = np.array([[1, 0, 1, 1, 0, 0], [0, 1, 0, 1, 1, 0], [1, 1, 0, 0, 1, 1]], dtype=bool)   # (n, S)
+    yield ("QSA sparse_attention (GQA, a selection)", lambda q, k, v: qsa.sparse_attention(q, k, v, allowed)[0],
+           lambda d, q, k, v: qsa.sparse_attention_backward(d, q, k, v, qsa.sparse_attention(q, k, v, allowed)[1]),
+           [RNG.standard_normal((3, 4, D)), RNG.standard_normal((6, 2, D)), RNG.standard_normal((6, 2, D))],
+           lambda q, k, v: torch_sparse_attention(q, k, v, allowed))
+    zero = np.zeros(((Kc - 1) * dil, C * D))
+    yield ("PLE dilated_causal_conv", lambda x, k: ple.dilated_causal_conv(x, k, zero, dil)[0],
+           lambda d, x, k: ple.dilated_causal_conv_backward(d, x, k, zero, dil),
+           [RNG.standard_normal((T, C * D)), RNG.standard_normal((C * D, Kc))],
+           lambda x, k: torch_dilated_conv(x, k, dil))
+    names = ("key_proj", "value_proj", "norm_key", "norm_query", "norm_conv", "conv1d")
+
+    def ple_weights(wk, wv, nk, nq, nc, conv):
+        return {f"p.{n}.weight": w for n, w in zip(names, (wk, wv, nk, nq, nc, conv))}
+    yield ("PLE ple_layer", lambda x, emb, *w: ple.ple_layer(x, emb, ple_weights(*w), "p", C, zero, dil, 1e-6)[0],
+           lambda d, x, emb, *w: [*ple.ple_layer_backward(d, x, emb, ple_weights(*w), "p", C, dil, 1e-6)[:2],
+                                  *ple.ple_layer_backward(d, x, emb, ple_weights(*w), "p", C, dil, 1e-6)[2].values()],
+           [RNG.standard_normal((T, C * D)), RNG.standard_normal((T, E)), RNG.standard_normal((C * D, E)),
+            RNG.standard_normal((D, E)), 0.3 * RNG.standard_normal(C * D), 0.3 * RNG.standard_normal(C * D),
+            0.3 * RNG.standard_normal(C * D), RNG.standard_normal((C * D, 1, Kc))],
+           lambda *a: torch_ple(*a, C, dil))
+
+
+CASES = list(operator_cases()) + list(linear_attention_cases()) + list(qwen4_exp_cases())
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -220,6 +309,20 @@ def test_each_backward_equals_torch_autograd(case):
     for i, (a, t) in enumerate(zip(backward(d_out, *inputs), ts)):
         print(f"{name} input {i}: max |ours - torch| / max = {rel(a, t.grad.numpy()):.2e}")
         assert rel(a, t.grad.numpy()) < 1e-12
+
+
+@pytest.mark.parametrize("case", [c for c in qwen4_exp_cases() if "dilated" not in c[0]], ids=lambda c: c[0])
+def test_qwen4_exp_backwards_on_the_cupy_stand_in(case, monkeypatch):
+    """Each Qwen4-Exp backward on device arrays (tests/strict_cupy.py, which refuses what CuPy refuses) gives the
+    NumPy results. (The dilated convolution runs inside ple_layer_backward, which makes its own zero state.)"""
+    import strict_cupy
+    from npqwen.backend import to_numpy
+
+    cupy = strict_cupy.install(monkeypatch)
+    name, forward, backward, inputs, _ = case
+    d_out = RNG.standard_normal(np.shape(forward(*inputs)))
+    for got, want in zip(backward(cupy.asarray(d_out), *[cupy.asarray(x) for x in inputs]), backward(d_out, *inputs)):
+        assert isinstance(got, cupy.ndarray) and np.array_equal(to_numpy(got), want), name
 
 
 # -- the whole model against HF transformers' backward --
@@ -292,8 +395,9 @@ def hf_gradients(model, ids, target: int, gated: bool = False):
     kept, handles = {}, []
 
     def keep(name, t):
-        t.retain_grad()
-        kept[name] = t
+        if t.requires_grad:   # (not Qwen4-Exp's indexer: a boolean selection)
+            t.retain_grad()
+            kept[name] = t
 
     for name, module in model.named_modules():
         short = name
@@ -315,7 +419,7 @@ def hf_gradients(model, ids, target: int, gated: bool = False):
     value.backward()
     for h in handles:
         h.remove()
-    params = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+    params = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
     return value.item(), params, {n: t.grad.numpy()[0] if t.grad.shape[0] == 1 else t.grad.numpy()
                                   for n, t in kept.items() if t.grad is not None}
 
@@ -356,11 +460,13 @@ def test_every_gradient_equals_hf_backward(checkpoint, dtype, tolerance, monkeyp
         assert worst[0][0] < tolerance, worst[:4]
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-qwen3.5"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-qwen3.5", "tiny-qwen4-exp"])
 def test_whole_model_equals_finite_differences(name):
-    """Every weight (one element of each, chosen at random) and a few activations (nudged by a hook) of the
-    built-in tiny models in float64: d loss by central differences against npqwen's backward."""
-    whole_model_finite_differences(npqwen.load(name, dtype="float64"), name)
+    """Every weight (one element of each, chosen at random; Qwen4-Exp: 24 of its 155 weights) and a few activations
+    (nudged by a hook) of the built-in tiny models in float64: d loss by central differences against npqwen's
+    backward."""
+    whole_model_finite_differences(npqwen.load(name, dtype="float64"), name,
+                                   sample=24 if name == "tiny-qwen4-exp" else None)
 
 
 def test_hybrid_mixtures_equal_finite_differences(checkpoint):
@@ -396,10 +502,10 @@ def whole_model_finite_differences(llm, name, sample=None):
             array[idx] = old
             return value
         worst.append((abs(slope(moved) - ours[w][idx]) / max(np.abs(ours[w]).max(), 1e-12), w))
-    layer = llm.config.num_hidden_layers - 1
-    mlp = "experts" if llm.config.is_moe_layer(layer) else "down_proj"
-    for a in ("model.embed_tokens", "model.layers.0.input_layernorm", f"model.layers.{layer}.mlp.{mlp}",
-              f"model.layers.{layer}.attn_residual", "model.norm"):
+    layer, cfg = llm.config.num_hidden_layers - 1, llm.config
+    mlp = "experts" if cfg.is_moe_layer(layer) else "down_proj"
+    for a in ("model.embed_tokens", grad.block_inputs(cfg, 0)[0], f"model.layers.{layer}.mlp.{mlp}",
+              f"model.layers.{layer}.attn_residual", "model.hyper_connection_mixer" if cfg.qwen4_exp else "model.norm"):
         def nudged(h, a=a):   # position 3, value 5 of activation a moved by h, with a hook
             def hook(x, n):
                 x = x.copy()
@@ -425,7 +531,7 @@ def test_the_tape_changes_no_logit_and_names_are_step_names():
         g["model.norm.weight"]
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-qwen3.5"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-qwen3.5", "tiny-qwen4-exp"])
 def test_activation_checkpointing_gives_the_same_gradients(name):
     """Only the residual stream kept going forward, each layer run again before its backward: every gradient bit
     for bit the same (the same code runs), with a fraction of the tape."""
@@ -435,3 +541,63 @@ def test_activation_checkpointing_gives_the_same_gradients(name):
     assert set(whole) == set(saved) and all(np.array_equal(whole[n], saved[n]) for n in whole)
     print(f"{name}: {len(saved.tape)} arrays kept of {len(whole.tape)}")
     assert len(saved.tape) <= llm.config.num_hidden_layers + 5
+
+
+# -- Qwen4-Exp: hyper-connections, QSA, PLE, with Gated DeltaNet and the gated shared expert MoE --
+
+@pytest.fixture(scope="module")
+def qwen4_exp(tmp_path_factory):
+    from test_qwen4_exp import build
+
+    return build(tmp_path_factory.mktemp("qwen4_exp"))[0]   # 4 layers: DeltaNet x3 (2 with PLE), QSA; C=3 streams
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("float64", 1e-10), ("float32", 1e-5)])
+def test_qwen4_exp_gradients_equal_hf_backward(qwen4_exp, dtype, tolerance, monkeypatch):
+    """Every weight's gradient and every module output's HF has against transformers' backward, the rules above.
+    QSA's indexer reaches the output only through its boolean selection: HF leaves its weights' .grad None, npqwen
+    gives zeros. The PLE tables are frozen in npqwen: their gradient is checked as the looked-up rows' (HF's table
+    gradient is those rows' gradients added at their ids)."""
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForCausalLM
+
+    llm = npqwen.load(qwen4_exp, dtype=dtype)
+    hf = Qwen4ExpForCausalLM.from_pretrained(qwen4_exp, dtype=torch.float32).eval()
+    hf.config._experts_implementation = "eager"   # (grouped_mm takes no float64)
+    if dtype == "float64":
+        hf = float64_hf(hf, llm, monkeypatch, hybrid=True)
+    ids, target, cfg = IDS[:-1] + [7, 9, 299, 11, 23, 7], 42, llm.config   # 17 tokens: QSA's budget (8) leaves some out
+    ours = grad.gradients(llm, ids, grad.log_prob(target))
+    value, params, activations = hf_gradients(hf, ids, target, gated=True)
+    left_out = (~ours.tape["model.layers.3.self_attn.indexer"]).sum() - len(ids) * (len(ids) - 1) // 2
+    print(f"{dtype}: log p = {ours.value:.10f} (HF {value:.10f}); QSA left out {left_out} visible positions")
+    assert abs(ours.value - value) < tolerance * 10 and left_out > 0
+    indexer = {n for n in ours.weight_names if ".indexer." in n}
+    tables = {n for n, _ in hf.named_parameters() if "ngram_embedding" in n}
+    assert indexer and not indexer & set(params) and all(not ours[n].any() for n in indexer)
+    views = {n for n in ours.weight_names if re.search(r"\.experts\.\d", n)}   # the per-expert names, views
+    assert set(ours.weight_names) - indexer - views == set(params) - tables
+    worst = sorted(((rel(ours[n], g), n) for n, g in params.items() if n not in tables), reverse=True)
+    compared = [n for n in activations if n in ours]
+    for name in compared:
+        worst.append((rel(np.reshape(ours[name], activations[name].shape), activations[name]), name))
+    for i in (i for i in range(cfg.num_hidden_layers) if cfg.is_ple_layer(i)):   # the tables: the rows looked up
+        j, Hn = cfg.ple_index(i), (cfg.ngram_size - 1) * cfg.heads_per_ngram
+        sizes, offsets = ple.head_vocab_sizes(cfg.ngram_vocab_size_base, Hn, j)
+        rows = ple.ngram_ids(np.array([7, 7] + ids), ple.layer_multipliers(cfg.vocab_size, 3, j, cfg.seed), sizes,
+                             offsets, cfg.heads_per_ngram, 7)[2:]                          # (T, Hn)
+        name = f"model.layers.{i}.ple.ple_embedding.ngram_embedding.weight"
+        table = np.zeros(params[name].shape)
+        np.add.at(table, rows, np.reshape(ours[f"model.layers.{i}.ple.ple_embedding"], (len(ids), Hn, -1)))
+        worst.append((rel(table, params[name]), name))
+    worst.sort(reverse=True)
+    print(f"{len(params)} weights and {len(compared)} activations; the largest relative differences:", worst[:4])
+    assert len(compared) >= 14 * cfg.num_hidden_layers, sorted(set(activations) - set(ours))
+    if dtype == "float32":   # each weight's within 5e-5 of float64's, or at most 3x as far as HF's own float32 one
+        exact = grad.gradients(npqwen.load(qwen4_exp, dtype="float64"), ids, grad.log_prob(target))
+        errors = {n: (rel(ours[n], exact[n]), rel(g, exact[n])) for n, g in params.items() if n not in tables}
+        ours_error, hf_error = (max(e[k] for e in errors.values()) for k in (0, 1))
+        print(f"from float64's gradients: npqwen float32 {ours_error:.1e}, HF float32 {hf_error:.1e}")
+        assert all(mine <= max(3 * hf, 5e-5) for mine, hf in errors.values()), \
+            sorted(((m, h, n) for n, (m, h) in errors.items() if m > max(3 * h, 5e-5)), reverse=True)[:3]
+    else:
+        assert worst[0][0] < tolerance, worst[:4]

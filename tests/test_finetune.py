@@ -33,15 +33,17 @@ def examples(n=6, seed=0):
             for _ in range(n)]
 
 
-def peft_training(base, adapter_dir, data):
-    """The same loop in torch: PEFT's model of the same adapter, HF's loss from labels, torch's AdamW."""
-    model = peft.PeftModel.from_pretrained(hf_model(base), adapter_dir, is_trainable=True).train()
+def peft_training(base, adapter_dir, data, load=hf_model, steps=STEPS, accumulate=ACCUMULATE):
+    """The same loop in torch: PEFT's model of the same adapter (on `load(base)`, in its dtype), HF's loss from
+    labels, torch's AdamW."""
+    hf = load(base)
+    model = peft.PeftModel.from_pretrained(hf, adapter_dir, is_trainable=True).to(hf.dtype).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         optimizer.zero_grad()
-        batch, total = [data[(step * ACCUMULATE + j) % len(data)] for j in range(ACCUMULATE)], 0.0
+        batch, total = [data[(step * accumulate + j) % len(data)] for j in range(accumulate)], 0.0
         for ex in batch:
             labels = np.append(-100, ex.targets[:-1])        # HF shifts the labels itself: label t+1 at row t
             out = model(input_ids=torch.from_numpy(ex.ids)[None], labels=torch.from_numpy(labels)[None])
@@ -83,6 +85,50 @@ def test_twenty_steps_match_peft_and_torch(base, tmp_path):
     got = llm.forward(data[0].ids, lora="trained")
     print(f"served: max |npqwen - PEFT| logits {np.abs(got - expected).max():.1e}")
     assert np.abs(got - expected).max() < 1e-4
+
+
+def test_qwen4_exp_steps_match_peft_and_torch_in_float64(tmp_path, monkeypatch):
+    """Qwen4-Exp with an adapter on every projection PEFT's all-linear adapts there (attention's, the QSA indexer's,
+    the Gated DeltaNet's, the shared expert's and its gate, the hyper-connections' and the final mixing's, PLE's), 3
+    AdamW steps in float64 against PEFT + torch (HF's float32 casts kept float64, tests/test_backward.py): the losses
+    and the adapter. The indexer's adapter reaches the output only through the block selection, a step: torch leaves
+    its .grad None and does not step it, nor does npqwen. (Float32 differs from torch by rounding that Adam's first
+    steps, which follow each gradient's sign, magnify on the near-zero entries; float64 shows the math is the same.)"""
+    from npqwen import lora
+
+    from test_backward import float64_hf
+    from test_qwen4_exp import build, qwen4
+
+    base = build(tmp_path / "base")[0]                    # 4 layers: DeltaNet x3 (2 with PLE), QSA; C=3 streams
+    llm = npqwen.load(base, dtype="float64")
+    adapter = ft.new_adapter(llm.model, r=4, alpha=8, targets=lora.LINEAR)
+    rng = np.random.default_rng(1)
+    for name, a in adapter.weights.items():   # B non-zero from the start; every value as the float32 file holds it
+        if "lora_B" in name:
+            a[...] = 0.05 * rng.standard_normal(a.shape)
+        a[...] = a.astype(np.float32)
+    ft.save_adapter(adapter, tmp_path / "initial")
+    indexer = {n: a.copy() for n, a in adapter.weights.items() if ".indexer." in n}
+
+    def load(path):
+        hf = qwen4.Qwen4ExpForCausalLM.from_pretrained(path, dtype=torch.float32)
+        hf.config._experts_implementation = "eager"        # (grouped_mm takes no float64)
+        return float64_hf(hf, llm, monkeypatch, hybrid=True)
+    rng = np.random.default_rng(0)
+    data = [ft.example(rng.integers(0, 300, 8).tolist(), rng.integers(0, 300, 6).tolist()) for _ in range(3)]
+    torch_losses, torch_adapter, model = peft_training(base, tmp_path / "initial", data, load, steps=3, accumulate=1)
+    optimizer = ft.AdamW(adapter.weights, lr=LR)
+    losses = [ft.train_step(llm.model, adapter, [ex], optimizer) for ex in data]
+    worst_loss = max(abs(a - b) / abs(b) for a, b in zip(losses, torch_losses))
+    worst = max((rel(adapter.weights[k.removeprefix("base_model.model.")], v), k) for k, v in torch_adapter.items())
+    print("losses npqwen", losses, "torch", torch_losses)
+    print(f"{len(adapter.weights)} adapter weights; loss: worst relative difference {worst_loss:.1e}; adapter after 3 "
+          f"steps: {worst[0]:.1e} ({worst[1]})")
+    untouched = {n.removeprefix("base_model.model.").replace(".default", "") for n, p in model.named_parameters()
+                 if p.requires_grad and p.grad is None}
+    assert len(torch_adapter) == len(adapter.weights) == 132 and untouched == set(indexer)
+    assert all(np.array_equal(adapter.weights[n], a) for n, a in indexer.items())
+    assert worst_loss < 1e-12 and worst[0] < 1e-9
 
 
 def test_data_file_errors_name_the_line(tmp_path):

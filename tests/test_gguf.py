@@ -103,6 +103,26 @@ def test_names_are_hf_names_and_the_file_stays_mapped(tmp_path):
     assert "(GGUF)" in out and "model.layers.1.self_attn.q_proj.weight           [256, 256]       Q8_0" in out
 
 
+def test_the_reader_reads_every_field_as_gguf_s_own_reader_does(tmp_path):
+    """open_gguf's reader reads arrays (the token list, the token types, an empty merge list) in one loop: every
+    field's parts, data indices, types and contents are GGUFReader's."""
+    from gguf import GGUFReader
+
+    from npqwen.gguf_file import open_gguf
+
+    path = write_gguf(tmp_path / "tiny.gguf", "Q8_0")
+    ours, theirs = open_gguf(path), GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, want in theirs.fields.items():
+        got = ours.fields[key]
+        assert (got.offset, got.data, got.types, len(got.parts)) == (want.offset, want.data, want.types,
+                                                                     len(want.parts)), key
+        for a, b in zip(got.parts, want.parts):
+            assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all(), key
+        assert np.array_equal(np.asarray(got.contents()), np.asarray(want.contents())), key
+    assert [(t.name, t.data_offset) for t in ours.tensors] == [(t.name, t.data_offset) for t in theirs.tensors]
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 def test_another_architecture_is_named(arch, tmp_path):
     path = write_gguf(tmp_path / f"{arch}.gguf", "Q8_0", arch=arch)

@@ -1,5 +1,6 @@
-"""Qwen3.5 on device="cuda" without a GPU: the CuPy code path on the strict stand-in (tests/strict_cupy.py)
-gives HF's logits as on the CPU, and the engine's tokens equal the CPU's; every cupy name it uses exists."""
+"""Qwen3.5 and Qwen4-Exp on device="cuda" without a GPU: the CuPy code path on the strict stand-in
+(tests/strict_cupy.py) gives HF's logits as on the CPU, and the engine's tokens equal the CPU's; every cupy name it
+uses exists."""
 import numpy as np
 import pytest
 
@@ -54,6 +55,39 @@ def test_engine_equals_cpu_on_the_stand_in(tmp_path):
         print(device, "prefix hit tokens:", engine.stats["prefix_cache_hit_tokens"])
         assert engine.stats["prefix_cache_hit_tokens"] == 80
     assert tokens["cuda"] == tokens["cpu"]
+
+
+def test_qwen4_exp_on_the_stand_in(tmp_path):
+    """Qwen4-Exp (hyper-connections, QSA's selection, PLE) on the stand-in: HF's logits; through the engine, a
+    request with ngram drafts and a steered one beside it, the same tokens as on the CPU."""
+    pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
+    from test_qwen4_exp import build
+
+    path, ref = build(tmp_path / "qwen4")
+    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
+    llm = npqwen.load(path, device="cuda")
+    logits = npqwen.backend.to_numpy(llm.forward(ids))
+    with torch.no_grad():
+        want = ref(torch.tensor([ids]), use_cache=False).logits[0].numpy()
+    rel, tolerance = relative_diff(logits, want), model_tolerance(llm.config, len(ids))
+    print(f"Qwen4-Exp on the CuPy stand-in: relative max |logit diff| {rel:.2e} (tolerance {tolerance:.1e})")
+    assert rel <= tolerance and (logits.argmax(-1) == want.argmax(-1)).all()
+    steer = [{"layer": 1, "vector": np.ones(32, np.float32), "scale": 0.5}]
+    tokens, drafts = {}, {}
+    for device in ("cpu", "cuda"):
+        engine = Engine(npqwen.load(path, device=device), kv_cache_tokens=512, page_size=16)
+        requests = [engine.add_request(list(range(300)), max_new_tokens=8, temperature=0,   # every token seen: drafts
+                                       speculative={"method": "ngram", "k": 3}),
+                    engine.add_request(ids[:9], max_new_tokens=8, temperature=0, steering=steer)]
+        out = {i: [] for i in requests}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += o.token_ids
+            engine.check()
+        tokens[device] = [out[i] for i in requests]
+        drafts[device] = engine.stats["spec_decode_num_draft_tokens"], engine.stats["spec_decode_num_accepted_tokens"]
+        print(device, tokens[device], "drafts, kept:", drafts[device])
+    assert tokens["cuda"] == tokens["cpu"] and drafts["cuda"] == drafts["cpu"] and drafts["cpu"][0] > 0
 
 
 def test_every_name_and_keyword_used_exists_in_real_cupy():

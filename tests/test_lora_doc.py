@@ -21,6 +21,10 @@ def test_lora_doc_code_samples_run(tmp_path):
     # the hybrid adapter equals PEFT's: tiny-qwen3.5's float32 bar over the sample's "Once upon a time" (16 byte
     # tokens; relative to max |logit|, which is above 1 on it)
     assert relative <= model_tolerance(npqwen.load("tiny-qwen3.5").config, 16), result.stdout
+    assert "'attn_hyper_connection.block_inject_weight', 'self_attn.indexer.index_qk_proj', 'self_attn.q_proj'" \
+           in result.stdout and "64 projections adapted" in result.stdout   # every one all-linear names
+    relative = float(result.stdout.split("qwen4-exp: max |npqwen - PEFT| = ")[1].split("relative ")[1].split()[0])
+    assert relative <= model_tolerance(npqwen.load("tiny-qwen4-exp").config, 16), result.stdout   # Qwen4-Exp's too
     outputs = [run_doc_line(line).stdout for line in shell]
     assert outputs[0] == outputs[2] and outputs[0].strip()   # the adapter kept apart, and merged
 

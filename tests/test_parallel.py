@@ -325,6 +325,28 @@ def test_a_qwen3_moe_over_two_ranks_splits_every_expert_by_width(tmp_path):
     assert shapes["model.layers.1.mlp.gate.weight"] == [8, 16]                    # the router, whole
 
 
+def test_qwen4_exp_over_two_ranks(tmp_path):
+    """tiny-qwen4-exp, saved as a checkpoint (so each rank reads its part of the file and maps the PLE table): split
+    as Qwen3.5-MoE (H=4, K=2 of Dh 16; Hk=2, Hv=4; 4 experts of width 16 and a shared one; a vocabulary of 265), its
+    C=4 streams, mixing, PLE and QSA indexer whole on each rank. Logits (300 tokens: QSA keeps 2 blocks of 4 and the
+    tail), greedy and seeded tokens, the batched engine (chunked, preempted, prefix hits restoring the linear and PLE
+    states), a recorder, embeddings and scores: all as one process."""
+    model = npqwen.load("tiny-qwen4-exp").save(tmp_path / "model")
+    ranks = two_ranks_as_one(model, tmp_path)
+    shapes = [json.loads(str(r["shapes"])) for r in ranks]
+    a, h = "model.layers.3.self_attn", "model.layers.3.attn_hyper_connection"
+    assert shapes[1][f"{a}.q_proj.weight"] == [2 * 2 * 16, 16] and shapes[1][f"{a}.k_proj.weight"] == [16, 16]
+    assert shapes[1]["model.layers.0.linear_attn.out_proj.weight"] == [16, 2 * 8]   # 2 of 4 value heads
+    assert shapes[1]["model.layers.0.mlp.experts.3.down_proj.weight"] == [16, 8]    # half of every expert's width
+    assert shapes[1][f"{a}.indexer.index_qk_proj.weight"] == [(4 + 1) * 16, 16]     # whole: the indexer,
+    assert shapes[1][f"{h}.input_mix_weight_down.weight"] == [8, 4 * 16]            # the mixing
+    assert shapes[1]["model.layers.0.ple.key_proj.weight"] == [4 * 16, 16]          # and PLE
+    assert sum(s["model.embed_tokens.weight"][0] for s in shapes) == 265
+    engine, hits = (json.loads(str(ranks[0][k])) for k in ("engine_stats", "prefix_hit_stats"))
+    print("batched engine run:", engine, "\nprefix-hit engine run:", hits)
+    assert engine["preemptions"] > 0 and hits["prefix_cache_hit_tokens"] > 0 and hits["state_snapshots"] > 0
+
+
 def test_hybrid_generate_prints_what_one_process_prints_and_bad_sizes_are_refused():
     args = ("generate", "--model", "tiny-qwen3.5", "--raw", "-t", "0", "-n", "24", "-p", "The cat sat on")
     one, two = npqwen_cli(*args), npqwen_cli(*args, tp=2)

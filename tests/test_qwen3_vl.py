@@ -213,3 +213,20 @@ def test_a_malformed_mrope_section_and_an_image_are_named(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q", "-p", "no:xdist", "-s", f"--rootdir={ROOT}"]))
+
+
+def test_npqwen_compare_maps_the_text_model(tmp_path):
+    """npqwen compare loads Qwen3VL(Moe)ForConditionalGeneration and hooks its language model: every step within
+    1e-3, and a corrupted k_proj in one layer is the first row named."""
+    from npqwen.compare import compare, report
+
+    path, _ = build_vl(tmp_path / "vl", moe=True)
+    llm = npqwen.load(path)
+    rows = compare(llm, [1, 5, 9, 33, 100, 7, 8])
+    print(report(rows, 1e-3))
+    assert len(rows) > 40 and all(r["ok"] for r in rows)
+    assert any(r["name"] == "model.layers.2.mlp.experts" for r in rows)
+    w = llm.model.weights["model.layers.1.self_attn.k_proj.weight"]
+    w[-4:] *= -1
+    first = next(r for r in compare(llm, [1, 5, 9, 33, 100, 7, 8]) if not r["ok"])
+    assert first["name"].startswith("model.layers.1.self_attn.k_proj"), first

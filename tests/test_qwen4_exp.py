@@ -345,10 +345,10 @@ def test_trace_hooks_and_lens(causal):
 
 
 def test_refusals_name_what_they_refuse(causal):
-    """A QSA variant, a malformed mRoPE section, a sigmoid output gate; LoRA, tensor parallelism, speculative
-    decoding, steering, compact weights and gradients on a Qwen4-Exp model."""
+    """A QSA variant, a malformed mRoPE section, a GELU output gate; the MTP head on a Qwen4-Exp model (LoRA:
+    tests/test_qwen4_exp_lora.py; tensor parallelism: tests/test_parallel.py; compact weights:
+    tests/test_qwen4_exp_weights.py; gradients and LoRA finetuning: tests/test_backward.py, tests/test_finetune.py)."""
     from npqwen.config import Qwen3Config
-    from npqwen.parallel import check_split
 
     raw = {"model_type": "qwen4_exp_text", **MODEL}
     for change, named in ((dict(indexer_kv_heads=2), "indexer_kv_heads 2: a QSA variant"),
@@ -357,24 +357,14 @@ def test_refusals_name_what_they_refuse(causal):
                           (dict(indexer_budget=10), "indexer_budget 10 is not a multiple"),
                           (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                  "mrope_section": [8, 8]}), r"mrope_section \[8, 8\]"),
-                          (dict(output_gate_type="sigmoid"), "output_gate_type 'sigmoid'"),
+                          (dict(output_gate_type="gelu"), "output_gate_type 'gelu'"),
                           (dict(ple_layer_ids=[4]), r"ple_layer_ids \[4\] are attention layers")):
         with pytest.raises(NpqwenError, match=named) as error:
             Qwen3Config.from_dict({**raw, **change})
         print(error.value)
     llm = npqwen.load(causal[0])
-    with pytest.raises(NpqwenError, match="tensor parallelism does not split Qwen4-Exp"):
-        check_split(llm.config, 2)
-    with pytest.raises(NpqwenError, match="LoRA adapters are not applied to Qwen4-Exp"):
-        llm.load_lora("a", causal[0])
-    for kw in (dict(speculative={"method": "ngram", "k": 3}), dict(steering=[{"layer": 1, "vector": np.ones(32, np.float32), "scale": 1.0}])):
-        with pytest.raises(NpqwenError, match="not implemented for it"):
-            llm.generate([1, 2, 3], max_new_tokens=2, temperature=0, **kw)
-    with pytest.raises(NpqwenError, match="compact weights"):
-        npqwen.load(causal[0], weights="int8")
-    from npqwen import grad
-    with pytest.raises(NpqwenError, match="no backward for Qwen4-Exp"):
-        grad.gradients(llm, [1, 2, 3], grad.log_prob(5))
+    with pytest.raises(NpqwenError, match='speculative method "mtp" is not implemented for it'):
+        llm.generate([1, 2, 3], max_new_tokens=2, temperature=0, speculative={"method": "mtp", "k": 3})
 
 
 def test_inspect_prints_what_a_request_costs(causal):
@@ -399,9 +389,10 @@ def test_the_server_and_the_vision_tower(tmp_path):
     pytest.importorskip("fastapi")
     from conftest import add_qwen3_tokenizer, needs_qwen3_tokenizer
     from serving import LiveServer, http_json
+    from tolerance import model_tolerance, relative_diff
 
     needs_qwen3_tokenizer()
-    path, _ = build(tmp_path, dict(vocab_size=151936, eos_token_id=151645), hub=True, seed=2)
+    path, ref = build(tmp_path, dict(vocab_size=151936, eos_token_id=151645), hub=True, seed=2)
     llm = npqwen.load(add_qwen3_tokenizer(path))
     live = LiveServer(llm, engine=Engine(llm, kv_cache_tokens=512, page_size=16))
     try:
@@ -420,6 +411,17 @@ def test_the_server_and_the_vision_tower(tmp_path):
         want = (p / p.sum())[ids[5]]
         print(status, [layer["probability"] for layer in lens["layers"]], want)
         assert status == 200 and abs(lens["layers"][-1]["probability"] / want - 1) < 1e-4
+        # the saliency view: gradient x input of log p(token 5) per token before it, as HF's backward gives it
+        status, saliency = http_json("POST", live.url + "/v1/npqwen/saliency", dict(tokens=ids, position=5))
+        embedded = []
+        hook = ref.get_input_embeddings().register_forward_hook(lambda m, a, out: embedded.append(out))
+        log_p = torch.log_softmax(ref(input_ids=torch.tensor([ids[:5]]), use_cache=False).logits[0, -1], -1)[ids[5]]
+        hook.remove()
+        d_embedded, = torch.autograd.grad(log_p, embedded[0])    # the embedding's gradient only (no weight's)
+        want = (d_embedded * embedded[0]).sum(-1)[0].detach().numpy()                        # (5,)
+        diff, bound = relative_diff(saliency["scores"], want), 2 * model_tolerance(llm.config, 5)   # forward, backward
+        print(status, "saliency", saliency["scores"], "HF", want.tolist(), f"relative {diff:.1e} (bound {bound:.1e})")
+        assert status == 200 and diff <= bound
         image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
         body = dict(model="test-model", max_tokens=4, messages=[
             {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])

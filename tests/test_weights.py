@@ -25,13 +25,16 @@ QWEN3_0_6B_WIDTH = {**QWEN3_0_6B, "num_hidden_layers": 1, "max_window_layers": 1
 
 
 def dequantized_twin(llm) -> Qwen3:
-    """The same model with every weight dequantized by its format's rule, run in plain float32."""
+    """The same model with every weight dequantized by its format's rule, run in plain float32 (Qwen4-Exp: by its
+    own class, its PLE tables the same mapped tables, which no format converts)."""
     model, config = llm.model, llm.config
+    tables = {n: w for n, w in model.weights.items() if n.endswith("ngram_embedding.weight")}
     arrays, fused = allocate_weights(config, np, np.float32, {n: tuple(w.shape) for n, w in model.weights.items()
-                                                              if n != "lm_head.weight" or not config.tie_word_embeddings})
+                                                              if n not in tables and (n != "lm_head.weight" or
+                                                                                      not config.tie_word_embeddings)})
     for name, array in arrays.items():
         array[...] = as_array(model.weights[name])
-    return Qwen3(config, tie_lm_head(config, arrays), fused)
+    return type(model)(config, {**tie_lm_head(config, arrays), **tables}, fused)
 
 
 def assert_close(got, want, rtol: float, what: str):
@@ -282,7 +285,37 @@ def test_quantize_writes_a_checkpoint_npqwen_loads_as_stored(fmt, blocky_dir, tm
     assert "weights in memory by --weights format" in shown
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+def test_q5_k_planes_give_the_files_blocks_back_and_gguf_s_values():
+    """Q5_K split into planes (Q4_K's, and the high bits eight to a byte) joins back into the file's blocks, bit for
+    bit, and widens to what gguf.quants.dequantize gives, whole, by rows, by columns and a tensor-parallel part."""
+    gguf = pytest.importorskip("gguf")
+    from test_quants import random_blocks
+
+    raw = random_blocks("Q5_K", np.random.default_rng(3), 40, 768)   # random bits, finite float16 d and dmin
+    w = Ggml("Q5_K", raw.copy(), 768)
+    assert w.planes[0].shape == (40, 768 // 2 + 768 // 8) and w.nbytes < raw.nbytes * 1.05
+    np.testing.assert_array_equal(w.storage, raw)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_K)
+    np.testing.assert_array_equal(w.dequantize(), want)
+    np.testing.assert_array_equal(w.take(np.array([7, 0, 39])), want[[7, 0, 39]])
+    np.testing.assert_array_equal(w.columns(slice(256, 768)).dequantize(), want[:, 256:])
+    np.testing.assert_array_equal(w.rows(slice(8, 24)).storage, raw[8:24])
+
+
+def test_planes_split_a_run_of_rows_at_a_time_are_the_whole_matrix_s():
+    """split_released (loading: each run of the file's rows split, then its pages released) makes the planes the
+    format's split makes of the whole matrix, for runs that do not divide the rows."""
+    from test_quants import random_blocks
+
+    from npqwen.weights import PLANES, split_released
+
+    for qtype in PLANES:
+        raw = random_blocks(qtype, np.random.default_rng(4), 40, 512)
+        for got, want in zip(split_released(qtype, raw, rows=16), PLANES[qtype][0](raw)):
+            assert got.dtype == want.dtype and np.array_equal(got, want), qtype
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_products_per_sub_block_equal_the_widened_product(qtype):
     from test_quants import random_blocks
 

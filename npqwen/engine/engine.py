@@ -25,7 +25,7 @@ from ..checks import check_token_ids
 from ..embed import POOLING_MODES, InputTooLong
 from ..errors import NpqwenError
 from ..generate import StopStrings
-from ..hooks import SPECULATIVE, Hooks
+from ..hooks import SPECULATIVE, Hooks, residual_width
 from ..kv_cache import Batch, KVCache, LinearStates, check_kv_dtype
 from ..model import check_lm_head
 from ..ops import SCORES_BYTES
@@ -173,11 +173,10 @@ class Engine:
             # (LinearStates.roll_back runs where accept runs, on rank 0) and hold no MTP head of their own
             raise NpqwenError("speculative decoding does not run under tensor parallelism yet (the other ranks do not "
                               "roll back); leave speculative unset, or run on one process")
-        if self.config.qwen4_exp and (params.speculative is not None or steers or edits):
-            raise NpqwenError("Qwen4-Exp: speculative decoding (its PLE states have no roll-back in npqwen, and "
-                              "transformers has no forward of its MTP head to check one against), steering and SAE "
-                              "feature edits (a (D,) vector added to a residual that is hc_count streams of D) are "
-                              "not implemented for it; leave speculative, steering and feature_edits unset")
+        if self.config.qwen4_exp and params.speculative is not None and params.speculative.method == "mtp":
+            raise NpqwenError("Qwen4-Exp: speculative method \"mtp\" is not implemented for it: its MTP head (mtp.* "
+                              "weights) is ignored by transformers, so there is no reference forward to check one "
+                              "against; use method \"ngram\"")
         if params.speculative is not None and params.speculative.method == "mtp":
             self.mtp_head()   # a checkpoint without the head says so now
         tokenizer = self.llm.tokenizer
@@ -290,7 +289,7 @@ class Engine:
                       **prefill_only.batch_fields,
                       verify=[bool(req.drafts) for req, _ in plan],
                       steering=batch_steering([(req.steering, end - n, n) for (req, n), end in zip(plan, ends)
-                                               if req.steering], int(ends[-1]), self.config.hidden_size,
+                                               if req.steering], int(ends[-1]), residual_width(self.config),
                                               self.model.xp, self.model.dtype),
                       feature_edits=batch_feature_edits([(req.feature_edits, end - n, n)
                                                          for (req, n), end in zip(plan, ends) if req.feature_edits]))
@@ -472,9 +471,9 @@ class Engine:
         # speculative decoding: between steps no request holds drafts and no verification's states are left
         if any(r.drafts for r in self.scheduler.running + list(self.scheduler.waiting)):
             raise NpqwenError("a request holds drafts between steps: its verification was not accepted")
-        if self.kv.states is not None and self.kv.states.verified:
-            raise NpqwenError(f"linear-attention states of verifications not rolled back: slots "
-                              f"{sorted(self.kv.states.verified)}")
+        if self.kv.states is not None and (self.kv.states.verified or self.kv.states.ple_verified):
+            raise NpqwenError(f"linear-attention (or PLE) states of verifications not rolled back: slots "
+                              f"{sorted({*self.kv.states.verified, *self.kv.states.ple_verified})}")
         for req in self.scheduler.running + list(self.scheduler.waiting):   # a preempted one keeps its matcher
             if req.constraint is not None:
                 req.constraint.check(len(req.output_ids))

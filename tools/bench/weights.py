@@ -43,8 +43,8 @@ def add_arguments(p):
     p.add_argument("--weights-generate", type=int, default=1024, help="weights: the context's positions for the RSS")
     p.add_argument("--weights-memory-8b", action="store_true",
                    help="weights: also Qwen3-8B's real shape in Q4_K and Q8_0, written, measured, deleted, one at a time")
-    p.add_argument("--weights-8b-context", type=int, default=80,
-                   help="weights: the 8B shape's context (its last 4 positions generated)")
+    p.add_argument("--weights-8b-context", type=int, default=1024,
+                   help="weights: the 8B shape's context (its last 4 positions generated; 1,024: 5-10 min a format)")
     p.add_argument("--weights-decode", type=int, default=16, help="weights, engine llama.cpp: tokens decoded")
 
 
