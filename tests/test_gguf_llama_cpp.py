@@ -177,22 +177,29 @@ QWEN35 = dict(vocab_size=151936, eos_token_id=151645, linear_num_key_heads=2, li
               linear_key_head_dim=16, linear_value_head_dim=16)
 
 
-@pytest.fixture(scope="module")
-def qwen35_files(tmp_path_factory):
-    """An HF Qwen3.5 (Hv = 2 Hk, the real tokenizer) and llama.cpp's GGUF files of it: F32 and Q8_0 (made once)."""
-    from hybrid_checkpoints import build_hybrid_checkpoint, hybrid_config
+def hybrid_files(tmp_path_factory, config, name: str) -> dict:
+    """An HF hybrid checkpoint of `config` (the real tokenizer) and llama.cpp's F32 and Q8_0 GGUF files of it (made
+    once): {"hf": its folder, "F32": ..., "Q8_0": ...}."""
+    from hybrid_checkpoints import build_hybrid_checkpoint
 
     needs_llama_cpp()
     needs_qwen3_tokenizer()
-    config = hybrid_config(**QWEN35)
 
     def make(work):
         add_qwen3_tokenizer(build_hybrid_checkpoint(work / "hf", config, save_dtype="float32"))
-        convert_hf_to_gguf(work / "hf", work / "q35-F32.gguf", "f32", "--no-mtp")
-        llama_quantize(work / "q35-F32.gguf", work / "q35-Q8_0.gguf", "Q8_0")
+        convert_hf_to_gguf(work / "hf", work / f"{name}-F32.gguf", "f32", "--no-mtp")
+        llama_quantize(work / f"{name}-F32.gguf", work / f"{name}-Q8_0.gguf", "Q8_0")
 
-    root = made_once(config, make, tmp_path_factory.mktemp("qwen35"))
-    return {"hf": root / "hf", "F32": root / "q35-F32.gguf", "Q8_0": root / "q35-Q8_0.gguf"}
+    root = made_once(config, make, tmp_path_factory.mktemp(name))
+    return {"hf": root / "hf", "F32": root / f"{name}-F32.gguf", "Q8_0": root / f"{name}-Q8_0.gguf"}
+
+
+@pytest.fixture(scope="module")
+def qwen35_files(tmp_path_factory):
+    """An HF Qwen3.5 (Hv = 2 Hk) and llama.cpp's GGUF files of it: F32 and Q8_0."""
+    from hybrid_checkpoints import hybrid_config
+
+    return hybrid_files(tmp_path_factory, hybrid_config(**QWEN35), "q35")
 
 
 def hf_on_dequantized_weights(hf_dir, gguf_path, model=None):
@@ -300,20 +307,10 @@ QWEN35_MOE = dict(QWEN35, moe_intermediate_size=32, shared_expert_intermediate_s
 
 @pytest.fixture(scope="module")
 def qwen35_moe_files(tmp_path_factory):
-    """An HF Qwen3.5-MoE (the real tokenizer) and llama.cpp's F32 and Q8_0 GGUF files of it (made once)."""
-    from hybrid_checkpoints import build_hybrid_checkpoint, hybrid_moe_config
+    """An HF Qwen3.5-MoE and llama.cpp's F32 and Q8_0 GGUF files of it."""
+    from hybrid_checkpoints import hybrid_moe_config
 
-    needs_llama_cpp()
-    needs_qwen3_tokenizer()
-    config = hybrid_moe_config(**QWEN35_MOE)
-
-    def make(work):
-        add_qwen3_tokenizer(build_hybrid_checkpoint(work / "hf", config, save_dtype="float32"))
-        convert_hf_to_gguf(work / "hf", work / "q35moe-F32.gguf", "f32", "--no-mtp")
-        llama_quantize(work / "q35moe-F32.gguf", work / "q35moe-Q8_0.gguf", "Q8_0")
-
-    root = made_once(config, make, tmp_path_factory.mktemp("qwen35moe"))
-    return {"hf": root / "hf", "F32": root / "q35moe-F32.gguf", "Q8_0": root / "q35moe-Q8_0.gguf"}
+    return hybrid_files(tmp_path_factory, hybrid_moe_config(**QWEN35_MOE), "q35moe")
 
 
 def test_qwen3_5_moe_from_llama_cpp(qwen35_moe_files, tmp_path):
