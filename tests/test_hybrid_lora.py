@@ -13,7 +13,7 @@ from npqwen.errors import NpqwenError
 
 from hybrid_checkpoints import (build_hybrid_checkpoint, hf_hybrid_model, hybrid_config, hybrid_moe_config,
                                 qwen3_next_config)
-from test_lora import batched_and_alone, write_adapter as write_lora_adapter
+from test_lora import assert_mixed_batch_equals_alone, write_adapter as write_lora_adapter
 from tolerance import model_tolerance, relative_diff
 
 torch = pytest.importorskip("torch")
@@ -96,14 +96,7 @@ def test_mixed_batch_equals_alone(llm):
     rng = np.random.default_rng(2)
     jobs = [(rng.integers(0, 500, size=n).tolist(), lora) for n, lora in
             [(5, "all"), (9, None), (70, "linear"), (6, "all"), (3, None), (20, "linear")]]
-    got, alone, mixed = batched_and_alone(llm, jobs, kv_cache_tokens=2048, page_size=16, max_batched_tokens=48)
-    for (prompt, lora), ours, want in zip(jobs, got, alone):
-        print(f"{lora or 'base':6} prompt {len(prompt):2}: batched {ours} alone {want}")
-        assert ours == want
-    print(f"adapters (and none) in one step: up to {mixed}")
-    assert mixed == 3
-    plain = [llm.generate(prompt, max_new_tokens=8, temperature=0).token_ids for prompt, lora in jobs if lora]
-    assert all(want != base for want, base in zip([w for (_, lora), w in zip(jobs, alone) if lora], plain))
+    assert_mixed_batch_equals_alone(llm, jobs, 3, kv_cache_tokens=2048, page_size=16, max_batched_tokens=48)
 
 
 def test_prefix_cache_and_state_snapshots_keyed_by_adapter(llm):

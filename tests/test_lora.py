@@ -101,17 +101,27 @@ def batched_and_alone(llm, jobs, **sizes):
     return [got[i] for i in ids], alone, mixed
 
 
+def assert_mixed_batch_equals_alone(llm, jobs, mixed: int, **sizes) -> list:
+    """batched_and_alone, asserted: each request's tokens batched equal its run alone, `mixed` adapters (and none)
+    shared a step, and each adapter's tokens differ from the base model's (the adapter did something).
+    Returns the tokens alone."""
+    got, alone, most = batched_and_alone(llm, jobs, **sizes)
+    for (prompt, lora), ours, want in zip(jobs, got, alone):
+        print(f"{lora or 'base':8} prompt {len(prompt):2}: batched {ours} alone {want}")
+        assert ours == want
+    print(f"adapters (and none) in one step: up to {most}")
+    assert most == mixed
+    plain = [llm.generate(prompt, max_new_tokens=8, temperature=0).token_ids for prompt, lora in jobs if lora]
+    assert all(want != base for want, base in zip([w for (_, lora), w in zip(jobs, alone) if lora], plain))
+    return alone
+
+
 def test_mixed_batch_equals_alone(llm):
     """Requests through three adapters and none share every engine step; each equals its run alone."""
     rng = np.random.default_rng(2)
     jobs = [(rng.integers(0, 4000, size=n).tolist(), lora) for n, lora in
             [(5, "plain"), (9, None), (3, "rslora"), (6, "pattern"), (4, "plain"), (8, None)]]
-    got, alone, mixed = batched_and_alone(llm, jobs, kv_cache_tokens=4096, page_size=16)
-    for (prompt, lora), ours, want in zip(jobs, got, alone):
-        print(f"{lora or 'base':8} batched {ours} alone {want}")
-        assert ours == want
-    print(f"adapters (and none) in one step: up to {mixed}")
-    assert mixed == 4
+    assert_mixed_batch_equals_alone(llm, jobs, 4, kv_cache_tokens=4096, page_size=16)
 
 
 def test_prefix_cache_keyed_by_adapter(llm):

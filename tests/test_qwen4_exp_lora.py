@@ -13,7 +13,7 @@ from npqwen.errors import NpqwenError
 from npqwen.lora import LINEAR, layer_modules, model_modules
 
 from test_hybrid_lora import edited
-from test_lora import batched_and_alone, write_adapter
+from test_lora import assert_mixed_batch_equals_alone, write_adapter
 from test_qwen4_exp import MODEL, build, qwen4
 from test_qwen4_exp_steer_spec import answers_known
 from tolerance import model_tolerance, relative_diff
@@ -97,14 +97,7 @@ def test_two_adapters_and_none_batched_equal_each_alone(base, adapters):
     llm = npqwen.load(base, dtype="float64", lora=adapters)
     jobs = [(prompt(n, seed), lora) for seed, (n, lora) in enumerate([(5, "all"), (30, "some"), (12, None),
                                                                        (40, "all"), (3, "some")])]
-    got, alone, mixed = batched_and_alone(llm, jobs, kv_cache_tokens=512, page_size=8, max_batched_tokens=24)
-    for (ids, lora), ours, want in zip(jobs, got, alone):
-        print(f"{lora or 'base':4} prompt {len(ids):2}: batched {ours} alone {want}")
-        assert ours == want
-    print(f"adapters (and none) in one step: up to {mixed}")
-    assert mixed == 3
-    base_tokens = [llm.generate(ids, max_new_tokens=8, temperature=0).token_ids for ids, lora in jobs if lora]
-    assert all(want != plain for want, plain in zip([w for (_, lora), w in zip(jobs, alone) if lora], base_tokens))
+    assert_mixed_batch_equals_alone(llm, jobs, 3, kv_cache_tokens=512, page_size=8, max_batched_tokens=24)
     ids = prompt(20, 9)   # drafts (4 in 5 right) verified token by token through PLE, with the adapter's updates
     want = llm.generate(ids, max_new_tokens=12, temperature=0, lora="all").token_ids
     engine = npqwen.Engine(llm, kv_cache_tokens=512, page_size=8)
