@@ -28,6 +28,9 @@ ops.embed call `linear`, `linear_backward` and `take`; nothing else looks inside
 """
 import ctypes
 import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 
 import numpy as np
 
@@ -44,6 +47,45 @@ PREFILL_BLOCKS = 8
 # what npqwen.load(weights=...) and npqwen quantize convert to (fp8 and Q5_K, Q6_K are read as stored only)
 FORMATS = ("bfloat16", "float16", "int8", "q8_0", "q4_0", "q4_k")
 GGML = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K"}   # name -> ggml type
+
+
+# Threads that widen a ggml matrix's blocks of rows and take their products per sub-block (sub_block_linear) for
+# 2 to THREAD_ROWS rows of x (the engine's batched step): as many as OpenBLAS is given (OPENBLAS_NUM_THREADS; by
+# default every core). A float32 product of a few rows streams its weights from memory, which a second core speeds
+# less; widening is work per value in the core's cache, which a second core halves (measured, docs/weights.md
+# section 5: the 32-sequence step at Q8_0 0.69x -> 0.86x float32's speed, both with 2 threads). One row (batch-1
+# decode) stays in one thread: split in two it ran no faster (lm_head at Q8_0: 56 -> 53-61 ms; cause not found).
+# Up to 32 rows each product there is at most 2^18 multiply-adds (a block's 2^18 values / 32, times 32 rows), which
+# OpenBLAS runs in its caller's thread; a larger one it splits across its own threads, and two workers' splits
+# wait on each other (measured: int8's 256-row blocks of lm_head, 32 rows, split in two: 0.06x float32's speed).
+# 1: no pool, every block in the calling thread.
+THREADS = int(os.environ.get("OPENBLAS_NUM_THREADS") or
+              (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+THREAD_ROWS = 32
+_pool = None
+
+
+def _forget_pool():   # a forked child has none of its parent's threads: it starts a pool of its own
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def in_parts(run, n_out: int, step: int, threads: int):
+    """run(a, b) on rows a..b-1 of an (n_out, ...) matrix, split on its blocks of `step` rows into `threads`
+    contiguous parts, the first in this thread, the rest in a persistent pool; each part writes its rows only."""
+    global _pool
+    n_blocks = -(-n_out // step)
+    parts = max(1, min(threads, n_blocks))
+    cuts = [min(n_blocks * i // parts * step, n_out) for i in range(parts + 1)]   # on block boundaries
+    if parts > 1 and _pool is None:
+        _pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="npqwen-widen")
+    done = [_pool.submit(run, a, b) for a, b in pairwise(cuts[1:])]
+    run(cuts[0], cuts[1])
+    for f in done:
+        f.result()
 
 
 def block_rows(n_in: int) -> int:
@@ -697,19 +739,23 @@ def sub_block_linear(x, w: "Ggml"):
     sums = xb.sum(axis=2)                                                      # (T, ns): sum(x_s)
     xs = np.ascontiguousarray(xb.transpose(1, 2, 0))                           # (ns, S, T)
     step = min(block_rows(n_in), n_out)
-    buf = np.empty((step, ns, S), dtype=np.float32)                            # (rows, ns, S), reused
-    scratch = np.empty((step, ns, S), dtype=np.uint8)                          # unpacked nibbles, reused
     y = np.empty((n_out, 1, T), dtype=np.float32)
-    for a in range(0, n_out, step):
-        b = min(a + step, n_out)
-        q = buf[:b - a]                                                        # (n, ns, S)
-        ints(w.arrays[0][a:b], q, scratch[:b - a])
-        scale, low = scales(*(f[:, a:b] for f in w.fields))                   # (ns, n) float32 each, low or None
-        dots = np.matmul(q.transpose(1, 0, 2), xs)                             # (ns, n, S) @ (ns, S, T) -> (ns, n, T)
-        # sum_s scale * (q . x_s), a (1, ns) @ (ns, T) product per row (an einsum ran 2.5x slower at T=32)
-        np.matmul(scale.T[:, None, :], dots.transpose(1, 0, 2), out=y[a:b])    # (n, 1, ns) @ (n, ns, T) -> (n, 1, T)
-        if low is not None:
-            y[a:b, 0] -= low.T @ sums.T                                        # (n, ns) @ (ns, T): sum_s low * sum(x_s)
+
+    def run(start, stop):                                                      # rows start..stop-1 of y
+        buf = np.empty((step, ns, S), dtype=np.float32)                        # (rows, ns, S), reused
+        scratch = np.empty((step, ns, S), dtype=np.uint8)                      # unpacked nibbles, reused
+        for a in range(start, stop, step):
+            b = min(a + step, stop)
+            q = buf[:b - a]                                                    # (n, ns, S)
+            ints(w.arrays[0][a:b], q, scratch[:b - a])
+            scale, low = scales(*(f[:, a:b] for f in w.fields))               # (ns, n) float32 each, low or None
+            dots = np.matmul(q.transpose(1, 0, 2), xs)                         # (ns, n, S) @ (ns, S, T) -> (ns, n, T)
+            # sum_s scale * (q . x_s), a (1, ns) @ (ns, T) product per row (an einsum ran 2.5x slower at T=32)
+            np.matmul(scale.T[:, None, :], dots.transpose(1, 0, 2), out=y[a:b])   # (n, 1, ns) @ (n, ns, T) -> (n, 1, T)
+            if low is not None:
+                y[a:b, 0] -= low.T @ sums.T                                    # (n, ns) @ (ns, T): sum_s low * sum(x_s)
+
+    in_parts(run, n_out, step, THREADS if 1 < T <= THREAD_ROWS else 1)
     return np.ascontiguousarray(y[:, 0].T)
 
 

@@ -332,6 +332,25 @@ def test_products_per_sub_block_equal_the_widened_product(qtype):
         assert_close(Compact.linear(w, x), want, 1e-5, f"{qtype} T={T}, widened")   # Q8_0, Q4_0: from the planes
 
 
+def test_products_per_sub_block_split_across_threads_equal_one_thread_s_bit_for_bit(monkeypatch):
+    """sub_block_linear's blocks of rows split across a pool (weights.THREADS): the same blocks and products as in
+    one thread, each part writing its own rows."""
+    from test_quants import random_blocks
+
+    from npqwen import weights
+
+    monkeypatch.setattr(weights, "BLOCK_VALUES", 16 * 256)   # blocks of 16 rows: 300 rows are 19 blocks
+    for qtype in ("Q8_0", "Q4_K"):
+        w = Ggml(qtype, random_blocks(qtype, np.random.default_rng(9), 300, 256), 256)
+        for T in (2, 32):                                    # the batched step's rows (one row: one thread)
+            x = np.random.default_rng(T).standard_normal((T, 256)).astype(np.float32)
+            monkeypatch.setattr(weights, "THREADS", 1)
+            one = w.linear(x)
+            monkeypatch.setattr(weights, "THREADS", 3)           # 19 blocks in parts of 6, 6 and 7
+            split = w.linear(x)
+            assert np.array_equal(split, one), f"{qtype} T={T}: max |diff| {np.abs(split - one).max()}"
+
+
 def test_stacked_rows_of_mixed_formats_widen_across_their_parts(monkeypatch):
     """Rows (qkv_proj, gate_up_proj) of parts in different formats, as a Q4_K_M file mixes them: a prefill's rows
     widen blocks that span the parts (int8's row scales beside parts without), a decode's rows go part by part."""
