@@ -59,8 +59,15 @@ GGML = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K"}   # name -> ggml type
 # OpenBLAS runs in its caller's thread; a larger one it splits across its own threads, and two workers' splits
 # wait on each other (measured: int8's 256-row blocks of lm_head, 32 rows, split in two: 0.06x float32's speed).
 # 1: no pool, every block in the calling thread.
-THREADS = int(os.environ.get("OPENBLAS_NUM_THREADS") or
-              (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+def widening_threads() -> int:
+    """OPENBLAS_NUM_THREADS where it is a positive integer (as OpenBLAS reads it), else the cores this process has."""
+    given = os.environ.get("OPENBLAS_NUM_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+THREADS = widening_threads()
 THREAD_ROWS = 32
 _pool = None
 
