@@ -187,13 +187,19 @@ class Qwen3:
             x = x[xp.asarray(rows)]                                                  # (B, D)
         x = ops.rms_norm(x, W["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
         x = recorder("model.norm", x)
+        return self.outputs(x, batch, recorder)
+
+    def outputs(self, x, batch, recorder=no_recorder) -> BatchOutput:
+        """The final hidden states of the output rows, (B, D) (sample rows, then hidden rows, then score rows) ->
+        what the batch asked for."""
+        xp = self.xp
         # 5. lm_head (tied to the embedding in small Qwen3s), for the rows that sample; under tensor
         # parallelism every rank's V/N logits side by side
         S, R = len(batch.sample_rows), len(batch.hidden_rows)
         if S:
             logits = self.comm.all_gather(ops.linear(x[:S], self.lm_head_weight()))   # (S, D) @ (D, V) -> (S, V)
         else:
-            logits = xp.zeros((0, cfg.vocab_size), x.dtype)
+            logits = xp.zeros((0, self.config.vocab_size), x.dtype)
         logits = recorder("lm_head", logits)
         # 6. prefill-only outputs: hidden states as they are (embeddings), and a few tokens' logits (rerank):
         # k rows of lm_head, looked up as the embedding is (under tensor parallelism the rank holding a row adds it)

@@ -86,20 +86,7 @@ class Qwen4Exp(Qwen3):
         x, _ = hc.mix_streams(x, W[f"{p}.hc_norm.weight"], W[f"{p}.input_mix_weight_down.weight"],
                               W[f"{p}.input_mix_weight_up.weight"], C, cfg.rms_norm_eps, out_loras, p)   # (B, D)
         x = recorder(p, x)
-        # 5. lm_head for the rows that sample (under tensor parallelism every rank's V/N logits side by side);
-        # hidden states and scores as Qwen3's
-        S, R = len(batch.sample_rows), len(batch.hidden_rows)
-        if S:
-            logits = self.comm.all_gather(ops.linear(x[:S], self.lm_head_weight()))   # (S, D) @ (D, V) -> (S, V)
-        else:
-            logits = xp.zeros((0, cfg.vocab_size), x.dtype)
-        logits = recorder("lm_head", logits)
-        scores = None
-        if len(batch.score_rows):   # k rows of lm_head, looked up as the embedding is (the rank holding a row adds it)
-            ids = xp.asarray(batch.score_ids)                                      # (Q, k)
-            heads = ops.embed(self.lm_head_weight(), ids.reshape(-1), self.vocab_start).reshape(*ids.shape, -1)
-            scores = self.comm.all_reduce(xp.einsum("qd,qkd->qk", x[S + R:], heads))   # (Q, k)
-        return BatchOutput(logits, x[S:S + R], scores)
+        return self.outputs(x, batch, recorder)   # 5. lm_head, hidden states and scores, as Qwen3's
 
     def decoder_layer(self, i: int, x, cos, sin, batch, kv, slots, recorder=no_recorder, loras=(), previous=None):
         """[x += PLE]; then two hyper-connected blocks: a, w = mix(x); x += w * block(a). (T, C*D) -> (T, C*D)."""
