@@ -31,6 +31,16 @@ def http_json(method: str, url: str, body=None, headers=None, timeout: float = 3
         return status, raw.decode()
 
 
+def assert_image_refused(url: str):
+    """A chat request with an image to a text-only model's server at `url` is a 400 that names image_url."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    body = dict(model="test-model", max_tokens=4, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
+    status, out = http_json("POST", url + "/v1/chat/completions", body)
+    print(status, out)
+    assert status == 400 and "image_url" in out["error"]["message"]
+
+
 class ScriptedModel:
     """Stands in for Qwen3 inside the engine: the answer to each prompt is written in advance.
 

@@ -194,19 +194,14 @@ def test_a_malformed_mrope_section_and_an_image_are_named(tmp_path):
         npqwen.load(path)
     pytest.importorskip("fastapi")
     from conftest import add_qwen3_tokenizer, needs_qwen3_tokenizer
-    from serving import LiveServer, http_json
+    from serving import LiveServer, assert_image_refused
 
     needs_qwen3_tokenizer()
     path, _ = build_vl(tmp_path / "full_vocab", vocab_size=151936)
     llm = npqwen.load(add_qwen3_tokenizer(path))
     live = LiveServer(llm, engine=Engine(llm, kv_cache_tokens=512, page_size=16))
     try:
-        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
-        body = dict(model="test-model", max_tokens=4, messages=[
-            {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
-        status, out = http_json("POST", live.url + "/v1/chat/completions", body)
-        print(status, out)
-        assert status == 400 and "image_url" in out["error"]["message"]
+        assert_image_refused(live.url)
     finally:
         live.close()
 
