@@ -469,6 +469,28 @@ function fillSelects(layers, heads) {   // layers: the ones with attention weigh
   $("head").replaceChildren(option("mean", "mean of heads"), ...headOptions);
 }
 
+// One earlier token of a shaded view (attention, saliency): its text, position, hover title and background;
+// "strong" (white text) past half the largest share.
+function shadedToken(className, text, j, title, background, share) {
+  const span = document.createElement("span");
+  span.className = className;
+  span.textContent = text;
+  span.dataset.position = j;
+  span.title = title;
+  span.style.background = background;
+  if (share > 0.5) span.classList.add("strong");
+  return span;
+}
+
+// The chosen token, after the shaded ones.
+function chosenToken(answer, index, title) {
+  const next = document.createElement("span");
+  next.className = "heat next";
+  next.textContent = shown(answer.generated[index].text, answer.generated[index].bytes);
+  next.title = title;
+  return next;
+}
+
 function drawHeatmap() {
   const attention = state.attention;
   const { answer, index } = state.inspected;
@@ -477,21 +499,12 @@ function drawHeatmap() {
   const top = Math.max(...row);
   const heatmap = $("heatmap");
   const spans = attention.tokens.map((text, j) => {
-    const span = document.createElement("span");
-    span.className = "heat";
-    span.textContent = shown(text, attention.token_bytes[j]);
-    span.dataset.position = j;
+    const span = shadedToken("heat", shown(text, attention.token_bytes[j]), j, `position ${j}: ` +
+      `${(100 * row[j]).toFixed(2)} %`, `rgba(37, 99, 235, ${Math.sqrt(row[j] / top).toFixed(3)})`, row[j] / top);
     span.dataset.weight = String(row[j]);
-    span.title = `position ${j}: ${(100 * row[j]).toFixed(2)} %`;
-    span.style.background = `rgba(37, 99, 235, ${Math.sqrt(row[j] / top).toFixed(3)})`;
-    if (row[j] / top > 0.5) span.classList.add("strong");
     return span;
   });
-  const next = document.createElement("span");
-  next.className = "heat next";
-  next.textContent = shown(answer.generated[index].text, answer.generated[index].bytes);
-  next.title = "the token chosen at this step";
-  heatmap.replaceChildren(...spans, next);
+  heatmap.replaceChildren(...spans, chosenToken(answer, index, "the token chosen at this step"));
   heatmap.dataset.layer = attention.layer;
   heatmap.dataset.head = head;
   heatmap.dataset.position = attention.position;
@@ -564,22 +577,14 @@ async function loadSaliency() {
   const top = Math.max(...saliency.scores.map(Math.abs)) || 1;
   const spans = saliency.tokens.map((text, j) => {
     const score = saliency.scores[j];
-    const span = document.createElement("span");
-    span.className = "sal";
-    span.textContent = shown(text, saliency.token_bytes[j]);
-    span.dataset.position = j;
-    span.dataset.score = String(score);
-    span.title = `position ${j}: ${score >= 0 ? "+" : ""}${score.toPrecision(3)}`;
     const color = score >= 0 ? "234, 88, 12" : "37, 99, 235";
-    span.style.background = `rgba(${color}, ${(Math.abs(score) / top).toFixed(3)})`;
-    if (Math.abs(score) / top > 0.5) span.classList.add("strong");
+    const span = shadedToken("sal", shown(text, saliency.token_bytes[j]), j, `position ${j}: ` +
+      `${score >= 0 ? "+" : ""}${score.toPrecision(3)}`, `rgba(${color}, ${(Math.abs(score) / top).toFixed(3)})`,
+      Math.abs(score) / top);
+    span.dataset.score = String(score);
     return span;
   });
-  const next = document.createElement("span");
-  next.className = "heat next";
-  next.textContent = shown(answer.generated[index].text, answer.generated[index].bytes);
-  next.title = "the chosen token";
-  view.replaceChildren(...spans, next);
+  view.replaceChildren(...spans, chosenToken(answer, index, "the chosen token"));
   view.dataset.position = saliency.position;
   view.dataset.state = "ready";
   $("saliency-note").textContent = "Gradient × input of the chosen token's log-probability for each earlier " +
