@@ -390,8 +390,7 @@ def ple_embedding(model, i: int, ids):
     """Layer i's n-gram embeddings (T, E) of `ids` from position 0 (eos before the first), looked up again as
     Qwen4Exp.ple does (T rows of the mapped tables)."""
     cfg, j, eos = model.config, model.config.ple_index(i), model.config.eos_token_ids[0]
-    multipliers = ple.layer_multipliers(cfg.vocab_size, cfg.ngram_size, j, cfg.seed)                # (n,)
-    sizes, offsets = ple.head_vocab_sizes(cfg.ngram_vocab_size_base, (cfg.ngram_size - 1) * cfg.heads_per_ngram, j)
+    multipliers, sizes, offsets = ple.hash_constants(cfg, j)                                        # (n,), (Hn,), (Hn,)
     table = model.weights[f"model.layers.{i}.ple.ple_embedding.ngram_embedding.weight"]             # (rows, d)
     emb = ple.ngram_embedding(table, ids, np.full(cfg.ngram_size - 1, eos), multipliers, sizes, offsets,
                               cfg.heads_per_ngram, eos)                                             # (T, E) float32
