@@ -970,21 +970,25 @@ def tie_lm_head(config: Qwen3Config, weights: dict) -> dict:
 
 
 def save_safetensors(path: Path, tensors: dict, dtype: str = "F32"):
-    """Write float arrays as one .safetensors file in `dtype` ("F32", "F16" or "BF16"), a tensor at a time."""
+    """Write float arrays as one .safetensors file in `dtype` ("F32", "F16" or "BF16"), a tensor at a time;
+    int64 arrays (Qwen4-Exp's PLE hash constants) as I64, unchanged."""
     if dtype not in STORED_DTYPES:
         raise NpqwenError(f"cannot write dtype {dtype}; use one of {', '.join(STORED_DTYPES)}")
-    itemsize = STORED_DTYPES[dtype][1]
     header, offset = {}, 0
     for name, a in tensors.items():
-        nbytes = math.prod(a.shape) * itemsize
-        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + nbytes]}
+        kind = "I64" if getattr(a, "dtype", None) == np.int64 else dtype
+        nbytes = math.prod(a.shape) * SAFETENSORS_ITEMSIZE[kind]
+        header[name] = {"dtype": kind, "shape": list(a.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)   # pad so the data starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
-        for a in tensors.values():
+        for name, a in tensors.items():
+            if header[name]["dtype"] == "I64":
+                f.write(np.ascontiguousarray(a).data)
+                continue
             a = np.asarray(as_array(a), dtype=np.float32)   # a compact weight widened here, one at a time
             bits = float32_to_bf16_bits(a) if dtype == "BF16" else a.astype(STORED_DTYPES[dtype][0])
             f.write(np.ascontiguousarray(bits).data)

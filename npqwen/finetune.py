@@ -27,7 +27,7 @@ from . import grad
 from .backend import to_numpy, xp_of
 from .checkpoint import save_safetensors
 from .errors import NpqwenError
-from .lora import TARGETS, Delta, LoraAdapter, fused_columns, layer_modules, model_modules
+from .lora import LINEAR, TARGETS, Delta, LoraAdapter, fused_columns, layer_modules, model_modules
 
 IGNORE = -100   # a target the loss skips (HF's ignore_index)
 
@@ -91,13 +91,30 @@ def read_examples(path, tokenizer, max_tokens: int | None = None, too_long: str 
     return examples
 
 
-def new_adapter(model, r: int = 16, alpha: float = 32, targets=TARGETS, seed: int = 0) -> LoraAdapter:
-    """A fresh adapter on every decoder layer's projections named in `targets` (Qwen4-Exp: and the final mixing's,
-    outside the layers, as PEFT's names match it too), initialised as PEFT does: A (r, in) uniform in +-1/sqrt(in)
-    (kaiming_uniform with a = sqrt(5)), B (out, r) zeros, scale alpha / r."""
+# PEFT's default targets (LoraConfig's target_modules=None: its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)
+# for the model types npqwen reads that it has an entry for; tests/test_finetune.py checks them against PEFT's
+PEFT_TARGETS = {"qwen2": ("q_proj", "v_proj"), "qwen3": ("q_proj", "v_proj")}
+
+
+def default_targets(config) -> tuple[str, ...]:
+    """PEFT's default for the model type: q_proj and v_proj on Qwen2 and Qwen3 (and Qwen3-VL's text model, which
+    npqwen reads as the Qwen3 it is). PEFT has none for Qwen3-MoE, Qwen3.5, Qwen3-Next or Qwen4-Exp (it asks for
+    target_modules), so there npqwen's: lora.TARGETS, attention's four and the MLP's three (on a MoE layer its
+    shared expert's: Qwen4-Exp's q/k/v/o and shared expert)."""
+    return PEFT_TARGETS.get(config.model_type, TARGETS)
+
+
+def new_adapter(model, r: int = 16, alpha: float = 32, targets=None, seed: int = 0) -> LoraAdapter:
+    """A fresh adapter on every decoder layer's projections named in `targets` (default: default_targets, PEFT's;
+    Qwen4-Exp: and the final mixing's, outside the layers, as PEFT's names match it too), initialised as PEFT does:
+    A (r, in) uniform in +-1/sqrt(in) (kaiming_uniform with a = sqrt(5)), B (out, r) zeros, scale alpha / r."""
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise NpqwenError(f"the LoRA rank must be an integer >= 1, got {r!r}")
     rng, cfg = np.random.default_rng(seed), model.config
+    targets = default_targets(cfg) if targets is None else targets
+    if unknown := sorted(set(targets) - set(LINEAR)):
+        raise NpqwenError(f"LoRA targets {unknown} are not projections of a Qwen model; use some of "
+                          f"{', '.join(LINEAR)}")
     adapter = LoraAdapter("finetune", Path("."), r, key="finetune")
     where = [(i, f"model.layers.{i}.{m}") for i in range(cfg.num_hidden_layers) for m in layer_modules(cfg, i)]
     for i, module in where + [(None, m) for m in model_modules(cfg)]:   # (layer or None, the module's HF name)
@@ -205,7 +222,7 @@ def resume(model, directory, adapter: LoraAdapter, optimizer: AdamW):
 
     saved = read_adapter(directory, "checkpoint", model)
     for name, a in adapter.weights.items():
-        if name not in saved.weights or saved.weights[name].shape != a.shape:
+        if saved.weights.keys() != adapter.weights.keys() or saved.weights[name].shape != a.shape:
             raise NpqwenError(f"{directory}: its adapter does not match this run's (--lora-r, targets, model); "
                               f"use another --out, or the options it was made with")
         a[...] = saved.weights[name]
@@ -218,11 +235,12 @@ def resume(model, directory, adapter: LoraAdapter, optimizer: AdamW):
 
 def finetune(model, examples: list[Example], out, steps: int, r: int = 16, alpha: float = 32, lr: float = 1e-4,
              accumulate: int = 1, save_every: int = 0, seed: int = 0, progress=None,
-             checkpoint_activations: bool = False) -> list[float]:
+             checkpoint_activations: bool = False, targets=None) -> list[float]:
     """The training loop: for each step, forward, loss, backward, AdamW step; a checkpoint every `save_every`
     steps in OUT/checkpoint-N (a rerun with the same OUT resumes from the latest), the adapter in OUT at the end.
-    A loss that is not finite stops the run (the last checkpoint stays); Ctrl-C saves one first. The losses."""
-    adapter = new_adapter(model, r, alpha, seed=seed)
+    A loss that is not finite stops the run (the last checkpoint stays); Ctrl-C saves one first. The adapter is on
+    `targets` (new_adapter's default: PEFT's). The losses."""
+    adapter = new_adapter(model, r, alpha, targets, seed)
     optimizer = AdamW(adapter.weights, lr=lr)
     last = latest_checkpoint(out)
     if last is not None:

@@ -90,10 +90,11 @@ def logit_diff(token: int, other: int, position: int = -1) -> Objective:
 
 
 def loss(targets=None) -> Objective:
-    """The mean cross-entropy of `targets` (T,), -100 where a row is not counted; by default each row's next
-    token (the last row uncounted): the language-model loss HF computes from labels = the input ids."""
+    """The mean cross-entropy of `targets` (T,) (on the host or the model's device), -100 where a row is not
+    counted; by default each row's next token (the last row uncounted): the language-model loss HF computes from
+    labels = the input ids."""
     def fn(logits, ids=None):
-        t = type_like(logits, next_tokens(ids) if targets is None else np.asarray(targets))   # (T,)
+        t = type_like(logits, next_tokens(ids) if targets is None else targets)   # (T,)
         logp, rows = ops.log_softmax(logits), xp_of(logits).flatnonzero(t != -100)   # (T, V) once, for both
         value = -float(logp[rows, t[rows]].mean())                        # the counted rows' -log p(target)
         return value, ops.cross_entropy_backward(logits, t, logp=logp)   # logp used up
@@ -113,9 +114,9 @@ def place(logits, position: int, d_row):
     return d
 
 
-def type_like(array, host):
-    """`host` (a NumPy array) on `array`'s device."""
-    return xp_of(array).asarray(host)
+def type_like(array, a):
+    """`a` (a NumPy array or a list, or already on `array`'s device: no copy) on `array`'s device."""
+    return xp_of(array).asarray(a)
 
 
 class Gradients(dict):
@@ -389,8 +390,7 @@ def ple_embedding(model, i: int, ids):
     """Layer i's n-gram embeddings (T, E) of `ids` from position 0 (eos before the first), looked up again as
     Qwen4Exp.ple does (T rows of the mapped tables)."""
     cfg, j, eos = model.config, model.config.ple_index(i), model.config.eos_token_ids[0]
-    multipliers = ple.layer_multipliers(cfg.vocab_size, cfg.ngram_size, j, cfg.seed)                # (n,)
-    sizes, offsets = ple.head_vocab_sizes(cfg.ngram_vocab_size_base, (cfg.ngram_size - 1) * cfg.heads_per_ngram, j)
+    multipliers, sizes, offsets = ple.hash_constants(cfg, j)                                        # (n,), (Hn,), (Hn,)
     table = model.weights[f"model.layers.{i}.ple.ple_embedding.ngram_embedding.weight"]             # (rows, d)
     emb = ple.ngram_embedding(table, ids, np.full(cfg.ngram_size - 1, eos), multipliers, sizes, offsets,
                               cfg.heads_per_ngram, eos)                                             # (T, E) float32

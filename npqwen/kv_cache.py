@@ -74,8 +74,9 @@ class KVCache:
                            if config.qwen4_exp else None)
         self.states = LinearStates(config, num_slots, xp, dtype, linear_heads) if config.hybrid else None
         self.snapshots: LinearStates | None = None   # the engine's snapshots of states, for prefix hits (hybrid)
-        self.state_copies: list | None = None        # tensor parallel: rank 0's copies between the two since its
-                                                     # last batch, for the other ranks to make (parallel.cache_key)
+        self.state_copies: list | None = None        # tensor parallel: rank 0's copies between the two and its
+                                                     # speculative roll-backs since its last batch, for the other
+                                                     # ranks to make (parallel.cache_key)
 
     def slots(self, pages, offsets):
         """Where token t's key of kv head h goes, as a row of a layer seen as (N*K*P, Dh) rows:

@@ -282,7 +282,7 @@ class LLM:
 
         from .backend import to_numpy
         from .checkpoint import save_safetensors
-        from .ple import NgramTable
+        from .ple import NgramTable, hf_buffers
         from .weights import is_compact
 
         if self.comm.size > 1:
@@ -298,6 +298,8 @@ class LLM:
             if isinstance(table, NgramTable):      # writes (a float32 part is read from its mapped file as written)
                 tensors.update({f"{name[:-len('weight')]}shard_{j}.weight": table.widen(part)
                                 for j, part in enumerate(table.parts)})
+        if self.config.qwen4_exp:   # and their hash constants, which transformers keeps as buffers and writes too
+            tensors.update(hf_buffers(self.config))
         save_safetensors(directory / "model.safetensors", tensors, dtype)
         defaults = self.generation_defaults
         sampling = {k: defaults[k] for k in ("temperature", "top_k", "top_p", "min_p") if k in defaults}

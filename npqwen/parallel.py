@@ -246,8 +246,8 @@ def share_batch(model, batch, kv, recording: bool):
 
 def cache_key(comm, kv) -> tuple:
     """(key, pages, page size, state slots, snapshot slots, keys of caches rank 0 has let go of, its copies
-    between state slots and snapshots since the last batch, the KV dtype): how the followers find and keep their
-    copy."""
+    between state slots and snapshots and its speculative roll-backs since the last batch, the KV dtype): how the
+    followers find and keep their copy."""
     key = comm.kv_keys.get(kv)
     if key is None:
         key = comm.kv_keys[kv] = next(comm.kv_counter)
@@ -278,7 +278,10 @@ def follow(model) -> tuple[str, object]:
                     kv = comm.caches[key] = model.new_kv_cache(pages, page_size, slots, kv_dtype)
                     kv.snapshots = LinearStates(model.config, snapshots, model.xp, model.dtype,
                                                 model.linear_heads) if snapshots else None
-                for what, i, j in copies:   # rank 0's prefix cache saved (slot i -> snapshot j) or restored states
+                for what, i, j in copies:   # rank 0's prefix cache saved (slot i -> snapshot j) or restored states,
+                    if what == "roll_back":   # or a speculative verification of slot i kept its first j tokens
+                        kv.states.roll_back(i, j)
+                        continue
                     src, dst = (kv.states, kv.snapshots) if what == "save" else (kv.snapshots, kv.states)
                     copy_states(src, i, dst, j)
                 model.forward_batch(batch, kv, keep_nothing if recording else None)

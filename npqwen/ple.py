@@ -100,6 +100,28 @@ def ngram_embedding(table, token_ids, previous, multipliers, sizes, offsets, hea
     return table[ids].reshape(len(token_ids), -1)                               # (T, Hn*d)
 
 
+def hash_constants(config, ple_layer_index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One PLE layer's hashing: its n multipliers (a GGUF's as stored, else from the seed) and its Hn heads'
+    table sizes and first rows: ((n,), (Hn,), (Hn,)) int64."""
+    Hn = (config.ngram_size - 1) * config.heads_per_ngram
+    multipliers = (np.array(config.ple_multipliers, dtype=np.int64) if config.ple_multipliers
+                   else layer_multipliers(config.vocab_size, config.ngram_size, ple_layer_index, config.seed))
+    return (multipliers, *head_vocab_sizes(config.ngram_vocab_size_base, Hn, ple_layer_index))
+
+
+def hf_buffers(config) -> dict[str, np.ndarray]:
+    """The hash constants transformers keeps as persistent buffers of each PLE layer and writes beside its table
+    (save_pretrained), by HF name, int64: npqwen computes them (hash_constants) and writes them for transformers."""
+    buffers = {}
+    for i in range(config.num_hidden_layers):
+        if config.is_ple_layer(i):
+            q = f"model.layers.{i}.ple.ple_embedding"
+            multipliers, sizes, offsets = hash_constants(config, config.ple_index(i))
+            buffers.update({f"{q}.layer_multipliers": multipliers, f"{q}.ngram_heads_vocab_sizes": sizes,
+                            f"{q}.ngram_heads_offsets": offsets})
+    return buffers
+
+
 def table_rows(config, ple_layer_index: int) -> int:
     """Rows of one PLE layer's table: its Hn heads' primes, added, rounded up to a multiple of
     make_ngram_vocab_size_divisible_by."""

@@ -114,10 +114,7 @@ class Qwen4Exp(Qwen3):
         convolution state. (T, C*D) -> (T, C*D)."""
         cfg, W, p, xp = self.config, self.weights, f"model.layers.{i}.ple", self.xp
         j = cfg.ple_index(i)
-        Hn = (cfg.ngram_size - 1) * cfg.heads_per_ngram
-        multipliers = (np.array(cfg.ple_multipliers, dtype=np.int64) if cfg.ple_multipliers   # a GGUF's, as stored
-                       else ple.layer_multipliers(cfg.vocab_size, cfg.ngram_size, j, cfg.seed))     # (n,)
-        sizes, offsets = ple.head_vocab_sizes(cfg.ngram_vocab_size_base, Hn, j)             # (Hn,) each
+        multipliers, sizes, offsets = ple.hash_constants(cfg, j)                            # (n,), (Hn,), (Hn,)
         table = W[f"{p}.ple_embedding.ngram_embedding.weight"]                              # (rows, d), on disk
         conv = kv.states.ple_conv[j]                                                        # (slots, L, C*D)
         out, adapters = xp.empty_like(x), batch.loras or [None] * len(batch.rows)   # each sequence's LoRA adapter

@@ -7,8 +7,8 @@ tokens first, then this process's peak RSS (weights + KV pages: nothing large ha
 yet), then the logits of every position of a prompt of each length. Unless --heavy (the exact
 Qwen3-0.6B shape, where only those are checked): a seeded sampled run, a batched engine run that
 reads prompts in chunks over small pages and preempts, a stream, a forward over an explicit cache
-(prefill then one token), the attention probabilities a recorder sees (and a hybrid model's out_proj),
-embeddings and two tokens' scores (prefill-only requests), and an error.
+(prefill then one token), speculative decoding (prompt lookup), the attention probabilities a recorder sees (and
+a hybrid model's out_proj), embeddings and two tokens' scores (prefill-only requests), and an error.
 """
 import argparse
 import json
@@ -67,6 +67,7 @@ def probe_more(llm, V, out):
     out["engine"] = np.concatenate([done[i] for i in ids])
     out["engine_lengths"] = [len(done[i]) for i in ids]
     out["engine_stats"] = json.dumps({"steps": steps, **engine.stats})
+    speculative(llm, V, out)
     out["stream"] = json.dumps([len(piece) for piece in llm.stream(prompt(7, V), max_new_tokens=8, temperature=0)])
     cache = llm.new_cache(64)
     first = prefill(llm.model, prompt(30, V), cache, chunk=12)
@@ -88,6 +89,21 @@ def probe_more(llm, V, out):
         out["error"] = ""
     except npqwen.NpqwenError as e:
         out["error"] = str(e)
+
+
+def speculative(llm, V, out):
+    """Prompt lookup (ngram) drafts on a prompt that repeats, greedy and seeded beside one that does not speculate:
+    each verification a chunk of the batch, refused drafts rolled back (a hybrid model's states on every rank)."""
+    engine = Engine(llm, kv_cache_tokens=128, page_size=8, max_batch_size=3)
+    spec = {"method": "ngram", "k": 3, "prompt_lookup_max": 2}
+    ids = [engine.add_request(prompt(5, V, seed=8) * 3, max_new_tokens=20, temperature=0, speculative=spec),
+           engine.add_request(prompt(4, V, seed=9) * 3, max_new_tokens=20, temperature=0.8, seed=5, speculative=spec),
+           engine.add_request(prompt(7, V, seed=10), max_new_tokens=12, temperature=0)]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.result.token_ids for o in engine.step() if o.finished})
+    out["speculative"] = np.concatenate([done[i] for i in ids])
+    out["speculative_stats"] = json.dumps({k: v for k, v in engine.stats.items() if k.startswith("spec_decode_")})
 
 
 def prefix_hits(llm, V, out):

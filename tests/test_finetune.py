@@ -57,7 +57,7 @@ def peft_training(base, adapter_dir, data, load=hf_model, steps=STEPS, accumulat
 
 def test_twenty_steps_match_peft_and_torch(base, tmp_path):
     llm = npqwen.load(base)
-    adapter = ft.new_adapter(llm.model, r=4, alpha=8, seed=0)
+    adapter = ft.new_adapter(llm.model, r=4, alpha=8, targets=ft.TARGETS, seed=0)   # all seven (PEFT's default: 2)
     rng = np.random.default_rng(1)
     for name, a in adapter.weights.items():   # B non-zero from the start, so every path has a gradient at step 1
         if "lora_B" in name:
@@ -85,6 +85,28 @@ def test_twenty_steps_match_peft_and_torch(base, tmp_path):
     got = llm.forward(data[0].ids, lora="trained")
     print(f"served: max |npqwen - PEFT| logits {np.abs(got - expected).max():.1e}")
     assert np.abs(got - expected).max() < 1e-4
+
+
+def test_the_default_targets_are_peft_s(base):
+    """new_adapter's default targets are PEFT's (LoraConfig's target_modules=None) where PEFT has an entry for the
+    model type: on a Qwen3 the very modules PEFT adapts (q_proj, v_proj); PEFT has none for Qwen3-MoE, Qwen3.5(-MoE)
+    or Qwen4-Exp (by npqwen's model type or the hub's), and there the default stays npqwen's lora.TARGETS."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT
+
+    hf = peft.get_peft_model(hf_model(base), peft.LoraConfig(r=2))
+    want = {k.removeprefix("base_model.model.") for k in peft.get_peft_model_state_dict(hf)}
+    got = set(ft.new_adapter(npqwen.load(base).model, r=2).weights)
+    print(f"Qwen3: PEFT adapts {len(want) // 2} modules, npqwen {len(got) // 2}; differ: {sorted(want ^ got)[:4]}")
+    assert got == want and len(got) == 2 * 2 * 2
+    for model_type, targets in ft.PEFT_TARGETS.items():   # qwen2 too
+        assert set(PEFT[model_type]) == set(targets), model_type
+    for model in ("tiny-moe", "tiny-qwen3.5", "tiny-qwen4-exp"):
+        llm = npqwen.load(model)
+        types = {llm.config.model_type, llm.config.model_type.removesuffix("_text")}   # qwen3_5_text, qwen3_5
+        adapted = {n.split(".")[-3] for n in ft.new_adapter(llm.model, r=2).weights}   # ...q_proj.lora_A.weight
+        print(f"{model} {sorted(types)}: PEFT {[PEFT.get(t) for t in types]}, npqwen {sorted(adapted)}")
+        assert not any(t in PEFT for t in types) and ft.default_targets(llm.config) == ft.TARGETS
+        assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= adapted <= set(ft.TARGETS)
 
 
 def test_qwen4_exp_steps_match_peft_and_torch_in_float64(tmp_path, monkeypatch):
@@ -175,6 +197,10 @@ def test_a_run_resumed_from_its_checkpoint_ends_where_one_run_ends(tmp_path):
     a, b = (npqwen.load("tiny", lora={"x": tmp_path / d}).lora_adapter("x").weights for d in ("once", "twice"))
     assert all(np.array_equal(a[n], b[n]) for n in a)
 
+    ft.finetune(llm.model, examples, tmp_path / "all", 2, targets=ft.TARGETS, **run)   # resumed with other targets:
+    with pytest.raises(npqwen.NpqwenError, match="does not match this run's"):      # refused, not a part of it
+        ft.finetune(llm.model, examples, tmp_path / "all", 4, **run)
+
     def interrupt(step, loss, tokens):
         if step == 3:
             raise KeyboardInterrupt
@@ -191,8 +217,11 @@ def test_the_command_trains_and_generate_serves_the_adapter(tmp_path):
 
     data, out = write_data(tmp_path / "data.jsonl"), tmp_path / "adapter"
     assert main(["finetune", "--model", "tiny", "--data", str(data), "--out", str(out), "--lora-r", "4",
-                 "--steps", "3", "--lr", "1e-2"]) == 0
-    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+                 "--steps", "3", "--lr", "1e-2", "--lora-targets", "q_proj,down_proj"]) == 0
+    assert (out / "adapter_model.safetensors").is_file()
+    assert json.loads((out / "adapter_config.json").read_text())["target_modules"] == ["down_proj", "q_proj"]
+    assert main(["finetune", "--model", "tiny", "--data", str(data), "--out", str(tmp_path / "x"),
+                 "--lora-targets", "q_proj,qproj"]) == 1   # one line naming 'qproj' and the projections there are
     assert main(["generate", "--model", "tiny", "--lora", f"ft={out}", "-p", "hi", "--max-new-tokens", "3"]) == 0
     assert main(["finetune", "--model", "tiny", "--data", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 1
 
@@ -247,7 +276,7 @@ def test_a_lora_on_a_frozen_compact_base_trains_as_on_its_float32_twin(name, fmt
         ex.targets[ex.targets >= 0] %= llm.config.vocab_size
     runs = []
     for model in (llm.model, twin):
-        adapter = ft.new_adapter(model, r=4, alpha=8, seed=0)
+        adapter = ft.new_adapter(model, r=4, alpha=8, targets=ft.TARGETS, seed=0)
         rng = np.random.default_rng(1)
         for a in adapter.weights.values():   # B non-zero from the start: every path has a gradient at step 1
             a[...] = 0.1 * rng.standard_normal(a.shape)

@@ -112,3 +112,15 @@ def test_every_name_and_keyword_used_exists_in_real_cupy(monkeypatch, qwen3_5_mo
     assert {"cupy.flatnonzero", "cupy.nonzero", "cupy.put_along_axis", "cupy.add.at", "cupy.sqrt"} <= used.keys()
     problems = check_against(real_cupy(), used)
     assert not problems, "\n".join(problems)
+
+
+def test_the_loss_takes_targets_on_the_device(monkeypatch, qwen3_5_moe_dir):
+    """grad.loss(targets) with the targets already on the model's device (a cupy array, as a CUDA training loop
+    holds them) gives the loss and the gradients of the same targets from the host, on tiny Qwen3 (float64)."""
+    cuda = load_both("tiny", "float64", monkeypatch, qwen3_5_moe_dir)[1]
+    targets = np.array([-100, -100, 33, 2, 101, 7, 64, -100, 3, 99], dtype=np.int64)
+    want = grad.gradients(cuda, IDS, grad.loss(targets))
+    got = grad.gradients(cuda, IDS, grad.loss(strict_cupy.asarray(targets)))
+    diff = max(float(np.abs(to_numpy(got[n]) - to_numpy(want[n])).max()) for n in want)
+    print(f"device targets: loss {got.value} vs host {want.value}, {len(want)} gradients, max |diff| = {diff:.1e}")
+    assert got.value == want.value and got.keys() == want.keys() and diff == 0

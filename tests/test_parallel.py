@@ -287,6 +287,9 @@ def two_ranks_as_one(model, tmp_path) -> list[dict]:
     one = probe(model, tmp_path / "one")[0]
     ranks = probe(model, tmp_path / "tp", 2)
     assert_same(one, ranks, npqwen.load(model).config)
+    spec = json.loads(str(ranks[0]["speculative_stats"]))   # the same on each rank and in one process (assert_same)
+    print("speculative decoding:", spec)
+    assert spec["spec_decode_num_draft_tokens"] > spec["spec_decode_num_accepted_tokens"]   # refused: rolled back
     return ranks
 
 

@@ -245,6 +245,28 @@ def test_greedy_equals_hf(causal):
     assert got == want and len(set(got)) > 3
 
 
+def test_what_npqwen_saves_is_what_transformers_saves(causal, tmp_path):
+    """llm.save writes the tensors save_pretrained writes for the same model, the PLE tables as their shards and
+    each PLE layer's three hash constants (int64 buffers in HF) equal to HF's, so transformers loads it with nothing
+    missing (no LOAD REPORT) and gives the original's logits."""
+    from safetensors.numpy import load_file
+
+    path, ref = causal
+    saved = npqwen.load(path).save(tmp_path / "npqwen")
+    hf, ours = load_file(path / "model.safetensors"), load_file(saved / "model.safetensors")
+    print("only in HF's", sorted(hf.keys() - ours.keys()), "only in npqwen's", sorted(ours.keys() - hf.keys()))
+    assert ours.keys() == hf.keys()
+    constants = [n for n, a in hf.items() if a.dtype == np.int64]
+    assert len(constants) == 3 * len(MODEL["ple_layer_ids"]) and all((ours[n] == hf[n]).all() for n in constants)
+    again, info = qwen4.Qwen4ExpForCausalLM.from_pretrained(saved, dtype=torch.float32, output_loading_info=True)
+    ids = torch.tensor([np.random.default_rng(4).integers(0, MODEL["vocab_size"], 24).tolist()])
+    with torch.no_grad():
+        want, got = (m(input_ids=ids, use_cache=False).logits for m in (ref, again.eval()))
+    diff = float((got - want).abs().max())
+    print(f"transformers on npqwen's save: missing {info['missing_keys']}, max |logit diff| vs the original {diff}")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and diff == 0
+
+
 # Qwen4-Exp's layer at full width: transformers' defaults are the real model's (D=2048, 16/2 heads of 256, Gated
 # DeltaNet 16/32 heads of 128, C=4 streams mixed at rank 320, experts of 512, PLE of 16 hash heads of 128); cut: 4
 # experts (of 512; each the real shape), a 2,048-token vocabulary, PLE tables of ~1,000 rows per head (of 20M), and

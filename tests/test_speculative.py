@@ -280,15 +280,16 @@ def test_hooks_see_propose_verify_accept():
         Engine(llm, hooks={"speculative.drafts": print})
 
 
-def test_tensor_parallelism_refuses_speculation():
-    """Under tensor parallelism (here a communicator that says two ranks, rank 0 leading) a request that
-    speculates is one clear error, before it runs; one that does not is taken."""
+def test_tensor_parallelism_refuses_mtp_speculation():
+    """Under tensor parallelism (here a communicator that says two ranks, rank 0 leading) a request that drafts
+    with the MTP head is one clear error, before it runs; prompt lookup is taken (tests/test_parallel.py runs it on
+    2 ranks against one process)."""
     llm = npqwen.load("tiny")
     engine = Engine(llm, kv_cache_tokens=256, page_size=16)
 
     class TwoRanks:   # what rank 0 leading a group of two looks like to the engine
         size, rank, leading = 2, 0, True
     llm.comm = TwoRanks()
-    with pytest.raises(NpqwenError, match="does not run under tensor parallelism yet .* leave speculative unset"):
-        engine.add_request("abcabc", max_new_tokens=4, speculative={"method": "ngram", "k": 2})
-    assert engine.add_request("abcabc", max_new_tokens=4) in engine.requests
+    with pytest.raises(NpqwenError, match='"mtp" does not run under tensor parallelism yet .* use method "ngram"'):
+        engine.add_request("abcabc", max_new_tokens=4, speculative={"method": "mtp", "k": 2})
+    assert engine.add_request("abcabc", max_new_tokens=4, speculative={"method": "ngram", "k": 2}) in engine.requests

@@ -15,6 +15,10 @@ def add_parser(commands):
     p.add_argument("--out", required=True, help="the directory for the adapter and checkpoints (required, no default)")
     p.add_argument("--lora-r", type=int, default=16, help="the adapter's rank (default: 16)")
     p.add_argument("--lora-alpha", type=float, default=32, help="scale = alpha / r (default: 32)")
+    p.add_argument("--lora-targets", default=None, metavar="NAMES",
+                   help="the projections to adapt, comma-separated, as PEFT's target_modules: q_proj,k_proj,v_proj,"
+                        "o_proj,gate_proj,up_proj,down_proj for all seven (default: PEFT's default for the model type, "
+                        "q_proj,v_proj on Qwen3; all seven where PEFT has none: Qwen3-MoE, Qwen3.5, Qwen4-Exp)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: one pass over the data)")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW's learning rate (default: 1e-4)")
     p.add_argument("--accumulate", type=int, default=1, help="examples per optimizer step (default: 1)")
@@ -59,7 +63,8 @@ def cmd_finetune(args) -> int:
 
     try:
         losses = finetune(llm.model, examples, args.out, steps, args.lora_r, args.lora_alpha, args.lr,
-                          args.accumulate, args.save_every, args.seed, progress, args.checkpoint_activations)
+                          args.accumulate, args.save_every, args.seed, progress, args.checkpoint_activations,
+                          args.lora_targets and tuple(args.lora_targets.split(",")))
     finally:
         bar.close()
     if losses:

@@ -104,10 +104,12 @@ class Engine:
         self.pool = PagePool(self.kv.num_pages)
         # A hybrid model's prefix hit also needs its linear layers' states at the end of the shared prefix:
         # without snapshots of them (state_snapshots=0) it has no prefix cache.
-        if snapshots:   # (tensor parallel: this rank's heads; its copies logged for the other ranks to make)
+        # tensor parallel: what rank 0 does to the linear layers' states between batches (copies to and from the
+        # snapshots, speculative roll-backs), logged for the other ranks to do to theirs before the next batch
+        self.kv.state_copies = [] if hybrid and self.llm.comm.size > 1 else None
+        if snapshots:   # (tensor parallel: this rank's heads)
             self.kv.snapshots = LinearStates(self.config, snapshots, self.model.xp, self.model.dtype,
                                              getattr(self.model, "linear_heads", None))
-            self.kv.state_copies = [] if self.llm.comm.size > 1 else None
         snapshot_pool = StateSnapshots(self.kv.states, self.kv.snapshots, self.kv.state_copies) if snapshots else None
         self.cache = PrefixCache(self.pool, page_size, enabled=prefix_cache and (snapshots > 0 or not hybrid),
                                  snapshots=snapshot_pool,
@@ -168,11 +170,10 @@ class Engine:
         adapter = None if lora is None else self.llm.lora_adapter(lora)   # the LoraAdapter travels with the request
         ids = self.llm.prompt_ids(prompt)
         max_new_tokens = self.fit(ids, params.max_new_tokens)
-        if params.speculative is not None and self.llm.comm.size > 1:
-            # refused, not wrong: the other ranks would keep a Qwen3.5's linear-attention states past refused drafts
-            # (LinearStates.roll_back runs where accept runs, on rank 0) and hold no MTP head of their own
-            raise NpqwenError("speculative decoding does not run under tensor parallelism yet (the other ranks do not "
-                              "roll back); leave speculative unset, or run on one process")
+        if params.speculative is not None and params.speculative.method == "mtp" and self.llm.comm.size > 1:
+            # refused, not wrong: the MTP head is whole on rank 0 only (the other ranks hold no part of it)
+            raise NpqwenError("speculative method \"mtp\" does not run under tensor parallelism yet (the MTP head "
+                              "is not split across the ranks); use method \"ngram\", or run on one process")
         if self.config.qwen4_exp and params.speculative is not None and params.speculative.method == "mtp":
             raise NpqwenError("Qwen4-Exp: speculative method \"mtp\" is not implemented for it: its MTP head (mtp.* "
                               "weights) is ignored by transformers, so there is no reference forward to check one "
@@ -391,6 +392,8 @@ class Engine:
         self.scheduler.roll_back(req, start + 1 + kept)
         if req.state_slot is not None:
             self.kv.states.roll_back(req.state_slot, 1 + kept)
+            if self.kv.state_copies is not None:   # tensor parallel: the other ranks roll theirs back too
+                self.kv.state_copies.append(("roll_back", req.state_slot, 1 + kept))
         self._remember_full_pages(req)
         if self.step_log is not None:   # the recorder's row of this request: how many of its drafts it kept
             self.step_log[-1] = [dataclasses.replace(r, accepted_tokens=kept) if r.request_id == req.request_id

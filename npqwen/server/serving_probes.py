@@ -16,6 +16,7 @@ import numpy as np
 from .. import attribution, grad
 from ..backend import to_numpy
 from ..errors import NpqwenError
+from ..hooks import residual_width
 from ..lens import token_lens
 from ..sampling_params import SamplingParams
 from .protocol import (MAX_ATTENTION_TOKENS, MAX_SALIENCY_TOKENS, APIError, AttentionRequest, ExpertsRequest,
@@ -96,8 +97,7 @@ class ServingProbes(Serving):
             raise APIError(400, "position 0 is not predicted by any position before it; choose 1 .. "
                                 f"{len(ids) - 1}", "position")
         blocks = {f"model.layers.{i}": i for i in range(L)}
-        width = self.config.hidden_size * (self.config.hc_count if self.config.qwen4_exp else 1)   # Qwen4-Exp: C*D
-        kept = np.zeros((L, width), np.float32)                                      # (L, D)
+        kept = np.zeros((L, residual_width(self.config)), np.float32)                # (L, D); Qwen4-Exp (L, C*D)
 
         def keep(step, array):   # position p - 1 is the probe's last token: its row of each block's output
             if step in blocks:

@@ -37,7 +37,7 @@ def checkpoint(layers: int):
     import npqwen
     from npqwen.checkpoint import save_safetensors
     from npqwen.config import QWEN3_0_6B_CONFIG
-    from npqwen.finetune import new_adapter, save_adapter
+    from npqwen.finetune import TARGETS, new_adapter, save_adapter
 
     path = CACHE_DIR / f"qwen3-0.6b-{layers}-layers-f32"
     if (path / "adapter" / "adapter_model.safetensors").is_file():
@@ -47,7 +47,7 @@ def checkpoint(layers: int):
     config = dict(QWEN3_0_6B_CONFIG, num_hidden_layers=layers, max_window_layers=layers)
     save_safetensors(path / "model.safetensors", random_weights(config), "F32")
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    save_adapter(new_adapter(npqwen.load(path).model, r=16, alpha=32), path / "adapter")
+    save_adapter(new_adapter(npqwen.load(path).model, r=16, alpha=32, targets=TARGETS), path / "adapter")
     return path
 
 
@@ -95,10 +95,10 @@ def timed(step, examples) -> dict:
 def npqwen_steps(path, weights: str, examples) -> dict:
     """npqwen's LoRA training steps on the base at `path` kept as `weights` (float32, or a compact format)."""
     import npqwen
-    from npqwen.finetune import AdamW, new_adapter, train_step
+    from npqwen.finetune import TARGETS, AdamW, new_adapter, train_step
 
     llm = npqwen.load(path, weights=weights)
-    adapter = new_adapter(llm.model, r=16, alpha=32)
+    adapter = new_adapter(llm.model, r=16, alpha=32, targets=TARGETS)   # all seven (PEFT's default: q, v)
     optimizer = AdamW(adapter.weights, lr=1e-4)
     return timed(lambda ex: train_step(llm.model, adapter, [ex], optimizer), examples)   # forward, backward, AdamW
 
