@@ -206,10 +206,10 @@ def test_gguf_q8_0_equals_float32_on_the_gguf_package_dequantized_weights(gguf_f
     """Q8_0 (with llama.cpp's F16 and F32 fallbacks; its PLE table Q8_0 too): every matrix kept as the file stores
     it (the hyper-connections' down and injection matrices Q8_0, their up matrices F16, over the file's mapped bytes)
     widens as gguf.quants.dequantize widens those bytes; the model on them equals npqwen float32 on them (1e-5)."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from npqwen.gguf_file import ReorderedHeads, TableRows, hf_name
+    from npqwen.gguf_file import ReorderedHeads, TableRows, hf_name, open_gguf
 
     llm = loaded("Q8_0")
     table = llm.weights["model.layers.0.ple.ple_embedding.ngram_embedding.weight"].parts[0]
@@ -217,7 +217,7 @@ def test_gguf_q8_0_equals_float32_on_the_gguf_package_dequantized_weights(gguf_f
     assert isinstance(table, TableRows) and {w.format for w in stored.values()} >= {"Q8_0", "float16"}
     mixes = {n: stored[n].format for n in llm.weights if "hyper_connection" in n and not n.endswith("hc_norm.weight")}
     assert set(mixes.values()) == {"Q8_0", "float16"} and all(f == "float16" for n, f in mixes.items() if "_up." in n)
-    in_file = {hf_name(t.name): t.data for t in GGUFReader(gguf_files["Q8_0"]).tensors}   # (the gguf package's)
+    in_file = {hf_name(t.name): t.data for t in open_gguf(gguf_files["Q8_0"]).tensors}   # gguf's GGUFReader's bytes
     for n in mixes:   # kept as stored: the file's bytes, bit for bit (Q8_0's planes interleaved back)
         np.testing.assert_array_equal(np.asarray(stored[n].storage).view(np.uint8).reshape(-1),
                                       np.asarray(in_file[n]).view(np.uint8).reshape(-1), err_msg=n)
