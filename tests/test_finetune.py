@@ -230,7 +230,8 @@ def test_adapter_gradients_equal_finite_differences(name):
     assert worst[0][0] < 1e-6
 
 
-@pytest.mark.parametrize("name, fmt", [("tiny", "int8"), ("tiny", "bfloat16"), ("tiny-qwen3.5", "int8")])
+@pytest.mark.parametrize("name, fmt", [("tiny", "int8"), ("tiny", "bfloat16"), ("tiny-qwen3.5", "int8"),
+                                       ("tiny-moe", "int8")])
 def test_a_lora_on_a_frozen_compact_base_trains_as_on_its_float32_twin(name, fmt):
     """QLoRA's way: the base stays int8 or bfloat16 (npqwen/weights.py), the gradient flows through it by
     d_x = d_y @ W widened a block at a time. Five steps against the same steps on the base's dequantized weights
