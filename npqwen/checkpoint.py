@@ -584,12 +584,18 @@ def ple_tables(found: dict, config: Qwen3Config, directory) -> dict:
     return tables
 
 
+# Qwen4-Exp's hyper-connection projections (npqwen/hyper_connections.py): the low-rank mix's down (R, C*D) and up
+# (C*D, R) and the injection weights' (C, C*D), linear maps like the others (0.43B parameters in the real model)
+HYPER_CONNECTION_MATRICES = ("input_mix_weight_down.weight", "input_mix_weight_up.weight", "block_inject_weight.weight")
+
+
 def is_matrix(name: str) -> bool:
     """The weights kept compact: every linear layer's (Gated DeltaNet's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
-    and Qwen3-Next's fused in_proj_qkvz, in_proj_ba included), the embedding, lm_head. Norms, the router, a shared
-    expert's gate and the convolution stay float32, as llama.cpp keeps them (they are small and read whole)."""
-    return name.endswith("_proj.weight") or ".in_proj_" in name and name.endswith(".weight") or \
-        name in ("model.embed_tokens.weight", "lm_head.weight")
+    and Qwen3-Next's fused in_proj_qkvz, in_proj_ba included; Qwen4-Exp's hyper-connection projections), the
+    embedding, lm_head. Norms, the router, a shared expert's gate and the convolution stay float32, as llama.cpp keeps
+    them (they are small and read whole)."""
+    return name.endswith(("_proj.weight", *HYPER_CONNECTION_MATRICES)) or \
+        ".in_proj_" in name and name.endswith(".weight") or name in ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def check_dtype(found: dict, name: str, directory) -> None:

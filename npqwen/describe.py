@@ -205,7 +205,7 @@ def render(config: Qwen3Config, tensors: dict, source: str, lm_head: bool = True
     lines += ["", "weights in memory by --weights format (the linear layers' matrices and the embedding in it; "
                   "norms and routers float32; docs/weights.md)"]
     if config.qwen4_exp:
-        lines.append("  (Qwen4-Exp: the hyper-connection mixes float32 too; the PLE tables stay on disk as stored)")
+        lines.append("  (Qwen4-Exp: the hyper-connections' projections in it too; the PLE tables stay on disk as stored)")
     lines += [f"  {fmt:<10} {size(nbytes):>10}" for fmt, nbytes in format_bytes(config, lm_head).items()]
     return "\n".join(lines)
 

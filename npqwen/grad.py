@@ -440,6 +440,8 @@ def sparse_moe_backward(model, i: int, tape: Tape, d_out, grads: Gradients, keep
                                                  cfg.norm_topk_prob)
     grads.add(f"{p}.gate", d_logits)
     keep(f"{p}.gate.weight", d_router)
+    if d_down is None:   # compact experts: a frozen base (QLoRA), no gradients of their own
+        return d_m + d_x + d_r
     keep(f"{p}.experts.gate_up_proj", d_gate_up)
     keep(f"{p}.experts.down_proj", d_down)
     I = down.shape[2]

@@ -86,11 +86,13 @@ def experts(x, chosen, weights, gate_up, down):
 
 def experts_backward(d_out, x, chosen, weights, gate_up, down):
     """Backward of `experts`, one expert at a time over the (token, choice) pairs it got: d_out (T, D) ->
-    d_x (T, D), d_weights (T, k), d_gate_up (E, 2I, D), d_down (E, D, I) (zero for experts without tokens)."""
+    d_x (T, D), d_weights (T, k), d_gate_up (E, 2I, D), d_down (E, D, I) (zero for experts without tokens).
+    Compact experts (lists of E matrices, npqwen/weights.py) are a frozen base (QLoRA): d_gate_up, d_down None."""
     xp = xp_of(x)
-    I = down.shape[2]
+    frozen = isinstance(down, list)
+    I = down[0].shape[1] if frozen else down.shape[2]
     d_x, d_weights = xp.zeros_like(x), xp.zeros(weights.shape, dtype=x.dtype)
-    d_gate_up, d_down = xp.zeros_like(gate_up), xp.zeros_like(down)
+    d_gate_up, d_down = (None, None) if frozen else (xp.zeros_like(gate_up), xp.zeros_like(down))
     for e in np.unique(to_numpy(chosen)):
         t, j = xp.nonzero(chosen == e)                                   # the pairs (token t, its j-th choice)
         h = ops.linear(x[t], gate_up[e])                                 # (n, 2I) gate | up, recomputed
@@ -98,9 +100,11 @@ def experts_backward(d_out, x, chosen, weights, gate_up, down):
         y = ops.linear(act, down[e])                                     # (n, D) the expert's output
         d_weights[t, j] = (d_out[t] * y).sum(axis=-1)                    # out[t] += w[t, j] * y
         d_y = d_out[t] * weights[t, j][:, None]                          # (n, D)
-        d_act, d_down[e] = ops.linear_backward(d_y, act, down[e])        # (n, I), (D, I)
+        d_act, d_w = ops.linear_backward(d_y, act, down[e], not frozen)  # (n, I), (D, I)
         d_gate, d_up = ops.swiglu_backward(d_act, h[:, :I], h[:, I:])    # (n, I) each
-        d_rows, d_gate_up[e] = ops.linear_backward(xp.concatenate([d_gate, d_up], axis=1), x[t], gate_up[e])
+        d_rows, d_w_gate_up = ops.linear_backward(xp.concatenate([d_gate, d_up], axis=1), x[t], gate_up[e], not frozen)
+        if not frozen:
+            d_down[e], d_gate_up[e] = d_w, d_w_gate_up                   # (D, I), (2I, D)
         xp.add.at(d_x, t, d_rows)                                        # (n, D) back to each pair's token
     return d_x, d_weights, d_gate_up, d_down
 

@@ -1,6 +1,6 @@
 """Qwen4-Exp on compact weights (npqwen/weights.py): every matrix (attention, the QSA indexer, Gated DeltaNet, the
-experts, the shared expert, PLE's projections, the embedding, lm_head) kept in each format, the PLE tables left on
-disk as stored, the small vectors and the hyper-connection mixes float32. For each format npqwen's logits equal
+experts, the shared expert, PLE's projections, the hyper-connections' mixing and injection projections, the embedding,
+lm_head) kept in each format, the PLE tables left on disk as stored, the small vectors float32. For each format npqwen's logits equal
 npqwen's float32 logits on the weights dequantized by the format's own rule (1e-5 relative), prefill, decode and
 the engine; a bfloat16 checkpoint read as stored equals HF transformers on it; `npqwen quantize` writes one. Then
 llama.cpp's own GGUF files of a tiny Qwen4-Exp (arch qwen4exp): F32 equals transformers, Q8_0 equals npqwen float32
@@ -21,12 +21,12 @@ qwen4 = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
 from test_qwen4_exp import MODEL, golden  # noqa: E402
 from test_weights import assert_close, dequantized_twin  # noqa: E402
 
-# every matrix's rows are whole Q4_K super-blocks (256 values): no format falls back; rotary 16 of 128 (it must fit
-# the indexer's heads of 16); a Gated DeltaNet layer with PLE (llama.cpp's qwen4exp reads one PLE layer), twice as
-# many value heads as key heads (which llama.cpp's converter reorders) and a sigmoid output gate (transformers'
-# other choice, the one llama.cpp's qwen4exp computes), then a QSA layer
+# every matrix's rows are whole Q4_K super-blocks (256 values; the hyper-connections mix at rank 256): no format falls
+# back; rotary 16 of 128 (it must fit the indexer's heads of 16); a Gated DeltaNet layer with PLE (llama.cpp's qwen4exp
+# reads one PLE layer), twice as many value heads as key heads (which llama.cpp's converter reorders) and a sigmoid
+# output gate (transformers' other choice, the one llama.cpp's qwen4exp computes), then a QSA layer
 BLOCKY = dict(MODEL, num_hidden_layers=2, full_attention_interval=2, hidden_size=256, num_attention_heads=2,
-              num_key_value_heads=1, head_dim=128,
+              num_key_value_heads=1, head_dim=128, hc_lowrank=256,
               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
               moe_intermediate_size=256, shared_expert_intermediate_size=256, ple_embed_dim=256, ple_layer_ids=[1],
               output_gate_type="sigmoid", rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.125})
@@ -66,7 +66,9 @@ def test_each_format_equals_float32_on_its_dequantized_weights(fmt, blocky):
     matrices = {n for n in llm.weights if is_matrix(n)}
     assert set(kept) == matrices and set(kept.values()) == {"bfloat16" if fmt == "stored" else fmt}, kept
     floats = {n for n, w in llm.weights.items() if isinstance(w, np.ndarray) and w.ndim == 2}
-    assert all("hyper_connection" in n or n.endswith(("mlp.gate.weight", "shared_expert_gate.weight")) for n in floats)
+    assert all(n.endswith(("mlp.gate.weight", "shared_expert_gate.weight")) for n in floats), floats   # (the routers)
+    mixes = {n for n in llm.weights if "hyper_connection" in n and not n.endswith("hc_norm.weight")}
+    assert len(mixes) == 2 * 3 * 2 + 2 and mixes <= set(kept), mixes - set(kept)   # 2 layers x 2 blocks x 3, mixer 2
     table = llm.weights["model.layers.0.ple.ple_embedding.ngram_embedding.weight"]
     assert isinstance(table, NgramTable) and all(isinstance(p.base, np.memmap) for p in table.parts)
     assert isinstance(llm.model.fused["model.layers.1.mlp.experts.gate_up_proj"], list)   # the experts, compact
@@ -127,8 +129,9 @@ def test_quantize_writes_a_qwen4_exp_checkpoint(blocky, tmp_path):
 # Qwen3's tokenizer (llama.cpp's converter needs one), a sigmoid Gated DeltaNet output gate (llama.cpp's qwen4exp
 # computes no other; transformers' default is SiLU), one PLE layer (llama.cpp reads one), and a QSA budget above the
 # prompts' length: llama.cpp's converter writes compress_ratios 0 for transformers' "indexed_attention" layers, and
-# llama.cpp (npqwen after it) then attends to every token, which is what QSA keeps while a prompt fits its budget
-GGUF_SHAPE = dict(BLOCKY, vocab_size=151936, eos_token_id=151645, hidden_size=64, head_dim=32,
+# llama.cpp (npqwen after it) then attends to every token, which is what QSA keeps while a prompt fits its budget;
+# the hyper-connections mix at rank 8, so llama.cpp's quantizer keeps their up matrices (8 columns) F16, the rest Q8_0
+GGUF_SHAPE = dict(BLOCKY, hc_lowrank=8, vocab_size=151936, eos_token_id=151645, hidden_size=64, head_dim=32,
                   linear_key_head_dim=16, linear_value_head_dim=16, moe_intermediate_size=32,
                   shared_expert_intermediate_size=32, ple_embed_dim=64, indexer_budget=64,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25})
@@ -199,24 +202,32 @@ def test_gguf_f32_equals_transformers(gguf_files, loaded):
     golden(gguf, hf, ids, "qwen4exp F32 GGUF vs transformers")
 
 
-def test_gguf_q8_0_equals_float32_on_the_gguf_package_dequantized_weights(loaded):
+def test_gguf_q8_0_equals_float32_on_the_gguf_package_dequantized_weights(gguf_files, loaded):
     """Q8_0 (with llama.cpp's F16 and F32 fallbacks; its PLE table Q8_0 too): every matrix kept as the file stores
-    it widens as gguf.quants.dequantize widens those bytes; the model on them equals npqwen float32 on them (1e-5)."""
+    it (the hyper-connections' down and injection matrices Q8_0, their up matrices F16, over the file's mapped bytes)
+    widens as gguf.quants.dequantize widens those bytes; the model on them equals npqwen float32 on them (1e-5)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from npqwen.gguf_file import ReorderedHeads, TableRows
+    from npqwen.gguf_file import ReorderedHeads, TableRows, hf_name, open_gguf
 
     llm = loaded("Q8_0")
     table = llm.weights["model.layers.0.ple.ple_embedding.ngram_embedding.weight"].parts[0]
     stored = {**{n: w for n, w in llm.weights.items() if is_compact(w)}, "PLE table": table.w}
-    assert isinstance(table, TableRows) and {w.format for w in stored.values()} >= {"Q8_0"}
+    assert isinstance(table, TableRows) and {w.format for w in stored.values()} >= {"Q8_0", "float16"}
+    mixes = {n: stored[n].format for n in llm.weights if "hyper_connection" in n and not n.endswith("hc_norm.weight")}
+    assert set(mixes.values()) == {"Q8_0", "float16"} and all(f == "float16" for n, f in mixes.items() if "_up." in n)
+    in_file = {hf_name(t.name): t.data for t in open_gguf(gguf_files["Q8_0"]).tensors}   # gguf's GGUFReader's bytes
+    for n in mixes:   # kept as stored: the file's bytes, bit for bit (Q8_0's planes interleaved back)
+        np.testing.assert_array_equal(np.asarray(stored[n].storage).view(np.uint8).reshape(-1),
+                                      np.asarray(in_file[n]).view(np.uint8).reshape(-1), err_msg=n)
     for name, w in stored.items():
         for part in getattr(w, "parts", [w]):   # (the indexer's q and k rows are F32 in llama.cpp's files)
             part = part.stored if isinstance(part, ReorderedHeads) else part
-            if part.format == "Q8_0":
-                want = dequantize(np.asarray(part.storage), GGMLQuantizationType.Q8_0).reshape(part.shape)
-                np.testing.assert_array_equal(part.dequantize(), want, err_msg=name)
+            if part.format in ("Q8_0", "float16"):
+                qtype = GGMLQuantizationType.Q8_0 if part.format == "Q8_0" else GGMLQuantizationType.F16
+                want = dequantize(np.asarray(part.storage).view(np.uint8), qtype)
+                np.testing.assert_array_equal(part.dequantize(), want.reshape(part.shape), err_msg=name)
     ids = llm.tokenizer.encode(TEXT)
     assert_close(llm.forward(ids), dequantized_twin(llm).forward(ids), 1e-5, "qwen4exp Q8_0 GGUF")
 
