@@ -155,20 +155,25 @@ def _f16_bytes(x: np.ndarray) -> np.ndarray:
 
 
 def roundf(v):
-    """C's roundf: to nearest, ties away from zero (exact for float32, unlike adding 0.5)."""
-    a = np.abs(v)
-    whole = np.floor(a)
-    return np.copysign(whole + np.floor(2 * (a - whole)), v)
+    """C's roundf: to nearest, ties away from zero, as trunc(v + copysign(0.5 - 2**-25, v)): equal for every
+    float32 of |v| < 2**23 (checked one by one); with 0.5 itself 0.49999997 would round up to 1."""
+    r = np.copysign(np.float32(0.5 - 2**-25), v)
+    np.add(r, v, out=r)
+    return np.trunc(r, out=r)
 
 
 def quantize_q8_0(x):
     # quantize_row_q8_0_ref: d = amax / 127, q = roundf(x / d) (half away from zero)
-    amax = np.abs(x).max(axis=1, keepdims=True)  # (N, 1)
+    # max |x| as max(max x, -min x), two reductions rather than a pass for |x|; abs makes an all-zero block's
+    # -0.0 the C's +0
+    amax = np.abs(np.maximum(x.max(axis=1, keepdims=True), -x.min(axis=1, keepdims=True)))  # (N, 1)
     d = amax / np.float32(127)
     with np.errstate(divide="ignore"):
         inv_d = np.where(d == 0, np.float32(0), np.float32(1) / d)
-    q = roundf(x * inv_d).astype(np.int8)  # (N, 32)
-    return np.concatenate([_f16_bytes(d), q.view(np.uint8)], axis=1)  # (N, 34)
+    out = np.empty((len(x), 34), np.uint8)
+    out[:, :2] = _f16_bytes(d)
+    out[:, 2:] = roundf(x * inv_d).astype(np.int8).view(np.uint8)  # (N, 32)
+    return out
 
 
 def quantize_q4_0(x):
