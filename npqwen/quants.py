@@ -155,20 +155,25 @@ def _f16_bytes(x: np.ndarray) -> np.ndarray:
 
 
 def roundf(v):
-    """C's roundf: to nearest, ties away from zero (exact for float32, unlike adding 0.5)."""
-    a = np.abs(v)
-    whole = np.floor(a)
-    return np.copysign(whole + np.floor(2 * (a - whole)), v)
+    """C's roundf: to nearest, ties away from zero, as trunc(v + copysign(0.5 - 2**-25, v)): equal for every
+    float32 of |v| < 2**23 (checked one by one); with 0.5 itself 0.49999997 would round up to 1."""
+    r = np.copysign(np.float32(0.5 - 2**-25), v)
+    np.add(r, v, out=r)
+    return np.trunc(r, out=r)
 
 
 def quantize_q8_0(x):
     # quantize_row_q8_0_ref: d = amax / 127, q = roundf(x / d) (half away from zero)
-    amax = np.abs(x).max(axis=1, keepdims=True)  # (N, 1)
+    # max |x| as max(max x, -min x), two reductions rather than a pass for |x|; abs makes an all-zero block's
+    # -0.0 the C's +0
+    amax = np.abs(np.maximum(x.max(axis=1, keepdims=True), -x.min(axis=1, keepdims=True)))  # (N, 1)
     d = amax / np.float32(127)
     with np.errstate(divide="ignore"):
         inv_d = np.where(d == 0, np.float32(0), np.float32(1) / d)
-    q = roundf(x * inv_d).astype(np.int8)  # (N, 32)
-    return np.concatenate([_f16_bytes(d), q.view(np.uint8)], axis=1)  # (N, 34)
+    out = np.empty((len(x), 34), np.uint8)
+    out[:, :2] = _f16_bytes(d)
+    out[:, 2:] = roundf(x * inv_d).astype(np.int8).view(np.uint8)  # (N, 32)
+    return out
 
 
 def quantize_q4_0(x):
@@ -188,7 +193,11 @@ def nearest_int(x):
 
 
 def csum(a):
-    """Sum over axis 0 in order, a[0] + a[1] + ..., as a C loop adds (NumPy's sum pairs terms)."""
+    """Sum over axis 0 in order, a[0] + a[1] + ..., as a C loop adds. NumPy adds along an axis that is not the
+    contiguous one a term at a time (its pairwise sum is for the contiguous axis: numpy.sum's notes), as it does
+    along axis 0 of a C-contiguous array whose a[0] holds more than one value; else the loop by hand."""
+    if a.flags.c_contiguous and a[0].size > 1:
+        return np.add.reduce(a, axis=0)
     total = a[0].copy()
     for row in a[1:]:
         total += row
@@ -202,46 +211,65 @@ def make_qkx2_quants(x, weights, nmax, rmin, rdelta, nstep):
     order (csum), so that the float32 results are llama.cpp's bit for bit. Returns (scale (N,),
     -min (N,), L (n, N) uint8): x ~= scale * L + min, min <= 0, L in 0..nmax; tries nstep+1 scales
     around nmax / (max - min) and keeps the one with the least weighted squared error.
+    A step is a dozen whole-array passes into buffers made once. The levels of the best step are not
+    copied at each step (np.where on an (n, N) array takes 15x a product's time): its iscale and min
+    are, and levels() makes the same levels from them at the end.
     """
     f32 = np.float32
+    n, N = x.shape
     xmin = np.minimum(x.min(axis=0), f32(0))  # (N,)
     xmax = x.max(axis=0)
     sum_w = csum(weights)
     sum_x = csum(weights * x)
-    flat = xmax == xmin  # all weights equal (or all >= 0 and max 0): level 0, min the value
-    xmax = np.where(flat, xmin + f32(1), xmax)
+    flat = xmax == xmin  # all weights equal (or all >= 0 and max 0): level 0, min the value (the C returns early)
+    xmax[flat] += f32(1)
+    Laux, wl, wl2, wlx, diff = np.empty((5, n, N), f32)  # the levels a step tries; w*l, w*l*l, w*l*x; its error terms
 
-    def levels(iscale, xmin):  # (N,), (N,) -> (n, N) float32 levels in 0..nmax (nearest_int, kept in float32)
-        L = np.rint(iscale * (x - xmin))
-        return np.clip(L, f32(0), f32(nmax), out=L)
+    def levels(iscale, xmin):  # (N,), (N,) -> Laux (n, N): nearest_int(iscale * (x - min)) in 0..nmax, as float32
+        np.subtract(x, xmin, out=Laux)
+        np.multiply(Laux, iscale, out=Laux)
+        np.rint(Laux, out=Laux)
+        return np.clip(Laux, f32(0), f32(nmax), out=Laux)
+
+    def weighted_error(scale, xmin):  # (N,), (N,) -> (N,): the sum of w * (scale * l + min - x)^2 over Laux
+        np.multiply(Laux, scale, out=diff)
+        np.add(diff, xmin, out=diff)
+        np.subtract(diff, x, out=diff)
+        np.square(diff, out=diff)
+        np.multiply(diff, weights, out=diff)
+        return csum(diff)
 
     iscale = f32(nmax) / (xmax - xmin)
     scale = f32(1) / iscale
-    L = levels(iscale, xmin)
-    best_error = csum(weights * np.square(scale * L + xmin - x))
-    for step in range(nstep + 1):
-        # as in the C, a better min found on the way moves the range the next steps try
-        iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / (xmax - xmin)
-        Laux = levels(iscale, xmin)
-        wl = weights * Laux
-        sum_l, sum_l2, sum_xl = csum(wl), csum(wl * Laux), csum(wl * x)
-        D = sum_w * sum_l2 - sum_l * sum_l
-        ok = D > 0
-        D = np.where(ok, D, f32(1))
-        this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-        pos = this_min > 0  # a positive min is not allowed: fit the scale alone
-        with np.errstate(divide="ignore", invalid="ignore"):
-            this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
-        this_min = np.where(pos, f32(0), this_min)
-        cur_error = csum(weights * np.square(this_scale * Laux + this_min - x))
-        better = ok & (cur_error < best_error) & ~flat
-        L = np.where(better, Laux, L)
-        best_error = np.where(better, cur_error, best_error)
-        scale = np.where(better, this_scale, scale)
-        xmin = np.where(better, this_min, xmin)
-    scale = np.where(flat, f32(0), scale)
-    L = np.where(flat, f32(0), L)
+    levels(iscale, xmin)
+    best_error = weighted_error(scale, xmin)
+    best_error[flat] = -np.inf  # never beaten
+    best_iscale, best_min = iscale, xmin.copy()  # what levels() makes the best levels from
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for step in range(nstep + 1):
+            # as in the C, a better min found on the way moves the range the next steps try
+            iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / (xmax - xmin)  # (N,)
+            levels(iscale, xmin)
+            np.multiply(weights, Laux, out=wl)
+            np.multiply(wl, Laux, out=wl2)
+            np.multiply(wl, x, out=wlx)
+            sum_l, sum_l2, sum_xl = csum(wl), csum(wl2), csum(wlx)  # (N,) each
+            D = sum_w * sum_l2 - sum_l * sum_l
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            pos = this_min > 0  # a positive min is not allowed: fit the scale alone
+            np.divide(sum_xl, sum_l2, out=this_scale, where=pos)
+            this_min[pos] = 0
+            cur_error = weighted_error(this_scale, this_min)
+            better = (D > 0) & (cur_error < best_error)  # (the C skips a step whose D is not > 0)
+            np.copyto(best_error, cur_error, where=better)
+            np.copyto(scale, this_scale, where=better)
+            np.copyto(best_iscale, iscale, where=better)
+            np.copyto(best_min, xmin, where=better)
+            np.copyto(xmin, this_min, where=better)
+    L = levels(best_iscale, best_min)
+    L[:, flat] = 0
+    scale[flat] = 0
     return scale, -xmin, L.astype(np.uint8)
 
 
@@ -279,17 +307,21 @@ def quantize_q4_k_blocks(x):
                              lm[:, :4] | ((lm[:, 4:] >> 4) << 6),  # bytes 4-7: min 0-3, top bits of min 4-7
                              (ls[:, 4:] & 0x0F) | ((lm[:, 4:] & 0x0F) << 4)], axis=1)  # (N, 12)
     d, dmin = _f16_bytes(max_scale / f32(63)), _f16_bytes(max_min / f32(63))  # (N, 2) each
-    # the 4-bit levels again, with the scales as a reader will see them
+    # the 4-bit levels again, with the scales as a reader will see them, in the search's (32, N*8) layout
     sc, m = k_scale_min(packed)
-    dd = (_f16(d) * sc).reshape(N, 8, 1)  # (N, 8, 1)
-    dm = (_f16(dmin) * m).reshape(N, 8, 1)
+    dd = (_f16(d) * sc).reshape(N * 8)  # (N*8,)
+    dm = (_f16(dmin) * m).reshape(N * 8)
+    L = np.add(xs, dm, out=xs)  # (32, N*8): nearest_int((x + dm) / dd) in 0..15, as float32
     with np.errstate(divide="ignore", invalid="ignore"):
-        L = np.clip(nearest_int((x.reshape(N, 8, 32) + dm) / dd), 0, 15)  # (N, 8, 32)
-    L0 = L0.T.reshape(N, 8, 32)
-    L = np.where(dd == 0, L0, L).astype(np.uint8)  # a zero scale keeps the first levels (the C `continue`)
-    L = L.reshape(N, 4, 2, 32)
-    qs = (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(N, 128)  # byte l of chunk i: sub-block 2i | 2i+1 << 4
-    return np.concatenate([d, dmin, packed, qs], axis=1)  # (N, 144)
+        np.divide(L, dd, out=L)
+    np.clip(np.rint(L, out=L), f32(0), f32(15), out=L)
+    zero = dd == 0
+    L[:, zero] = 0
+    L = L.astype(np.uint8)
+    L[:, zero] = L0[:, zero]  # a zero scale keeps the first levels (the C `continue`)
+    L = L.T.reshape(N, 4, 2, 32)
+    qs = L[:, :, 0] | (L[:, :, 1] << 4)  # (N, 4, 32): byte l of chunk i is sub-block 2i | 2i+1 << 4
+    return np.concatenate([d, dmin, packed, qs.reshape(N, 128)], axis=1)  # (N, 144)
 
 
 QUANTIZE_BLOCKS = {"Q8_0": quantize_q8_0, "Q4_0": quantize_q4_0, "Q4_K": quantize_q4_k}

@@ -332,8 +332,17 @@ class Ggml(Compact):
             self.fields = AFFINE[qtype][1](raw) if qtype in AFFINE and xp_of(raw) is np else ()
 
     @classmethod
-    def quantize(cls, qtype: str, w):
-        return cls(qtype, quants.quantize_rows(qtype, np.ascontiguousarray(w, dtype=np.float32)), w.shape[1])
+    def quantize(cls, qtype: str, w, threads: int = 1):
+        """float32 rows w (out, in) as llama.cpp's quantizer writes them, `threads` parts of the rows at once
+        (in_parts; numpy lets go of the GIL in each pass over a chunk): each block is quantized alone, so the
+        bytes do not depend on the parts."""
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        raw = np.empty((w.shape[0], quants.row_bytes(qtype, w.shape[1])), np.uint8)
+
+        def run(a, b):
+            raw[a:b] = quants.quantize_rows(qtype, w[a:b])
+        in_parts(run, w.shape[0], 1, threads)
+        return cls(qtype, raw, w.shape[1])
 
     @property
     def storage(self):
@@ -860,8 +869,8 @@ def float32_to_bf16_bits(a) -> np.ndarray:
     return (rounded >> np.uint32(16)).astype(np.uint16)
 
 
-def quantize(w, fmt: str):
-    """float32 rows w (n, in) in format `fmt` (one of FORMATS)."""
+def quantize(w, fmt: str, threads: int = 1):
+    """float32 rows w (n, in) in format `fmt` (one of FORMATS); ggml blocks quantized by `threads` threads."""
     if fmt == "bfloat16":
         return BFloat16(float32_to_bf16_bits(w))
     if fmt == "float16":
@@ -869,7 +878,7 @@ def quantize(w, fmt: str):
     if fmt == "int8":
         return Int8.quantize(w)
     if fmt in GGML:
-        return Ggml.quantize(GGML[fmt], w)
+        return Ggml.quantize(GGML[fmt], w, threads)
     raise NpqwenError(f"cannot quantize to {fmt!r}; use one of bfloat16, float16, int8, {', '.join(GGML)}")
 
 

@@ -87,3 +87,35 @@ def test_quantize_then_dequantize_is_close(qtype, rms_limit):
     assert np.all(back[0, :256] == 0)
     rel = np.sqrt(np.mean((back - w) ** 2, axis=1) / np.mean(w ** 2, axis=1))[4:]  # the plain random rows
     assert rel.max() < rms_limit, f"{qtype}: relative rms error {rel.max():.4f} (row {rel.argmax()})"
+
+
+def test_q8_0_rounds_halves_away_from_zero_as_gguf():
+    """quantize_row_q8_0_ref's roundf: with d = 1 (the block's largest |x| is 127) a half rounds away from zero,
+    and 0.49999997, the float32 below 0.5, to 0 (adding 0.5 would make it 1)."""
+    halves = [127, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 126.5, -126.5, 0.49999997, -0.49999997, 1.4999999, 2.5000002, 0]
+    w = np.resize(np.array(halves, np.float32), (2, 32))
+    ref = np.ascontiguousarray(gguf_quants.quantize(w, GGMLQuantizationType.Q8_0)).view(np.uint8)
+    assert_bytes_equal(quants.quantize_rows("Q8_0", w), ref, "Q8_0")
+
+
+def test_csum_adds_in_the_c_loop_s_order():
+    """csum's one np.add.reduce over axis 0 equals adding the rows one by one (NumPy's pairwise sum would not)."""
+    rng = np.random.default_rng(4)
+    for shape in [(32, 5), (32, 3, 7), (32, 1), (3, 2)]:
+        a = (rng.standard_normal(shape) * rng.uniform(0, 1e4, shape)).astype(np.float32)
+        by_hand = a[0].copy()
+        for row in a[1:]:
+            by_hand += row
+        ours = quants.csum(a)
+        assert (ours.view(np.uint32) == by_hand.view(np.uint32)).all(), (shape, ours, by_hand)
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q8_0", "q4_0"])
+def test_quantizing_in_threads_writes_the_bytes_of_one_thread(fmt):
+    """The whole-checkpoint paths quantize parts of a matrix's rows in threads: the blocks are the same bytes."""
+    from npqwen.weights import GGML, quantize
+    w = weights(5, rows=13, cols=512)
+    one = quants.quantize_rows(GGML[fmt], w)
+    for threads in (1, 3):
+        ours = quantize(w, fmt, threads).storage
+        assert_bytes_equal(ours, one, GGML[fmt])
