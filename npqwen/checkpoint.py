@@ -30,7 +30,7 @@ from .config import Qwen3Config
 from .errors import NpqwenError
 from .parallel import shard_shape
 from .weights import (FP8, BFloat16, Float16, Ggml, Int8, Rows, as_array, bf16_bits_to_float32, bytes_per_value,
-                      fits_format, float32_to_bf16_bits, is_compact, join_rows, quantize, with_arrays)
+                      float32_to_bf16_bits, is_compact, join_rows, kept_format, quantize, with_arrays)
 
 # safetensors dtype -> (NumPy dtype of the stored bits, bytes per element): the ones npqwen reads
 STORED_DTYPES = {"BF16": (np.uint16, 2), "F16": (np.float16, 2), "F32": (np.float32, 4)}
@@ -753,9 +753,7 @@ def compact(w, fmt: str, xp):
 def convert(w, fmt: str, stored: str):
     """A stored matrix in `fmt`, converted a chunk of rows at a time unless it is stored so already."""
     if fmt not in ("stored", stored):
-        target = fmt
-        if not fits_format(fmt, w.shape[1]):   # ggml blocks need whole blocks per row: the nearest that fits
-            target = "q8_0" if fits_format("q8_0", w.shape[1]) else "bfloat16"
+        target = kept_format(fmt, w.shape[1])   # ggml blocks need whole blocks per row: the nearest that fits
         step = max(1, CHUNK_BYTES // 4 // w.shape[1])
         w = join_rows([quantize(float32_rows(w, a, min(a + step, w.shape[0])), target)
                        for a in range(0, w.shape[0], step)])
@@ -823,7 +821,7 @@ def check_fits_compact(found: dict, shapes: dict, fmt: str, xp, directory) -> No
         elif fmt == "stored":
             need += (found[name].end - found[name].start) * math.prod(shape) // math.prod(matrix_shape(found[name]))
         else:
-            need += int(math.prod(shape) * bytes_per_value(fmt if fits_format(fmt, shape[1]) else "q8_0"))
+            need += int(math.prod(shape) * bytes_per_value(kept_format(fmt, shape[1])))
     free = free_memory_bytes(xp)
     if need > free:
         raise NpqwenError(f"{directory}: the weights need {size(need)} as {fmt} but {'the host' if xp is np else 'the GPU'} "

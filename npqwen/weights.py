@@ -905,6 +905,15 @@ def fits_format(fmt: str, n_in: int) -> bool:
     return n_in % quants.BLOCKS[GGML[fmt]][0] == 0
 
 
+def kept_format(fmt: str, n_in: int) -> str:
+    """The format a matrix of n_in columns is kept in when `fmt` is asked for (npqwen.load, npqwen inspect's sizes,
+    the memory check before loading): `fmt`, or where its rows are not whole blocks of that ggml format, the nearest
+    that fits: Q8_0 (blocks of 32), else bfloat16."""
+    if fits_format(fmt, n_in):
+        return fmt
+    return "q8_0" if fits_format("q8_0", n_in) else "bfloat16"
+
+
 def total_bytes(weights: dict) -> int:
     """Bytes the weights hold in memory, each array once (tied lm_head, the views of a stacked matrix)."""
     seen, total = set(), 0

@@ -196,6 +196,42 @@ def test_a_matrix_without_whole_blocks_falls_back_to_a_format_that_fits(npqwen_t
     assert {w.format for w in llm.weights.values() if is_compact(w)} == {"Q8_0"}
 
 
+@pytest.fixture(scope="module")
+def unblocky_dir(tmp_path_factory):   # q/k/v/o, gate/up: 64 columns, whole Q8_0 blocks only; down_proj: 48, none
+    return write_npqwen_checkpoint(tmp_path_factory.mktemp("unblocky"), tiny_config(intermediate_size=48), dtype="BF16")
+
+
+def needed_bytes(path, fmt, have: int, monkeypatch) -> bool:
+    """Whether loading `path` in `fmt` passes its memory check (check_fits_compact) with `have` bytes free."""
+    from npqwen import checkpoint
+    monkeypatch.setattr(checkpoint, "free_memory_bytes", lambda xp: have)
+    try:
+        npqwen.load(path, weights=fmt)
+    except NpqwenError as e:
+        assert "the weights need" in str(e), e
+        return False
+    return True
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k"])
+def test_inspect_and_the_memory_check_count_a_matrix_without_whole_blocks_as_loading_keeps_it(fmt, unblocky_dir,
+                                                                                               monkeypatch):
+    """A matrix whose rows are not whole blocks of the format is kept in Q8_0 where its rows are whole Q8_0 blocks,
+    else bfloat16 (weights.kept_format): `npqwen inspect`'s size (describe.format_bytes) and the memory check before
+    loading (check_fits_compact) count those bytes, which are the bytes the loaded weights take."""
+    from npqwen.describe import format_bytes
+    from npqwen.weights import total_bytes
+
+    llm = npqwen.load(unblocky_dir, weights=fmt)
+    kept = {w.format for n, w in llm.weights.items() if is_compact(w) and "down_proj" in n}
+    assert kept == {"bfloat16"}, kept
+    loaded = total_bytes(llm.model.weights)
+    print(f"{fmt}: loaded {loaded:,} bytes, inspect says {format_bytes(llm.config)[fmt]:,}")
+    assert format_bytes(llm.config)[fmt] == loaded
+    assert needed_bytes(unblocky_dir, fmt, loaded, monkeypatch), f"{fmt}: refused with {loaded:,} bytes free"
+    assert not needed_bytes(unblocky_dir, fmt, loaded - 1, monkeypatch), f"{fmt}: loaded with {loaded - 1:,} free"
+
+
 def engine_run(llm, prompts) -> tuple[list, dict]:
     """Greedy tokens of `prompts` from one engine over small pages (chunked prompts, a prefix hit, preemption)."""
     engine = npqwen.Engine(llm, kv_cache_tokens=96, page_size=8, max_batch_size=4, max_batched_tokens=24)
