@@ -29,8 +29,9 @@ from .backend import free_memory_bytes, xp_of
 from .config import Qwen3Config
 from .errors import NpqwenError
 from .parallel import shard_shape
-from .weights import (FP8, BFloat16, Float16, Ggml, Int8, Rows, as_array, bf16_bits_to_float32, bytes_per_value,
-                      float32_to_bf16_bits, is_compact, join_rows, kept_format, quantize, with_arrays)
+from .weights import (FP8, BFloat16, Float16, Ggml, Int8, Rows, as_array, bf16_bits_to_float32,
+                      float32_to_bf16_bits, is_compact, join_rows, kept_format, matrix_bytes, quantize,
+                      with_arrays)
 
 # safetensors dtype -> (NumPy dtype of the stored bits, bytes per element): the ones npqwen reads
 STORED_DTYPES = {"BF16": (np.uint16, 2), "F16": (np.float16, 2), "F32": (np.float32, 4)}
@@ -821,7 +822,7 @@ def check_fits_compact(found: dict, shapes: dict, fmt: str, xp, directory) -> No
         elif fmt == "stored":
             need += (found[name].end - found[name].start) * math.prod(shape) // math.prod(matrix_shape(found[name]))
         else:
-            need += int(math.prod(shape) * bytes_per_value(kept_format(fmt, shape[1])))
+            need += matrix_bytes(fmt, shape)
     free = free_memory_bytes(xp)
     if need > free:
         raise NpqwenError(f"{directory}: the weights need {size(need)} as {fmt} but {'the host' if xp is np else 'the GPU'} "

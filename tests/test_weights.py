@@ -213,23 +213,41 @@ def needed_bytes(path, fmt, have: int, monkeypatch) -> bool:
     return True
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k"])
-def test_inspect_and_the_memory_check_count_a_matrix_without_whole_blocks_as_loading_keeps_it(fmt, unblocky_dir,
-                                                                                               monkeypatch):
-    """A matrix whose rows are not whole blocks of the format is kept in Q8_0 where its rows are whole Q8_0 blocks,
-    else bfloat16 (weights.kept_format): `npqwen inspect`'s size (describe.format_bytes) and the memory check before
-    loading (check_fits_compact) count those bytes, which are the bytes the loaded weights take."""
+@pytest.mark.parametrize("fmt", CONVERTED)
+def test_inspect_and_the_memory_check_count_the_bytes_the_loaded_weights_take(fmt, blocky_dir, unblocky_dir,
+                                                                              monkeypatch):
+    """`npqwen inspect`'s size of each format (describe.format_bytes) and the memory check before loading
+    (check_fits_compact) count each matrix in the format it is kept in (weights.kept_format: a matrix without whole
+    blocks of the format in Q8_0 where its rows are whole Q8_0 blocks, else bfloat16), its scales included (int8's
+    per row, the ggml planes' per block): the bytes the loaded weights take (weights.total_bytes)."""
     from npqwen.describe import format_bytes
     from npqwen.weights import total_bytes
 
-    llm = npqwen.load(unblocky_dir, weights=fmt)
-    kept = {w.format for n, w in llm.weights.items() if is_compact(w) and "down_proj" in n}
-    assert kept == {"bfloat16"}, kept
-    loaded = total_bytes(llm.model.weights)
-    print(f"{fmt}: loaded {loaded:,} bytes, inspect says {format_bytes(llm.config)[fmt]:,}")
-    assert format_bytes(llm.config)[fmt] == loaded
-    assert needed_bytes(unblocky_dir, fmt, loaded, monkeypatch), f"{fmt}: refused with {loaded:,} bytes free"
-    assert not needed_bytes(unblocky_dir, fmt, loaded - 1, monkeypatch), f"{fmt}: loaded with {loaded - 1:,} free"
+    for path in (blocky_dir, unblocky_dir):
+        llm = npqwen.load(path, weights=fmt)
+        if path == unblocky_dir and fmt in ("q8_0", "q4_0", "q4_k"):
+            kept = {w.format for n, w in llm.weights.items() if is_compact(w) and "down_proj" in n}
+            assert kept == {"bfloat16"}, kept
+        loaded = total_bytes(llm.model.weights)
+        print(f"{path.name} {fmt}: loaded {loaded:,} bytes, inspect says {format_bytes(llm.config)[fmt]:,}")
+        assert format_bytes(llm.config)[fmt] == loaded
+        assert needed_bytes(path, fmt, loaded, monkeypatch), f"{fmt}: refused with {loaded:,} bytes free"
+        assert not needed_bytes(path, fmt, loaded - 1, monkeypatch), f"{fmt}: loaded with {loaded - 1:,} free"
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-qwen3.5", "tiny-qwen4-exp"])
+def test_inspect_s_size_of_each_format_is_what_the_built_in_models_take(name):
+    """describe.format_bytes for float32 and each format equals weights.total_bytes of the built-in model loaded in
+    it: MoE's experts, Gated DeltaNet's and the hyper-connections' projections, 16 columns kept in bfloat16 where no
+    ggml block fits (Qwen4-Exp: but its PLE tables, which inspect lists apart, on disk in a checkpoint)."""
+    from npqwen.describe import format_bytes
+    from npqwen.weights import total_bytes
+
+    sizes = format_bytes(npqwen.load(name).config)
+    for fmt, size in sizes.items():
+        weights = npqwen.load(name, weights=fmt).model.weights
+        loaded = total_bytes({n: w for n, w in weights.items() if ".ple.ple_embedding." not in n})
+        assert size == loaded, f"{name} {fmt}: inspect says {size:,} bytes, the loaded weights take {loaded:,}"
 
 
 def engine_run(llm, prompts) -> tuple[list, dict]:
