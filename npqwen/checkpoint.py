@@ -30,7 +30,8 @@ from .config import Qwen3Config
 from .errors import NpqwenError
 from .parallel import shard_shape
 from .weights import (FP8, THREADS, BFloat16, Float16, Ggml, Int8, Rows, as_array, bf16_bits_to_float32,
-                      bytes_per_value, fits_format, float32_to_bf16_bits, is_compact, join_rows, quantize, with_arrays)
+                      float32_to_bf16_bits, is_compact, join_rows, kept_format, matrix_bytes, quantize,
+                      with_arrays)
 
 # safetensors dtype -> (NumPy dtype of the stored bits, bytes per element): the ones npqwen reads
 STORED_DTYPES = {"BF16": (np.uint16, 2), "F16": (np.float16, 2), "F32": (np.float32, 4)}
@@ -753,9 +754,7 @@ def compact(w, fmt: str, xp):
 def convert(w, fmt: str, stored: str):
     """A stored matrix in `fmt`, converted a chunk of rows at a time unless it is stored so already."""
     if fmt not in ("stored", stored):
-        target = fmt
-        if not fits_format(fmt, w.shape[1]):   # ggml blocks need whole blocks per row: the nearest that fits
-            target = "q8_0" if fits_format("q8_0", w.shape[1]) else "bfloat16"
+        target = kept_format(fmt, w.shape[1])   # ggml blocks need whole blocks per row: the nearest that fits
         # ggml blocks quantized by THREADS threads, each a part of the chunk's rows (Ggml.quantize): Q4_K's search
         # is numpy passes over 32K values, which let go of the GIL (measured on a 2-core machine whose second core
         # other jobs kept busy: 2 threads did twice one thread's work in 1.54x its time, a 1.30x gain, as a plain
@@ -827,7 +826,7 @@ def check_fits_compact(found: dict, shapes: dict, fmt: str, xp, directory) -> No
         elif fmt == "stored":
             need += (found[name].end - found[name].start) * math.prod(shape) // math.prod(matrix_shape(found[name]))
         else:
-            need += int(math.prod(shape) * bytes_per_value(fmt if fits_format(fmt, shape[1]) else "q8_0"))
+            need += matrix_bytes(fmt, shape)
     free = free_memory_bytes(xp)
     if need > free:
         raise NpqwenError(f"{directory}: the weights need {size(need)} as {fmt} but {'the host' if xp is np else 'the GPU'} "

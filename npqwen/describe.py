@@ -211,10 +211,11 @@ def render(config: Qwen3Config, tensors: dict, source: str, lm_head: bool = True
 
 
 def format_bytes(config: Qwen3Config, lm_head: bool = True) -> dict[str, int]:
-    """The bytes the weights take in memory in each format (a tied lm_head counted once). A matrix whose rows are
-    not whole blocks of a ggml format is kept in Q8_0 (or bfloat16), as npqwen.load does."""
+    """The bytes the weights take in memory in each format (a tied lm_head counted once), scales included: what
+    weights.total_bytes finds in them once loaded. A matrix whose rows are not whole blocks of a ggml format is kept
+    in Q8_0 (or bfloat16), as npqwen.load does (weights.kept_format)."""
     from .checkpoint import is_matrix
-    from .weights import FORMATS, bytes_per_value, fits_format
+    from .weights import FORMATS, matrix_bytes
 
     sizes = {}
     for fmt in ("float32", *FORMATS):
@@ -223,7 +224,6 @@ def format_bytes(config: Qwen3Config, lm_head: bool = True) -> dict[str, int]:
             if not is_matrix(name):
                 total += math.prod(shape) * 4
                 continue
-            kept = fmt if fits_format(fmt, shape[1]) else "q8_0" if fits_format("q8_0", shape[1]) else "bfloat16"
-            total += int(math.prod(shape) * bytes_per_value(kept))
+            total += matrix_bytes(fmt, shape)
         sizes[fmt] = total
     return sizes

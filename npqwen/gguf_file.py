@@ -501,6 +501,7 @@ class ReorderedHeads(Compact):
         self.stored, self.row_order, self.column_order = stored, rows, columns
         self.shape, self.format = stored.shape, stored.format
         self.column_gather = None if columns is None else np.argsort(columns)   # x's column at each file column
+        self.row_gather = None if rows is None else np.argsort(rows)            # d_y's column at each file row
 
     @property
     def storage(self):
@@ -521,6 +522,15 @@ class ReorderedHeads(Compact):
             x = x[:, xp.asarray(self.column_gather)]                   # (T, in) in the file's column order
         y = self.stored.linear(x)                                       # (T, out) in the file's row order
         return y if self.row_order is None else y[:, xp.asarray(self.row_order)]
+
+    def linear_backward(self, d_y):
+        """d_x = d_y @ W: (T, out) -> (T, in), through the stored matrix as linear goes, the gathers the other way
+        round: d_y's columns into the file's row order, the stored weight's d_y @ W, its columns back in HF's."""
+        xp = xp_of(d_y)
+        if self.row_order is not None:
+            d_y = d_y[:, xp.asarray(self.row_gather)]                    # (T, out) in the file's row order
+        d_x = self.stored.linear_backward(d_y)                          # (T, in) in the file's column order
+        return d_x if self.column_order is None else d_x[:, xp.asarray(self.column_order)]
 
     def take(self, ids):
         """Rows `ids` (T,) widened to float32 (T, in), in HF's order."""

@@ -899,12 +899,17 @@ def with_arrays(w, arrays: list):
     return type(w)(*arrays)
 
 
-def bytes_per_value(fmt: str) -> float:
-    """Stored bytes per weight value of a format (scales included), for sizes before anything is read."""
-    if fmt in GGML:   # the planes (Ggml): integers, float32 scales (Q4_K: d, dmin, and a byte per 6-bit scale, min)
-        block, size = quants.BLOCKS[GGML[fmt]]
-        return {"Q8_0": 32 + 4, "Q4_0": 16 + 4, "Q4_K": 128 + 24}.get(GGML[fmt], size) / block
-    return {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1 + 4 / FP8_BLOCK, "int8": 1}[fmt]
+def matrix_bytes(fmt: str, shape) -> int:
+    """The bytes an (out, in) matrix asked for in `fmt` takes in memory, in the format it is kept in (kept_format),
+    its side arrays included: the `nbytes` it will have, for sizes before anything is read."""
+    n_out, n_in = shape
+    fmt = kept_format(fmt, n_in)
+    if fmt in GGML:   # the planes (Ggml) per block: integers, float32 scales (Q4_K: d, dmin; a byte per 6-bit scale, min)
+        block, _ = quants.BLOCKS[GGML[fmt]]
+        return n_out * n_in // block * {"Q8_0": 32 + 4, "Q4_0": 16 + 4, "Q4_K": 128 + 8 + 16}[GGML[fmt]]
+    if fmt == "int8":   # and a float32 scale per row
+        return n_out * n_in + 4 * n_out
+    return n_out * n_in * {"float32": 4, "bfloat16": 2, "float16": 2}[fmt]
 
 
 def fits_format(fmt: str, n_in: int) -> bool:
@@ -912,6 +917,15 @@ def fits_format(fmt: str, n_in: int) -> bool:
     if fmt not in GGML:
         return True
     return n_in % quants.BLOCKS[GGML[fmt]][0] == 0
+
+
+def kept_format(fmt: str, n_in: int) -> str:
+    """The format a matrix of n_in columns is kept in when `fmt` is asked for (npqwen.load, npqwen inspect's sizes,
+    the memory check before loading): `fmt`, or where its rows are not whole blocks of that ggml format, the nearest
+    that fits: Q8_0 (blocks of 32), else bfloat16."""
+    if fits_format(fmt, n_in):
+        return fmt
+    return "q8_0" if fits_format("q8_0", n_in) else "bfloat16"
 
 
 def total_bytes(weights: dict) -> int:

@@ -226,8 +226,9 @@ def test_each_bad_gguf_is_one_line_from_the_cli(tmp_path, capsys):
 
 
 def test_reordered_heads_compute_the_reordered_matrix():
-    """ReorderedHeads (a qwen35 GGUF's tiled value heads, kept as stored): x @ W^T, rows, take and dequantize are those
-    of the stored matrix with its rows and columns taken in HF's order; a tensor-parallel column split is refused."""
+    """ReorderedHeads (a qwen35 GGUF's tiled value heads, kept as stored): x @ W^T, d_y @ W (an input's gradient
+    through the frozen matrix: LoRA on a GGUF), rows, take and dequantize are those of the stored matrix with its
+    rows and columns taken in HF's order; a tensor-parallel column split is refused."""
     from npqwen.gguf_file import ReorderedHeads
     from npqwen.weights import Ggml
 
@@ -238,9 +239,14 @@ def test_reordered_heads_compute_the_reordered_matrix():
     x = rng.standard_normal((5, 64)).astype(np.float32)
     np.testing.assert_array_equal(w.dequantize(), want)
     np.testing.assert_allclose(w.linear(x), x @ want.T, rtol=1e-5, atol=1e-5)
+    d_y = rng.standard_normal((5, 48)).astype(np.float32)
+    np.testing.assert_allclose(w.linear_backward(d_y), d_y @ want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ReorderedHeads(stored, None, cols).linear_backward(d_y),
+                               d_y @ stored.dequantize()[:, cols], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(w.take(np.array([3, 0, 47])), want[[3, 0, 47]])
     np.testing.assert_array_equal(w.rows(slice(8, 24)).dequantize(), want[8:24])
     only_rows = ReorderedHeads(stored, rows, None)
+    np.testing.assert_allclose(only_rows.linear_backward(d_y), d_y @ stored.dequantize()[rows], rtol=1e-5, atol=1e-5)
     assert isinstance(only_rows.rows(slice(0, 16)), Ggml)   # a rank's rows: the stored bytes gathered, plain again
     with pytest.raises(NpqwenError, match="cannot take columns of a Q8_0 matrix whose value heads llama.cpp reordered"):
         w.columns(slice(0, 32))

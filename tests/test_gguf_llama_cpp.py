@@ -300,6 +300,31 @@ def test_qwen3_5_with_more_value_heads_from_llama_cpp(qwen35_files, tmp_path):
     assert_agrees_with_llama_cpp(gguf, qwen35_files["F32"], ids, tmp_path, "qwen35 F32")
 
 
+def test_lora_gradients_through_a_qwen35_gguf_with_reordered_value_heads(qwen35_files):
+    """A LoRA adapter on the Q8_0 file's frozen matrices (its linear attention's in_proj_* and out_proj kept as
+    stored, value heads in llama.cpp's order: ReorderedHeads): the adapter's gradients, which flow back through
+    every frozen matrix by d_x = d_y @ W, equal those on the same weights dequantized into float32, within 1e-5."""
+    from npqwen import finetune as ft
+    from npqwen import grad
+    from npqwen.gguf_file import ReorderedHeads
+    from npqwen.lora import LINEAR_ATTENTION
+    from test_weights import dequantized_twin
+
+    q8 = npqwen.load(qwen35_files["Q8_0"])
+    assert isinstance(q8.weights["model.layers.0.linear_attn.in_proj_qkv.weight"], ReorderedHeads)
+    ex, got = ft.example([5, 17, 33, 2, 900], [101, 7, 64, 250, 11]), []
+    for model in (q8.model, dequantized_twin(q8)):
+        adapter = ft.new_adapter(model, r=2, alpha=4, targets=ft.TARGETS + LINEAR_ATTENTION, seed=0)
+        rng = np.random.default_rng(1)
+        for a in adapter.weights.values():   # B non-zero: every path has a gradient
+            a[...] = 0.1 * rng.standard_normal(a.shape)
+        got.append(grad.gradients(model, ex.ids, grad.loss(ex.targets), weights=False, lora=adapter).lora_grads)
+    ours, want = got
+    worst = max((float(np.abs(ours[n] - want[n]).max() / np.abs(want[n]).max()), n) for n in want)
+    print(f"qwen35 Q8_0 GGUF: {len(want)} adapter gradients against the float32 twin's, worst relative {worst}")
+    assert set(ours) == set(want) and worst[0] < 1e-5, worst
+
+
 # Qwen3.5-MoE (llama.cpp's qwen35moe): Qwen3.5's layers (Hv = 2 Hk) with every MLP sparse, 8 experts of 32, 2 per
 # token, and a shared expert of 64; every matrix's rows a whole number of Q8_0 blocks
 QWEN35_MOE = dict(QWEN35, moe_intermediate_size=32, shared_expert_intermediate_size=64)

@@ -196,6 +196,60 @@ def test_a_matrix_without_whole_blocks_falls_back_to_a_format_that_fits(npqwen_t
     assert {w.format for w in llm.weights.values() if is_compact(w)} == {"Q8_0"}
 
 
+@pytest.fixture(scope="module")
+def unblocky_dir(tmp_path_factory):   # q/k/v/o, gate/up: 64 columns, whole Q8_0 blocks only; down_proj: 48, none
+    return write_npqwen_checkpoint(tmp_path_factory.mktemp("unblocky"), tiny_config(intermediate_size=48), dtype="BF16")
+
+
+def needed_bytes(path, fmt, have: int, monkeypatch) -> bool:
+    """Whether loading `path` in `fmt` passes its memory check (check_fits_compact) with `have` bytes free."""
+    from npqwen import checkpoint
+    monkeypatch.setattr(checkpoint, "free_memory_bytes", lambda xp: have)
+    try:
+        npqwen.load(path, weights=fmt)
+    except NpqwenError as e:
+        assert "the weights need" in str(e), e
+        return False
+    return True
+
+
+@pytest.mark.parametrize("fmt", CONVERTED)
+def test_inspect_and_the_memory_check_count_the_bytes_the_loaded_weights_take(fmt, blocky_dir, unblocky_dir,
+                                                                              monkeypatch):
+    """`npqwen inspect`'s size of each format (describe.format_bytes) and the memory check before loading
+    (check_fits_compact) count each matrix in the format it is kept in (weights.kept_format: a matrix without whole
+    blocks of the format in Q8_0 where its rows are whole Q8_0 blocks, else bfloat16), its scales included (int8's
+    per row, the ggml planes' per block): the bytes the loaded weights take (weights.total_bytes)."""
+    from npqwen.describe import format_bytes
+    from npqwen.weights import total_bytes
+
+    for path in (blocky_dir, unblocky_dir):
+        llm = npqwen.load(path, weights=fmt)
+        if path == unblocky_dir and fmt in ("q8_0", "q4_0", "q4_k"):
+            kept = {w.format for n, w in llm.weights.items() if is_compact(w) and "down_proj" in n}
+            assert kept == {"bfloat16"}, kept
+        loaded = total_bytes(llm.model.weights)
+        print(f"{path.name} {fmt}: loaded {loaded:,} bytes, inspect says {format_bytes(llm.config)[fmt]:,}")
+        assert format_bytes(llm.config)[fmt] == loaded
+        assert needed_bytes(path, fmt, loaded, monkeypatch), f"{fmt}: refused with {loaded:,} bytes free"
+        assert not needed_bytes(path, fmt, loaded - 1, monkeypatch), f"{fmt}: loaded with {loaded - 1:,} free"
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-qwen3.5", "tiny-qwen4-exp"])
+def test_inspect_s_size_of_each_format_is_what_the_built_in_models_take(name):
+    """describe.format_bytes for float32 and each format equals weights.total_bytes of the built-in model loaded in
+    it: MoE's experts, Gated DeltaNet's and the hyper-connections' projections, 16 columns kept in bfloat16 where no
+    ggml block fits (Qwen4-Exp: but its PLE tables, which inspect lists apart, on disk in a checkpoint)."""
+    from npqwen.describe import format_bytes
+    from npqwen.weights import total_bytes
+
+    sizes = format_bytes(npqwen.load(name).config)
+    for fmt, size in sizes.items():
+        weights = npqwen.load(name, weights=fmt).model.weights
+        loaded = total_bytes({n: w for n, w in weights.items() if ".ple.ple_embedding." not in n})
+        assert size == loaded, f"{name} {fmt}: inspect says {size:,} bytes, the loaded weights take {loaded:,}"
+
+
 def engine_run(llm, prompts) -> tuple[list, dict]:
     """Greedy tokens of `prompts` from one engine over small pages (chunked prompts, a prefix hit, preemption)."""
     engine = npqwen.Engine(llm, kv_cache_tokens=96, page_size=8, max_batch_size=4, max_batched_tokens=24)

@@ -159,7 +159,7 @@ def shape_model(layers: int, shape: str = "0.6b", weights: str = "float32"):
     from npqwen.config import QWEN3_0_6B_CONFIG, QWEN3_5_0_8B_TEXT_CONFIG, Qwen3Config
     from npqwen.llm import LLM
     from npqwen.model import Qwen3
-    from npqwen.weights import fits_format
+    from npqwen.weights import kept_format
     from tools.bench.weights import random_rows
 
     raw = dict(QWEN3_0_6B_CONFIG if shape == "0.6b" else QWEN3_5_0_8B_TEXT_CONFIG, num_hidden_layers=layers)
@@ -177,7 +177,7 @@ def shape_model(layers: int, shape: str = "0.6b", weights: str = "float32"):
     if weights == "float32":
         return LLM(Qwen3(config, tie_lm_head(config, arrays), fused))
     # a matrix made in its format's own bytes (tools/bench/weights.py), never quantized from float32 (slow)
-    compact = {name: random_rows(weights if fits_format(weights, a.shape[1]) else "q8_0", *a.shape, rng)
+    compact = {name: random_rows(kept_format(weights, a.shape[1]), *a.shape, rng)
                if is_matrix(name) else a for name, a in arrays.items()
                if not (name == "lm_head.weight" and config.tie_word_embeddings)}
     del arrays, fused

@@ -82,7 +82,7 @@ def write_random(path: Path, config: dict, fmt: str, seed: int = 0) -> Path:
 
     from npqwen.checkpoint import expected_shapes, is_matrix, stored_pieces
     from npqwen.config import Qwen3Config
-    from npqwen.weights import fits_format
+    from npqwen.weights import kept_format
 
     path.mkdir(parents=True, exist_ok=True)
     shapes = expected_shapes(Qwen3Config.from_dict(config))
@@ -92,7 +92,7 @@ def write_random(path: Path, config: dict, fmt: str, seed: int = 0) -> Path:
         if not is_matrix(name):
             return (1 + 0.1 * rng.standard_normal(shape) if "norm" in name else
                     0.02 * rng.standard_normal(shape)).astype(np.float32)
-        return random_rows(fmt if fits_format(fmt, shape[1]) else "q8_0", *shape, rng)
+        return random_rows(kept_format(fmt, shape[1]), *shape, rng)
 
     # the header first: each piece's dtype and bytes, from one small probe of its format
     header, metadata, offset = {}, {}, 0
