@@ -17,7 +17,7 @@ import numpy as np
 
 from .backend import xp_of
 from .errors import NpqwenError
-from .weights import THREADS, in_parts, is_compact
+from .weights import FEW_ROWS, THREADS, in_parts, is_compact, small_product_rows, small_products
 
 
 def embed(weight, token_ids, first: int = 0):
@@ -64,29 +64,11 @@ def linear(x, weight):
     return xp_of(y).ascontiguousarray(y.T)            # (T, out)
 
 
-# OpenBLAS runs a product of 2 to 16 rows of x with a large weight at about half a single row's speed: it packs the
-# whole weight first, one more pass over memory. A product of fewer than 2^18 multiply-adds it runs unpacked, in its
-# caller's thread (its small-matrix path; OpenBLAS's own threads start above that). So few_rows_linear takes the
-# weight a block of rows at a time, each product under 2^18, the blocks split across weights.THREADS threads as the
-# compact formats' are. Measured, lm_head at the 0.6B width (151,936 x 1,024), one BLAS thread, CPU time: 2 rows
-# 93 -> 45 ms, 4 rows 105 -> 52, 8 rows 105 -> 69, 12 rows 122 -> 85, 16 rows 121 -> 103 (1 row: 43); at 32 rows
-# the blocks ran slower than one product (171 against 155 ms), so FEW_ROWS is 16.
-FEW_ROWS = 16
-SMALL_PRODUCT = 1 << 18
-
-
 def few_rows_linear(x, weight):
-    """(weight @ x^T)^T for a few rows x (T, in), weight (out, in) in blocks of rows: (T, in) -> (T, out)."""
-    n_out, n_in = weight.shape
-    step = max(1, (SMALL_PRODUCT - 1) // (n_in * x.shape[0]))           # rows of weight a product
-    y = np.empty((n_out, x.shape[0]), dtype=np.result_type(x, weight))     # (out, T)
-
-    def run(start, stop):
-        for a in range(start, stop, step):
-            b = min(a + step, stop)
-            np.matmul(weight[a:b], x.T, out=y[a:b])                           # (n, in) @ (in, T) -> (n, T)
-
-    in_parts(run, n_out, step, THREADS)
+    """(weight @ x^T)^T for a few rows x (T, in), weight (out, in), in small products (weights.small_products), the
+    weight's rows split across weights.THREADS threads: (T, in) -> (T, out)."""
+    y = np.empty((weight.shape[0], x.shape[0]), dtype=np.result_type(x, weight))   # (out, T)
+    in_parts(lambda a, b: small_products(weight[a:b], x, y[a:b]), len(weight), small_product_rows(weight, x), THREADS)
     return np.ascontiguousarray(y.T)                                       # (T, out)
 
 

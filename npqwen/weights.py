@@ -95,6 +95,32 @@ def in_parts(run, n_out: int, step: int, threads: int):
         f.result()
 
 
+# OpenBLAS runs a product of 2 to 16 rows of x with a large matrix at about half a single row's speed: it packs the
+# whole matrix first, one more pass over memory (or, for a widened block, over the core's cache). A product of fewer
+# than 2^18 multiply-adds it runs unpacked, in its caller's thread (its small-matrix path; OpenBLAS's own threads
+# start above that). So for 2 to FEW_ROWS rows of x a matrix is taken a block of its rows at a time, each product
+# under SMALL_PRODUCT (small_products): ops.linear's float32 weights (few_rows_linear) and the formats widened whole
+# (Compact.linear). Measured, lm_head at the 0.6B width (151,936 x 1,024), one BLAS thread, CPU time, float32: 2 rows
+# 93 -> 45 ms, 4 rows 105 -> 52, 8 rows 105 -> 69, 12 rows 122 -> 85, 16 rows 121 -> 103 (1 row: 43); at 32 rows
+# the blocks ran slower than one product (171 against 155 ms), so FEW_ROWS is 16. int8 (bfloat16), blocks of 256
+# widened rows: 2 rows 45 -> 46 ms (64 -> 67), 4 rows 82 -> 57 (104 -> 82), 8 rows 91 -> 76 (110 -> 94), 16 rows
+# 117 -> 109 (140 -> 126). The ggml formats' products per sub-block are each under 2^18 already.
+FEW_ROWS = 16
+SMALL_PRODUCT = 1 << 18
+
+
+def small_product_rows(w, x) -> int:
+    """Rows of w (n, in) per product with x (T, in) in small_products: fewer than SMALL_PRODUCT multiply-adds."""
+    return max(1, (SMALL_PRODUCT - 1) // (w.shape[1] * x.shape[0]))
+
+
+def small_products(w, x, out):
+    """out = w @ x^T, w (n, in), x (T, in) -> out (n, T), a block of w's rows a product (small_product_rows)."""
+    step = small_product_rows(w, x)
+    for a in range(0, len(w), step):
+        np.matmul(w[a:a + step], x.T, out=out[a:a + step])                     # (rows, in) @ (in, T) -> (rows, T)
+
+
 def block_rows(n_in: int) -> int:
     """Rows widened at a time: a block of about BLOCK_VALUES floats, at least 16 rows."""
     return max(16, BLOCK_VALUES // max(n_in, 1))
@@ -125,7 +151,10 @@ class Compact:
             w = buf[:b - a]
             scale = self.widen(slice(a, b), w)                             # (n, in) float32
             if transposed:
-                xp.matmul(w, x.T, out=y[a:b])                              # (n, in) @ (in, T) -> (n, T)
+                if 2 <= x.shape[0] <= FEW_ROWS and xp is np:
+                    small_products(w, x, y[a:b])                           # (n, in) @ (in, T) -> (n, T), in parts
+                else:
+                    xp.matmul(w, x.T, out=y[a:b])                          # (n, in) @ (in, T) -> (n, T)
                 if scale is not None:
                     y[a:b] *= scale[:, None]
             else:
