@@ -34,22 +34,84 @@ def indexer_queries_keys(x, index_qk_proj, q_norm, Hi: int, di: int, cos, sin, e
     return ops.apply_rope(q, cos, sin), keys
 
 
-def block_scores(q, keys, blocks, k_norm, cos_all, sin_all, eps: float):
-    """One query's score of each complete block. q (Hi, di), keys (S, di) raw, blocks (B, r) positions -> (B,)."""
+def block_keys(keys, blocks, k_norm, cos_all, sin_all, eps: float):
+    """Each block's key: the mean of its r raw keys, normalised (1 + weight), rotated to its first token's position.
+    keys (S, di) raw, blocks (B, r) positions -> (B, di)."""
     xp = xp_of(keys)
     pooled = keys[xp.asarray(blocks)].astype(np.float32).mean(axis=1).astype(keys.dtype)   # (B, di) the mean raw key
     pooled = ops.rms_norm(pooled, k_norm, eps, 1.0)                             # (B, di), 1 + weight
     start = xp.asarray(blocks[:, 0])                                            # a block sits at its first token
-    block_keys = ops.apply_rope(pooled[:, None], cos_all[start], sin_all[start])[:, 0]   # (B, di)
-    scores = xp.maximum(block_keys.astype(np.float32) @ q.astype(np.float32).T, 0)      # (B, Hi) relu(q . k)
-    return scores.sum(axis=1) / math.sqrt(q.shape[-1])                          # (B,) summed over the heads
+    return ops.apply_rope(pooled[:, None], cos_all[start], sin_all[start])[:, 0]   # (B, di)
+
+
+def scores_of(q, bkeys):
+    """Queries' score of each block: the sum over the indexer heads of relu(q . k) / sqrt(di), in float32.
+    q (n, Hi, di), bkeys (B, di) -> (n, B). One product for all n queries; each sum over Hi runs as for one query."""
+    xp = xp_of(q)
+    n, Hi, di = q.shape
+    scores = bkeys.astype(np.float32) @ q.astype(np.float32).reshape(n * Hi, di).T   # (B, n*Hi) q . k
+    scores = xp.maximum(scores, 0).reshape(-1, n, Hi).sum(axis=2)                # (B, n) relu, summed over the heads
+    return (scores / math.sqrt(di)).T                                            # (n, B)
+
+
+def block_scores(q, keys, blocks, k_norm, cos_all, sin_all, eps: float):
+    """One query's score of each complete block. q (Hi, di), keys (S, di) raw, blocks (B, r) positions -> (B,)."""
+    return scores_of(q[None], block_keys(keys, blocks, k_norm, cos_all, sin_all, eps))[0]
+
+
+def best_blocks(scores, k: int) -> np.ndarray:
+    """Each row's k highest scores, best first; of equal scores the earlier block (np.argsort(-scores, kind=
+    "stable")'s order; argmax keeps the first maximum, so k passes of it agree, and for QSA's few blocks beat a
+    sort). scores (n, B) float32 on the host -> (n, k) block indices."""
+    if k > 32:
+        return np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    scores, best, rows = scores.copy(), np.empty((len(scores), k), dtype=np.int64), np.arange(len(scores))
+    for j in range(k):
+        best[:, j] = scores.argmax(axis=1)                                      # (n,) the first best left
+        scores[rows, best[:, j]] = -np.inf                                      # taken
+    return best
 
 
 def select_tokens(q, keys, visible, k_norm, cos_all, sin_all, budget: int, r: int, eps: float) -> list:
     """For each query, the positions attention may read: its best budget // r blocks, then its last visible
     tokens that fill no block. q (T, Hi, di), keys (S, di) raw, visible (T, S) bool, cos_all / sin_all (S, rot)
     -> T int arrays of positions. Equal scores (relu makes many 0) keep the earlier block; torch.topk leaves
-    the order of ties unspecified, so there HF may keep another block of the same score."""
+    the order of ties unspecified, so there HF may keep another block of the same score.
+    Where each query sees a prefix 0 .. n_t - 1 (a causal sequence, or a chunk of one: all the model makes) the
+    blocks are pooled once and scored for every query at once (`select_prefix_tokens`); else query by query."""
+    S = visible.shape[1]
+    counts = visible.sum(axis=1)                                                # (T,) visible positions
+    if (visible == (np.arange(S)[None, :] < counts[:, None])).all():           # (T, S): each a prefix
+        return select_prefix_tokens(q, keys, counts, k_norm, cos_all, sin_all, budget, r, eps)
+    return select_tokens_each(q, keys, visible, k_norm, cos_all, sin_all, budget, r, eps)
+
+
+def select_prefix_tokens(q, keys, counts, k_norm, cos_all, sin_all, budget: int, r: int, eps: float) -> list:
+    """select_tokens where query t sees positions 0 .. counts[t] - 1: every complete block of the longest is pooled
+    once; each chunk of queries scores the blocks its last one sees in one product, a block a query does not see
+    whole scores -inf, and the chunk's (n, b) scores go to the host once. Chunks of at most 256 queries (and
+    SCORES_BYTES of products) keep a causal prefill's wasted half, the blocks past a query, small.
+    q (T, Hi, di), counts (T,) -> T int arrays of positions."""
+    T, Hi, _ = q.shape
+    whole = np.asarray(counts) // r                                             # (T,) each query's complete blocks
+    B = int(whole.max(initial=0))
+    blocks = np.arange(B * r).reshape(B, r)                                     # (B, r) positions
+    k = min(budget // r, B)
+    best = np.zeros((T, k), dtype=np.int64)                                     # (T, k) block indices, best first
+    bkeys = block_keys(keys, blocks, k_norm, cos_all, sin_all, eps) if B else None   # (B, di), once
+    n = max(1, min(256, ops.SCORES_BYTES // (4 * max(B, 1) * Hi)))             # queries a chunk
+    for t in range(0, T, n):
+        b = int(whole[t:t + n].max())                                           # blocks this chunk sees
+        if b:
+            scores = to_numpy(scores_of(q[t:t + n], bkeys[:b]))                 # (n, b) on the host
+            scores[np.arange(b)[None, :] >= whole[t:t + n, None]] = -np.inf     # blocks it does not see whole
+            best[t:t + n, :min(k, b)] = best_blocks(scores, min(k, b))
+    return [np.concatenate([blocks[best[t, :min(k, whole[t])]].reshape(-1),    # its best blocks' positions
+                            np.arange(whole[t] * r, counts[t])]) for t in range(T)]   # + the tail
+
+
+def select_tokens_each(q, keys, visible, k_norm, cos_all, sin_all, budget: int, r: int, eps: float) -> list:
+    """select_tokens for any visibility, one query at a time (each pools its own blocks and syncs the host)."""
     chosen = []
     for t in range(q.shape[0]):
         seen = np.flatnonzero(visible[t])                                       # (n,) this query's visible positions

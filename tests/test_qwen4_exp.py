@@ -123,6 +123,44 @@ def test_qsa_block_selection_equals_hf(T, budget, r):
     assert all(len(c) <= budget + r - 1 for c in chosen) and ties <= T // 4
 
 
+@pytest.mark.parametrize("T, S, r, budget", [(37, 37, 4, 8), (1, 50, 4, 8), (13, 40, 3, 12), (3, 3, 4, 8),
+                                             (70, 70, 1, 64), (40, 203, 8, 32)])
+def test_qsa_selection_at_once_equals_query_by_query(T, S, r, budget, monkeypatch):
+    """select_tokens on prefixes (a causal prompt, decode after a prefix, a chunk of a prefill) takes the path that
+    pools the blocks once and scores all queries in one product per chunk, and picks exactly the positions, in the
+    same order, that the query-by-query loop (select_tokens_each, its fallback for any other visibility) picks.
+    Random keys rotated, and keys whose blocks repeat 3 patterns unrotated (equal scores, relu zeros or not, at the
+    budget's edge); chunks of 3 queries (SCORES_BYTES made small) cross chunk edges; budget 64 of r=1 takes the
+    sort (k > 32)."""
+    from npqwen import ops, qsa
+
+    rng = np.random.default_rng(T * S + r)
+    monkeypatch.setattr(ops, "SCORES_BYTES", 4 * 2 * (S // r) * 3 + 1)   # 3 queries a chunk
+    each = qsa.select_tokens_each
+    monkeypatch.setattr(qsa, "select_tokens_each", None)                 # select_tokens must not fall back here
+    edge_ties = 0
+    for dtype, tied in ((np.float32, False), (np.float32, True), (np.float64, True)):
+        q = rng.standard_normal((T, 2, 16)).astype(dtype)                           # (T, Hi, di)
+        keys = rng.standard_normal((S, 16)).astype(dtype)                           # (S, di) raw
+        if tied:   # each block one of 3 rows repeated, and no rotation: equal block keys
+            keys = np.repeat(keys[rng.integers(0, 3, -(-S // r))], r, axis=0)[:S]
+        angles = np.arange(S)[:, None] * (0.0 if tied else 1.0 / 1e4 ** (np.arange(0, 8, 2) / 8))   # rotary: 8 of 16
+        cos, sin = (f(np.concatenate([angles, angles], 1)).astype(dtype) for f in (np.cos, np.sin))
+        visible = np.arange(S)[None, :] <= np.arange(S - T, S)[:, None]            # (T, S) causal, start S - T
+        args = (keys, visible, 0.1 * rng.standard_normal(16).astype(dtype), cos, sin, budget, r, 1e-6)
+        got, want = qsa.select_tokens(q, *args), each(q, *args)
+        differ = [t for t in range(T) if got[t].dtype != want[t].dtype or not np.array_equal(got[t], want[t])]
+        for t in range(T):   # ties at the edge: the budget's last kept block scores as the first left out
+            n = S - T + t + 1
+            scores = np.sort(qsa.block_scores(q[t], keys, np.arange(n // r * r).reshape(-1, r), args[2], cos, sin,
+                                              1e-6))[::-1]
+            edge_ties += len(scores) > budget // r and scores[budget // r - 1] == scores[budget // r]
+        print(f"T={T} S={S} r={r} budget={budget} {np.dtype(dtype).name}{' tied' * tied}: {len(differ)} of {T} queries differ "
+              f"(first {differ[:1]}); queries with a tie at the budget's edge so far: {edge_ties}")
+        assert not differ, (differ[0], got[differ[0]], want[differ[0]])
+    assert edge_ties or T < 4
+
+
 def test_the_gated_shared_expert_moe_is_npqwens_qwen3_5_moe_block():
     """Qwen4-Exp's MLP (router, experts, sigmoid-gated shared expert) is the block npqwen runs for Qwen3.5-MoE:
     moe.route + moe.experts + sigmoid(shared_expert_gate x) * SwiGLU, on HF's module's weights."""
