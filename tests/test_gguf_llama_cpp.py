@@ -317,10 +317,11 @@ def test_qwen3_5_with_more_value_heads_from_llama_cpp(qwen35_files, tmp_path):
 # token, and a shared expert of 64; every matrix's rows a whole number of Q8_0 blocks
 QWEN35_MOE = dict(QWEN35, moe_intermediate_size=32, shared_expert_intermediate_size=64)
 # its weights decided by margins, as a trained model's are: the router's rows of a larger spread (std 1: a token's
-# k-th and next experts ~0.2 apart in logit, not ~0.01), the (tied) embedding too (0.2: the top token ~0.5-0.99
-# probable, not 4e-5 of 151,936), the other matrices at HF's initializer_range (0.02). With every matrix at 0.05,
-# llama.cpp's Q8_0 product, which rounds the activations to Q8_0 blocks too, agreed on 23 of 30 top tokens (KL
-# 8.2e-4) -- with npqwen and with llama.cpp's own F32 on the same widened weights alike (docs/gguf.md)
+# k-th and next experts 0.56 apart in logit, the median of the smallest over its layers, not 0.04), the (tied)
+# embedding too (0.2: the top token 0.35 probable, the median, not 4e-5 of 151,936), the other matrices at HF's
+# initializer_range (0.02). With every matrix at 0.05, llama.cpp's Q8_0 product, which rounds the activations to
+# Q8_0 blocks too, agreed on 23 of 30 top tokens (KL 8.2e-4), with npqwen and with llama.cpp's own F32 on the same
+# widened weights alike (docs/gguf.md); here rounding them so in npqwen changes none of the 120 expert choices
 QWEN35_MOE_WEIGHTS = dict(std=0.02, stds={"mlp.gate.weight": 1.0, "embed_tokens.weight": 0.2})
 
 
