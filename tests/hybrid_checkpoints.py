@@ -59,9 +59,10 @@ def hf_hybrid_classes(model_type: str):
             }[model_type]
 
 
-def randomize(model, seed: int, std: float):
+def randomize(model, seed: int, std: float, stds: dict | None = None):
     """Random weights that make every part show: the (1 + weight) norms get noise around 0, the gated norm
-    around 1, the convolution a larger spread; A_log and dt_bias keep HF's initial values."""
+    around 1, the convolution a larger spread; A_log and dt_bias keep HF's initial values. `stds`: {name
+    suffix: std} for the matrices that take another spread (the first suffix that matches)."""
     import torch
 
     torch.manual_seed(seed)
@@ -74,14 +75,16 @@ def randomize(model, seed: int, std: float):
             elif name.endswith("conv1d.weight"):
                 p.normal_(0.0, 0.5)
             elif not name.endswith(("A_log", "dt_bias")):
-                p.normal_(0.0, std)
+                p.normal_(0.0, next((s for suffix, s in (stds or {}).items() if name.endswith(suffix)), std))
 
 
 def build_hybrid_checkpoint(path: Path, config: dict, save_dtype: str = "float32", seed: int = 0,
-                            std: float = 0.05, hub_layout: bool = False, top_level: dict | None = None) -> Path:
+                            std: float = 0.05, hub_layout: bool = False, top_level: dict | None = None,
+                            stds: dict | None = None) -> Path:
     """Save a random Qwen3_5ForCausalLM (or, with hub_layout, a Qwen3_5ForConditionalGeneration around it:
     text_config, model.language_model.*, a small vision tower) with transformers' save_pretrained. The hub
-    layout's top-level config takes `top_level` (default: the text config's tie_word_embeddings)."""
+    layout's top-level config takes `top_level` (default: the text config's tie_word_embeddings). `stds`: as
+    for randomize."""
     import torch
 
     torch.manual_seed(seed)
@@ -96,7 +99,7 @@ def build_hybrid_checkpoint(path: Path, config: dict, save_dtype: str = "float32
         model = model_class(config_class(text_config=text_config_class(**cfg).to_dict(), vision_config=vision, **top))
     else:
         model = text_class(text_config_class(**cfg))
-    randomize(model, seed, std)
+    randomize(model, seed, std, stds)
     model.to(getattr(torch, save_dtype)).save_pretrained(path)
     return Path(path)
 
