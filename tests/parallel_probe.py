@@ -92,11 +92,14 @@ def probe_more(llm, V, out):
 
 
 def speculative(llm, V, out):
-    """Prompt lookup (ngram) drafts on a prompt that repeats, greedy and seeded beside one that does not speculate:
-    each verification a chunk of the batch, refused drafts rolled back (a hybrid model's states on every rank)."""
-    engine = Engine(llm, kv_cache_tokens=128, page_size=8, max_batch_size=3)
+    """Prompt lookup (ngram) drafts, greedy on a prompt of every token of the vocabulary once, as far as the context
+    leaves room (so nearly every step's last token occurred before: drafts whatever the random model says, and
+    refused ones), and seeded on a prompt that repeats, beside one that does not speculate: each verification a
+    chunk of the batch, refused drafts rolled back (a hybrid model's states on every rank)."""
+    every = np.random.default_rng(8).permutation(V)[:llm.config.max_position_embeddings - 40].tolist()
+    engine = Engine(llm, kv_cache_tokens=len(every) + 160, page_size=8, max_batch_size=3)
     spec = {"method": "ngram", "k": 3, "prompt_lookup_max": 2}
-    ids = [engine.add_request(prompt(5, V, seed=8) * 3, max_new_tokens=20, temperature=0, speculative=spec),
+    ids = [engine.add_request(every, max_new_tokens=20, temperature=0, speculative=spec),
            engine.add_request(prompt(4, V, seed=9) * 3, max_new_tokens=20, temperature=0.8, seed=5, speculative=spec),
            engine.add_request(prompt(7, V, seed=10), max_new_tokens=12, temperature=0)]
     done = {}
