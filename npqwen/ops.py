@@ -17,7 +17,7 @@ import numpy as np
 
 from .backend import xp_of
 from .errors import NpqwenError
-from .weights import FEW_ROWS, THREADS, in_parts, is_compact, small_product_rows, small_products
+from .weights import FEW_ROWS, is_compact, small_products
 
 
 def embed(weight, token_ids, first: int = 0):
@@ -65,10 +65,10 @@ def linear(x, weight):
 
 
 def few_rows_linear(x, weight):
-    """(weight @ x^T)^T for a few rows x (T, in), weight (out, in), in small products (weights.small_products), the
-    weight's rows split across weights.THREADS threads: (T, in) -> (T, out)."""
+    """(weight @ x^T)^T for a few rows x (T, in), weight (out, in), in blocks of its rows (weights.small_products):
+    (T, in) -> (T, out)."""
     y = np.empty((weight.shape[0], x.shape[0]), dtype=np.result_type(x, weight))   # (out, T)
-    in_parts(lambda a, b: small_products(weight[a:b], x, y[a:b]), len(weight), small_product_rows(weight, x), THREADS)
+    small_products(weight, x, y)
     return np.ascontiguousarray(y.T)                                       # (T, out)
 
 

@@ -96,21 +96,26 @@ def in_parts(run, n_out: int, step: int, threads: int):
 
 
 # OpenBLAS runs a product of 2 to 16 rows of x with a large matrix at about half a single row's speed: it packs the
-# whole matrix first, one more pass over memory (or, for a widened block, over the core's cache). A product of fewer
-# than 2^18 multiply-adds it runs unpacked, in its caller's thread (its small-matrix path; OpenBLAS's own threads
-# start above that). So for 2 to FEW_ROWS rows of x a matrix is taken a block of its rows at a time, each product
-# under SMALL_PRODUCT (small_products): ops.linear's float32 weights (few_rows_linear) and the formats widened whole
-# (Compact.linear). Measured, lm_head at the 0.6B width (151,936 x 1,024), one BLAS thread, CPU time, float32: 2 rows
-# 93 -> 45 ms, 4 rows 105 -> 52, 8 rows 105 -> 69, 12 rows 122 -> 85, 16 rows 121 -> 103 (1 row: 43); at 32 rows
-# the blocks ran slower than one product (171 against 155 ms), so FEW_ROWS is 16. int8 (bfloat16), blocks of 256
-# widened rows: 2 rows 45 -> 46 ms (64 -> 67), 4 rows 82 -> 57 (104 -> 82), 8 rows 91 -> 76 (110 -> 94), 16 rows
-# 117 -> 109 (140 -> 126). The ggml formats' products per sub-block are each under 2^18 already.
+# whole matrix first, one more pass over memory (or, for a widened block, over the core's cache). So for 2 to
+# FEW_ROWS rows of x a matrix is taken a block of its rows a product (small_products): ops.linear's float32 weights
+# (few_rows_linear) and the formats widened whole (Compact.linear). With one BLAS thread, each product under
+# SMALL_PRODUCT multiply-adds, which OpenBLAS runs unpacked (its small-matrix path); with more, block_rows rows, a
+# product OpenBLAS splits across its threads (products under 2^18 it runs in one thread, and Python threads running
+# them side by side ran no faster here). Measured, lm_head at the 0.6B width (151,936 x 1,024), float32, one BLAS
+# thread, CPU time: 2 rows 93 -> 45 ms, 4 rows 105 -> 52, 8 rows 105 -> 69, 12 rows 122 -> 85, 16 rows 121 -> 103
+# (1 row: 43); at 32 rows the blocks ran slower than one product (171 against 155 ms), so FEW_ROWS is 16. Two BLAS
+# threads, wall time: 2 rows 73-79 -> 50, 4 rows 88-90 -> 56, 8 rows 84-86 -> 59, 16 rows 87-88 -> 64 (blocks of
+# 256 rows; in products under 2^18 split across two Python threads 52 / 55 / 75 / 119). int8 (bfloat16), one
+# thread, blocks of 256 widened rows: 2 rows 45 -> 46 ms (64 -> 67), 4 rows 82 -> 57 (104 -> 82), 8 rows 91 -> 76
+# (110 -> 94), 16 rows 117 -> 109 (140 -> 126). The ggml formats' products per sub-block are each under 2^18.
 FEW_ROWS = 16
 SMALL_PRODUCT = 1 << 18
 
 
 def small_product_rows(w, x) -> int:
-    """Rows of w (n, in) per product with x (T, in) in small_products: fewer than SMALL_PRODUCT multiply-adds."""
+    """Rows of w (n, in) per product with x (T, in) in small_products."""
+    if THREADS > 1:
+        return block_rows(w.shape[1])
     return max(1, (SMALL_PRODUCT - 1) // (w.shape[1] * x.shape[0]))
 
 

@@ -407,18 +407,18 @@ def test_products_per_sub_block_split_across_threads_equal_one_thread_s_bit_for_
 
 def test_a_product_of_a_few_rows_in_small_blocks_equals_the_float64_product(monkeypatch):
     """ops.linear on 2 to 16 rows of x (the engine's step with a few sequences, a speculative verification): a
-    float32 weight in blocks of rows, each product under OpenBLAS's 2^18 multiply-adds, split across
-    weights.THREADS threads; int8's and bfloat16's widened blocks in such products too. Every row of the output
-    written, the blocks' edges included (1,003 rows, 51 to 409 a product)."""
-    from npqwen import ops
+    float32 weight in blocks of rows, with one BLAS thread each product under OpenBLAS's 2^18 multiply-adds, with
+    more block_rows rows; int8's and bfloat16's widened blocks in such products too. Every row of the output
+    written, the blocks' edges included (1,003 rows, 51 to 819 a product)."""
+    from npqwen import ops, weights
     from npqwen.weights import BFloat16, Int8, float32_to_bf16_bits
 
     rng = np.random.default_rng(3)
     w = rng.standard_normal((1003, 320)).astype(np.float32)
     for weight in (w, Int8.quantize(w), BFloat16(float32_to_bf16_bits(w))):
         exact_w = as_array(weight).astype(np.float64)
-        for threads in (1, 3):
-            monkeypatch.setattr(ops, "THREADS", threads)
+        for threads in (1, 3):                               # products under 2^18; blocks of block_rows
+            monkeypatch.setattr(weights, "THREADS", threads)
             for T in (1, 2, 7, 16, 17):
                 x = rng.standard_normal((T, 320)).astype(np.float32)
                 y, exact = ops.linear(x, weight), x.astype(np.float64) @ exact_w.T
