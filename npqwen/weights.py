@@ -526,10 +526,15 @@ def join_q4_k(qs, d, dmin, sc, m):
 
 
 def widen_q4_k(qs, d, dmin, sc, m, out):
-    n = len(out)
     unpack_q4_0(qs, out)
+    scale_k_rows(out, d, dmin, sc, m)
+
+
+def scale_k_rows(out, d, dmin, sc, m):
+    """Q4_K's and Q5_K's rule on a block of rows whose integers q are widened in out (n, in): w = d*sc_s * q -
+    dmin*m_s in each sub-block s of 32, in place."""
     scale, low = q4_k_scales(d, dmin, sc, m)                                   # (nb*8, n) each
-    out3 = out.reshape(n, -1, 32)
+    out3 = out.reshape(len(out), -1, 32)
     out3 *= scale.T[..., None]
     out3 -= low.T[..., None]
 
@@ -653,14 +658,10 @@ def unpack_q5_k(q, out):
 
 
 def widen_q5_k(q, d, dmin, sc, m, out):
-    n = len(out)
     values = xp_of(out).empty(out.shape, dtype=np.uint8)
     unpack_q5_k(q, values)
     xp_of(out).copyto(out, values, casting="unsafe")
-    scale, low = q4_k_scales(d, dmin, sc, m)                                   # (nb*8, n) each
-    out3 = out.reshape(n, -1, 32)
-    out3 *= scale.T[..., None]
-    out3 -= low.T[..., None]
+    scale_k_rows(out, d, dmin, sc, m)
 
 
 PLANES = {"Q8_0": (split_q8_0, join_q8_0, widen_q8_0), "Q4_0": (split_q4_0, join_q4_0, widen_q4_0),
