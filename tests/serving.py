@@ -174,6 +174,17 @@ class LiveServer:
         logging.getLogger("uvicorn.error").removeHandler(self.log_handler)
 
 
+def tokens_to_end(engine, ids) -> list:
+    """Step `engine` until nothing is left, checking its invariants after each step: the tokens of each request in
+    `ids`, in that order."""
+    tokens = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+        engine.check()
+    return [tokens[i] for i in ids]
+
+
 @pytest.fixture(scope="module")
 def tiny_server():
     """A live server over the built-in tiny model (import this fixture into a test module)."""

@@ -14,6 +14,7 @@ import npqwen
 from npqwen import NpqwenError
 
 from conftest import QWEN3_0_6B, build_hf_checkpoint, hf_model
+from serving import tokens_to_end
 
 torch = pytest.importorskip("torch")
 
@@ -238,13 +239,8 @@ def hf_edited(checkpoint, w, feature, mode, value):
 
 
 def run_engine(engine, requests):
-    ids = [engine.add_request(p, max_new_tokens=N, temperature=0, feature_edits=e) for p, e in requests]
-    tokens = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.token_ids
-        engine.check()
-    return [tokens[i] for i in ids]
+    return tokens_to_end(engine, [engine.add_request(p, max_new_tokens=N, temperature=0, feature_edits=e)
+                                  for p, e in requests])
 
 
 @pytest.mark.parametrize("mode, value", [("clamp", 40.0), ("zero", 0.0), ("scale", 300.0)])

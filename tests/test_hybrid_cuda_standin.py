@@ -23,13 +23,17 @@ def cupy():
 @pytest.mark.parametrize("build", [hybrid_config, qwen3_next_config])
 def test_logits_match_hf_on_the_stand_in(build, tmp_path):
     path = build_hybrid_checkpoint(tmp_path, build())
-    llm, ref = npqwen.load(path, device="cuda"), hf_hybrid_model(path)
-    ids = np.random.default_rng(0).integers(0, 512, 70).tolist()
+    assert_logits_match_hf(npqwen.load(path, device="cuda"), hf_hybrid_model(path),
+                           np.random.default_rng(0).integers(0, 512, 70).tolist(), build.__name__)
+
+
+def assert_logits_match_hf(llm, ref, ids, name: str):
+    """llm's logits on the stand-in against the HF model ref's on ids, within the model's tolerance, argmax equal."""
     logits = npqwen.backend.to_numpy(llm.forward(ids))
     with torch.no_grad():
         want = ref(torch.tensor([ids]), use_cache=False).logits[0].numpy()
     rel, tolerance = relative_diff(logits, want), model_tolerance(llm.config, len(ids))
-    print(f"{build.__name__} on the CuPy stand-in: relative max |logit diff| {rel:.2e} (tolerance {tolerance:.1e})")
+    print(f"{name} on the CuPy stand-in: relative max |logit diff| {rel:.2e} (tolerance {tolerance:.1e})")
     assert rel <= tolerance and (logits.argmax(-1) == want.argmax(-1)).all()
 
 
@@ -65,13 +69,7 @@ def test_qwen4_exp_on_the_stand_in(tmp_path):
 
     path, ref = build(tmp_path / "qwen4")
     ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
-    llm = npqwen.load(path, device="cuda")
-    logits = npqwen.backend.to_numpy(llm.forward(ids))
-    with torch.no_grad():
-        want = ref(torch.tensor([ids]), use_cache=False).logits[0].numpy()
-    rel, tolerance = relative_diff(logits, want), model_tolerance(llm.config, len(ids))
-    print(f"Qwen4-Exp on the CuPy stand-in: relative max |logit diff| {rel:.2e} (tolerance {tolerance:.1e})")
-    assert rel <= tolerance and (logits.argmax(-1) == want.argmax(-1)).all()
+    assert_logits_match_hf(npqwen.load(path, device="cuda"), ref, ids, "Qwen4-Exp")
     steer = [{"layer": 1, "vector": np.ones(32, np.float32), "scale": 0.5}]
     tokens, drafts = {}, {}
     for device in ("cpu", "cuda"):

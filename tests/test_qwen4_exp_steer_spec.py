@@ -19,6 +19,7 @@ from npqwen.steering import batch_steering, check_steering
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
 
+from serving import tokens_to_end   # noqa: E402
 from test_qwen4_exp import MODEL, build   # noqa: E402  (after the skips: it imports transformers' module)
 
 PROMPT = np.random.default_rng(11).integers(0, MODEL["vocab_size"], 14).tolist()
@@ -50,13 +51,7 @@ def hooked(ref, fn, ids, generate: bool):
 def engine_tokens(llm, requests, **engine_args) -> list:
     """Every request (prompt, add_request keywords) stepped together to the end; each one's tokens, checked."""
     engine = Engine(llm, kv_cache_tokens=512, page_size=8, **engine_args)
-    ids = [engine.add_request(p, max_new_tokens=N, temperature=0, **kw) for p, kw in requests]
-    out = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id] += o.token_ids
-        engine.check()
-    return [out[i] for i in ids]
+    return tokens_to_end(engine, [engine.add_request(p, max_new_tokens=N, temperature=0, **kw) for p, kw in requests])
 
 
 def until_eos(tokens: list) -> list:

@@ -8,6 +8,7 @@ import npqwen
 from npqwen import Engine
 
 from conftest import build_hf_checkpoint, hf_model, tiny_config
+from serving import tokens_to_end
 from tolerance import EPS32
 
 PROMPT_A = [5, 17, 33, 2, 101, 7, 64, 250, 9, 12, 40, 41, 3]
@@ -32,13 +33,8 @@ def steer(llm, layer=1, scale=3.0, seed=0):
 
 def run(engine, requests) -> dict:
     """Step to the end; each request's tokens, by the order they were added."""
-    ids = [engine.add_request(p, max_new_tokens=N, temperature=0, steering=s) for p, s in requests]
-    tokens = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.token_ids
-        engine.check()
-    return [tokens[i] for i in ids]
+    return tokens_to_end(engine, [engine.add_request(p, max_new_tokens=N, temperature=0, steering=s)
+                                  for p, s in requests])
 
 
 def hf_steered(model, ids, steering):
